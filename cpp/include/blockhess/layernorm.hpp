@@ -1,0 +1,204 @@
+// Row-wise LayerNorm and its exact first and second derivatives (spec §3.3-3.4).
+//
+// Z_ia = gamma_a * y_ia + beta_a,  y_ia = (x_ia - mu_i) / sigma_i,  sigma_i = sqrt(var_i + eps),
+// population variance. Only same-row derivatives are nonzero, so everything is stored per row:
+//   Jacobian row block  J_i[a,b]   = gamma_a / sigma_i * (Pc_ab - y_ia y_ib / d)
+//   Hessian  row block  H_i[a,b,c] = -gamma_a / (d sigma_i^2)
+//                                    * (Pc_ab y_ic + Pc_ac y_ib + Pc_bc y_ia - 3/d y_ia y_ib y_ic)
+// with the centring matrix Pc = I - 11^T / d. The (b,c) part of H is symmetric by construction.
+#pragma once
+
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "blockhess/config.hpp"
+#include "blockhess/parallel.hpp"
+
+namespace blockhess::layernorm {
+
+// Normalise one row: writes y (the centred, scaled row) and returns sigma.
+template <class T>
+BLOCKHESS_HD T normalize_row(const T* x, index_t d, T eps, T* y) {
+  T mean = 0;
+  for (index_t a = 0; a < d; ++a) mean += x[a];
+  mean /= static_cast<T>(d);
+  T var = 0;
+  for (index_t a = 0; a < d; ++a) {
+    const T m = x[a] - mean;
+    y[a] = m;
+    var += m * m;
+  }
+  const T sigma = std::sqrt(var / static_cast<T>(d) + eps);
+  for (index_t a = 0; a < d; ++a) y[a] /= sigma;
+  return sigma;
+}
+
+// J_i[a,b] for one row, given y and sigma. gamma may be null (all ones).
+template <class T>
+BLOCKHESS_HD void jacobian_row(const T* y, T sigma, const T* gamma, index_t d, T* J) {
+  const T inv_d = T(1) / static_cast<T>(d);
+  for (index_t a = 0; a < d; ++a) {
+    const T scale = (gamma ? gamma[a] : T(1)) / sigma;
+    for (index_t b = 0; b < d; ++b) {
+      const T centring = (a == b ? T(1) : T(0)) - inv_d;
+      J[a * d + b] = scale * (centring - y[a] * y[b] * inv_d);
+    }
+  }
+}
+
+// H_i[a,b,c] for one row (d^3 entries).
+template <class T>
+BLOCKHESS_HD void hessian_row(const T* y, T sigma, const T* gamma, index_t d, T* H) {
+  const T inv_d = T(1) / static_cast<T>(d);
+  const T pref = -inv_d / (sigma * sigma);
+  for (index_t a = 0; a < d; ++a) {
+    const T ga = (gamma ? gamma[a] : T(1)) * pref;
+    for (index_t b = 0; b < d; ++b) {
+      const T pab = (a == b ? T(1) : T(0)) - inv_d;
+      for (index_t c = b; c < d; ++c) {
+        const T pac = (a == c ? T(1) : T(0)) - inv_d;
+        const T pbc = (b == c ? T(1) : T(0)) - inv_d;
+        const T v = ga * (pab * y[c] + pac * y[b] + pbc * y[a] - T(3) * inv_d * y[a] * y[b] * y[c]);
+        H[(a * d + b) * d + c] = v;
+        H[(a * d + c) * d + b] = v;  // symmetric in (b, c) by construction
+      }
+    }
+  }
+}
+
+// C[b,c] = sum_a g_a H_i[a,b,c] for one row: the second derivative contracted with a cotangent g.
+template <class T>
+BLOCKHESS_HD void hessian_contract_row(const T* y, T sigma, const T* gamma, const T* g, index_t d, T* C) {
+  const T inv_d = T(1) / static_cast<T>(d);
+  // g' = g * gamma;  p = Pc g';  s = g' . y
+  T gsum = 0, s = 0;
+  for (index_t a = 0; a < d; ++a) {
+    const T ga = g[a] * (gamma ? gamma[a] : T(1));
+    gsum += ga;
+    s += ga * y[a];
+  }
+  const T gmean = gsum * inv_d;
+  const T pref = -inv_d / (sigma * sigma);
+  for (index_t b = 0; b < d; ++b) {
+    const T pb = g[b] * (gamma ? gamma[b] : T(1)) - gmean;
+    for (index_t c = b; c < d; ++c) {
+      const T pc = g[c] * (gamma ? gamma[c] : T(1)) - gmean;
+      const T pbc = (b == c ? T(1) : T(0)) - inv_d;
+      const T v = pref * (pb * y[c] + y[b] * pc + s * pbc - T(3) * inv_d * s * y[b] * y[c]);
+      C[b * d + c] = v;
+      C[c * d + b] = v;
+    }
+  }
+}
+
+namespace detail {
+inline void check_shape(index_t L, index_t d) {
+  if (L < 1 || d < 1)
+    throw std::invalid_argument("layernorm: X must have shape (L, d) with L >= 1 and d >= 1, got (" +
+                                std::to_string(L) + ", " + std::to_string(d) + ")");
+}
+// Called after a parallel loop (exceptions must not leave an OpenMP region).
+template <class T>
+void check_sigmas(const T* sigma, index_t L) {
+  for (index_t i = 0; i < L; ++i)
+    if (!(sigma[i] > T(0)))
+      throw std::domain_error("layernorm: row " + std::to_string(i) +
+                              " has zero variance; pass eps > 0 to make LayerNorm differentiable there");
+}
+}  // namespace detail
+
+// Z = LN(X) for X of shape (L, d); gamma and beta may be null. sigma (L) is scratch.
+template <class T>
+void forward(const T* X, index_t L, index_t d, T eps, const T* gamma, const T* beta, T* Z, T* sigma) {
+  detail::check_shape(L, d);
+  blockhess::detail::parallel_for(L, d, [&](index_t i) {
+    T* z = Z + i * d;
+    sigma[i] = normalize_row(X + i * d, d, eps, z);
+    for (index_t a = 0; a < d; ++a) z[a] = (gamma ? gamma[a] : T(1)) * z[a] + (beta ? beta[a] : T(0));
+  });
+  detail::check_sigmas(sigma, L);
+}
+
+// Per-row buffers: y (L, d) and sigma (L). Used by the derivative entry points below.
+template <class T>
+void normalize(const T* X, index_t L, index_t d, T eps, T* y, T* sigma) {
+  detail::check_shape(L, d);
+  blockhess::detail::parallel_for(L, d, [&](index_t i) { sigma[i] = normalize_row(X + i * d, d, eps, y + i * d); });
+  detail::check_sigmas(sigma, L);
+}
+
+// Jacobian blocks (L, d, d); y and sigma from normalize().
+template <class T>
+void jacobian_blocks(const T* y, const T* sigma, const T* gamma, index_t L, index_t d, T* J) {
+  blockhess::detail::parallel_for(L, d * d, [&](index_t i) {
+    jacobian_row(y + i * d, sigma[i], gamma, d, J + i * d * d);
+  });
+}
+
+// Dense Jacobian (L d, L d): the row blocks on the diagonal, zeros elsewhere.
+template <class T>
+void jacobian_dense(const T* y, const T* sigma, const T* gamma, index_t L, index_t d, T* J) {
+  const index_t n = L * d;
+  blockhess::detail::parallel_for(L, n * d, [&](index_t i) {
+    T* rows = J + i * d * n;
+    std::memset(rows, 0, sizeof(T) * static_cast<size_t>(d * n));
+    const T* yi = y + i * d;
+    const T inv_d = T(1) / static_cast<T>(d);
+    for (index_t a = 0; a < d; ++a) {
+      const T scale = (gamma ? gamma[a] : T(1)) / sigma[i];
+      T* row = rows + a * n + i * d;
+      for (index_t b = 0; b < d; ++b)
+        row[b] = scale * ((a == b ? T(1) : T(0)) - inv_d - yi[a] * yi[b] * inv_d);
+    }
+  });
+}
+
+// Second-derivative blocks (L, d, d, d).
+template <class T>
+void hessian_blocks(const T* y, const T* sigma, const T* gamma, index_t L, index_t d, T* H) {
+  blockhess::detail::parallel_for(L, d * d * d, [&](index_t i) {
+    hessian_row(y + i * d, sigma[i], gamma, d, H + i * d * d * d);
+  });
+}
+
+// Dense second derivative ((L d)^2, L d) in the paper's layout: entry [(o*n + p), q] = d2 Z_o / dx_p dx_q.
+template <class T>
+void hessian_dense(const T* y, const T* sigma, const T* gamma, index_t L, index_t d, T* H, T* scratch_d3) {
+  const index_t n = L * d;
+  std::memset(H, 0, sizeof(T) * static_cast<size_t>(n * n * n));
+  for (index_t i = 0; i < L; ++i) {
+    hessian_row(y + i * d, sigma[i], gamma, d, scratch_d3);
+    for (index_t a = 0; a < d; ++a)
+      for (index_t b = 0; b < d; ++b) {
+        const index_t o = i * d + a, p = i * d + b;
+        T* row = H + (o * n + p) * n + i * d;
+        std::memcpy(row, scratch_d3 + (a * d + b) * d, sizeof(T) * static_cast<size_t>(d));
+      }
+  }
+}
+
+// Contraction with an output cotangent G (L, d): C (L, d, d), C_i = sum_a G_ia H_i[a].
+template <class T>
+void hessian_contract(const T* y, const T* sigma, const T* gamma, const T* G, index_t L, index_t d, T* C) {
+  blockhess::detail::parallel_for(L, d * d, [&](index_t i) {
+    hessian_contract_row(y + i * d, sigma[i], gamma, G + i * d, d, C + i * d * d);
+  });
+}
+
+// dZ/dgamma (L d, d): [i d + a, c] = delta_ac y_ia.   dZ/dbeta (L d, d): [i d + a, c] = delta_ac.
+template <class T>
+void jacobian_gamma(const T* y, index_t L, index_t d, T* out) {
+  std::memset(out, 0, sizeof(T) * static_cast<size_t>(L * d * d));
+  for (index_t i = 0; i < L; ++i)
+    for (index_t a = 0; a < d; ++a) out[(i * d + a) * d + a] = y[i * d + a];
+}
+template <class T>
+void jacobian_beta(index_t L, index_t d, T* out) {
+  std::memset(out, 0, sizeof(T) * static_cast<size_t>(L * d * d));
+  for (index_t i = 0; i < L; ++i)
+    for (index_t a = 0; a < d; ++a) out[(i * d + a) * d + a] = T(1);
+}
+
+}  // namespace blockhess::layernorm

@@ -1,0 +1,49 @@
+"""blockhess: exact, closed-form Jacobians and Hessians of full Transformer blocks.
+
+Conventions: ``vec_r(A) = A.reshape(-1)`` (row-major); Jacobians in numerator layout with shape
+``(out.size, param.size)``; second derivatives in the paper's layout ``(out.size * p.size, q.size)``.
+
+>>> import numpy as np, blockhess
+>>> X = np.random.default_rng(0).standard_normal((4, 8))
+>>> blockhess.layernorm_jacobian(X, layout="blocks").shape
+(4, 8, 8)
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import version as _version
+
+try:
+    from . import _core
+except ImportError as err:  # pragma: no cover - only without a build
+    raise ImportError(
+        "blockhess._core is missing: install the package with `pip install .` "
+        "(developers: pip install --no-build-isolation -Cbuild-dir=build/dev -e .)"
+    ) from err
+
+from ._backend import cuda_available
+from ._config import get_memory_budget, memory_budget, set_memory_budget
+from ._paths import get_cmake_dir, get_include
+from ._validate import OutputTooLargeError
+from .layernorm import layernorm, layernorm_hessian, layernorm_hessian_contract, layernorm_jacobian
+
+__version__ = _version("blockhess")
+
+__all__ = [
+    "OutputTooLargeError",
+    "__version__",
+    "cuda_available",
+    "get_cmake_dir",
+    "get_include",
+    "get_memory_budget",
+    "layernorm",
+    "layernorm_hessian",
+    "layernorm_hessian_contract",
+    "layernorm_jacobian",
+    "memory_budget",
+    "set_memory_budget",
+]
+
+
+def __dir__() -> list[str]:
+    return list(__all__)

@@ -1,0 +1,103 @@
+"""Input normalisation and validation shared by every public function.
+
+Every public function normalises its inputs here (dtype policy, C-contiguous layout, finiteness,
+shapes) so that the bindings only ever see arrays they accept, and users get a ValueError or
+TypeError that names the offending argument.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from ._config import get_memory_budget
+
+FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _xp(x: Any):
+    """numpy, or cupy for arrays that live on a GPU."""
+    if hasattr(x, "__cuda_array_interface__"):
+        import cupy
+
+        return cupy
+    return np
+
+
+def float_array(x: Any, name: str, *, ndim: int | tuple[int, ...] | None = None) -> Any:
+    """Return ``x`` as an array of float32 or float64, or raise TypeError / ValueError.
+
+    Integer, boolean, complex, object and other float widths are rejected (never cast silently).
+    The dtype is kept; layout is not normalised here (see :func:`contiguous`).
+    """
+    if x is None:
+        raise TypeError(f"{name} must be an array, got None")
+    xp = _xp(x)
+    if not hasattr(x, "dtype"):
+        try:
+            x = xp.asarray(x)
+        except (ValueError, TypeError) as err:
+            raise TypeError(f"{name} must be a numeric array: {err}") from None
+    dtype = np.dtype(x.dtype)
+    if dtype not in FLOAT_DTYPES:
+        if dtype.kind == "f" and dtype.itemsize < 4:
+            hint = f"; cast it with {name}.astype(np.float32) if that is what you want"
+        else:
+            hint = ""
+        raise TypeError(f"{name} must have dtype float32 or float64, got {dtype}{hint}")
+    if ndim is not None:
+        allowed = (ndim,) if isinstance(ndim, int) else ndim
+        if x.ndim not in allowed:
+            want = " or ".join(f"{k}-D" for k in allowed)
+            raise ValueError(f"{name} must be {want}, got shape {tuple(x.shape)}")
+    if x.size and not bool(xp.isfinite(x).all()):
+        raise ValueError(f"{name} contains NaN or Inf")
+    return x
+
+
+def common_dtype(*arrays: Any) -> np.dtype:
+    """float32 if every array is float32, else float64 (mixed inputs are promoted to float64)."""
+    present = [np.dtype(a.dtype) for a in arrays if a is not None]
+    if present and all(dt == np.float32 for dt in present):
+        return np.dtype(np.float32)
+    return np.dtype(np.float64)
+
+
+def contiguous(x: Any, dtype: np.dtype) -> Any:
+    """C-contiguous copy of ``x`` in ``dtype`` when needed; ``x`` itself when already so."""
+    if x is None:
+        return None
+    return _xp(x).ascontiguousarray(x, dtype=dtype)
+
+
+def nonneg_scalar(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be finite and >= 0, got {value}")
+    return value
+
+
+def choice(value: Any, name: str, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+    return value
+
+
+class OutputTooLargeError(MemoryError, ValueError):
+    """A dense output would exceed the memory budget. Both a MemoryError and a ValueError."""
+
+
+def require_output_fits(shape: tuple[int, ...], dtype: np.dtype, what: str, alternative: str) -> None:
+    """Refuse an output larger than the memory budget with an error that names the way out."""
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    budget = get_memory_budget()
+    if nbytes > budget:
+        raise OutputTooLargeError(
+            f"{what} of shape {shape} would take {nbytes / 2**30:.2f} GiB, more than the memory "
+            f"budget of {budget / 2**30:.2f} GiB; {alternative} "
+            "(or raise the budget with blockhess.set_memory_budget)"
+        )

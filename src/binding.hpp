@@ -1,0 +1,62 @@
+// The one header every binding translation unit includes first: pybind11, the array aliases and
+// the small helpers that turn numpy arrays into raw pointers.
+#pragma once
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <optional>
+#include <stdexcept>
+#include <string>
+
+#include "blockhess/config.hpp"
+
+namespace py = pybind11;
+
+namespace blockhess::bind {
+
+// Strict arrays: C-contiguous, exactly dtype T. Bound with .noconvert(), so a wrong dtype or layout
+// raises TypeError here and every copy happens, visibly, in the Python layer.
+template <class T>
+using carray = py::array_t<T, py::array::c_style>;
+template <class T>
+using optional_carray = std::optional<carray<T>>;
+
+template <class T>
+const T* data_or_null(const optional_carray<T>& a) {
+  return a ? a->data() : nullptr;
+}
+
+// Defensive re-check of what Python already validated.
+template <class T>
+void require_shape(const carray<T>& a, std::initializer_list<index_t> shape, const char* name) {
+  bool ok = a.ndim() == static_cast<py::ssize_t>(shape.size());
+  index_t k = 0;
+  for (index_t s : shape) {
+    if (ok && a.shape(k) != s) ok = false;
+    ++k;
+  }
+  if (!ok) throw std::invalid_argument(std::string("blockhess._core: array '") + name + "' has the wrong shape");
+}
+
+template <class T>
+T* mutable_ptr(carray<T>& a) {
+  return a.mutable_data();  // throws on a read-only array
+}
+
+// Calls f(std::integral_constant<...>) once per supported float type; used to register overloads.
+template <class F>
+void for_each_float(F&& f) {
+  f(static_cast<double*>(nullptr));
+  f(static_cast<float*>(nullptr));
+}
+
+void bind_layernorm(py::module_& m);
+void bind_softmax(py::module_& m);
+void bind_commutation(py::module_& m);
+void bind_attention(py::module_& m);
+void bind_ffn(py::module_& m);
+void bind_block(py::module_& m);
+
+}  // namespace blockhess::bind
