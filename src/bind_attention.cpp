@@ -1,5 +1,60 @@
+// Bindings for single-head self-attention: forward and the Jacobians with respect to W_Q, W_K,
+// W_V and X. Outputs are allocated in Python and written in place.
 #include "binding.hpp"
 
+#include "blockhess/attention.hpp"
+
 namespace blockhess::bind {
-void bind_attention(py::module_&) {}
+namespace {
+
+template <class T>
+attention::Dims dims_of(const carray<T>& X, const carray<T>& WQ, const carray<T>& WK, const carray<T>& WV) {
+  if (X.ndim() != 2 || WQ.ndim() != 2 || WV.ndim() != 2)
+    throw std::invalid_argument("attention: X, W_Q, W_K and W_V must be 2-D");
+  const attention::Dims s{X.shape(0), X.shape(1), WQ.shape(1), WV.shape(1)};
+  require_shape(WQ, {s.d, s.dk}, "W_Q");
+  require_shape(WK, {s.d, s.dk}, "W_K");
+  require_shape(WV, {s.d, s.dv}, "W_V");
+  return s;
+}
+
+template <class T>
+void bind_for(py::module_& m) {
+  m.def(
+      "attention_forward",
+      [](const carray<T>& X, const carray<T>& WQ, const carray<T>& WK, const carray<T>& WV, carray<T>& out) {
+        const auto s = dims_of(X, WQ, WK, WV);
+        require_shape(out, {s.L, s.dv}, "out");
+        const T *x = X.data(), *wq = WQ.data(), *wk = WK.data(), *wv = WV.data();
+        T* o = mutable_ptr(out);
+        py::gil_scoped_release release;
+        attention::forward(x, wq, wk, wv, s, o);
+      },
+      py::arg("X").noconvert(), py::arg("W_Q").noconvert(), py::arg("W_K").noconvert(),
+      py::arg("W_V").noconvert(), py::arg("out").noconvert());
+
+  // wrt: 0 = W_Q, 1 = W_K, 2 = W_V, 3 = X; out (L d_v, n_wrt)
+  m.def(
+      "attention_jacobian",
+      [](const carray<T>& X, const carray<T>& WQ, const carray<T>& WK, const carray<T>& WV, int wrt,
+         carray<T>& out) {
+        const auto s = dims_of(X, WQ, WK, WV);
+        if (wrt < 0 || wrt > 3) throw std::invalid_argument("attention_jacobian: wrt must be 0..3");
+        const auto w = static_cast<attention::Wrt>(wrt);
+        require_shape(out, {s.L * s.dv, s.n_wrt(w)}, "out");
+        const T *x = X.data(), *wq = WQ.data(), *wk = WK.data(), *wv = WV.data();
+        T* o = mutable_ptr(out);
+        py::gil_scoped_release release;
+        attention::jacobian(x, wq, wk, wv, s, w, o);
+      },
+      py::arg("X").noconvert(), py::arg("W_Q").noconvert(), py::arg("W_K").noconvert(),
+      py::arg("W_V").noconvert(), py::arg("wrt"), py::arg("out").noconvert());
+}
+
+}  // namespace
+
+void bind_attention(py::module_& m) {
+  for_each_float([&](auto* tag) { bind_for<std::remove_pointer_t<decltype(tag)>>(m); });
+}
+
 }  // namespace blockhess::bind

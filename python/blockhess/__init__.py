@@ -26,6 +26,10 @@ from ._config import get_memory_budget, memory_budget, set_memory_budget
 from ._paths import get_cmake_dir, get_include
 from ._validate import OutputTooLargeError
 from .layernorm import layernorm, layernorm_hessian, layernorm_hessian_contract, layernorm_jacobian
+from .commutation import commutation_matrix, commutation_permutation, commute, kron_apply, unvec_r, vec_r
+from .softmax import softmax, softmax_hessian, softmax_jacobian
+from .attention import attention, attention_jacobian
+from .ffn import ffn, ffn_cross_hessian, ffn_jacobian
 
 __version__ = _version("blockhess")
 
@@ -42,6 +46,21 @@ __all__ = [
     "layernorm_jacobian",
     "memory_budget",
     "set_memory_budget",
+    # commutation / softmax / attention / FFN
+    "attention",
+    "attention_jacobian",
+    "commutation_matrix",
+    "commutation_permutation",
+    "commute",
+    "ffn",
+    "ffn_cross_hessian",
+    "ffn_jacobian",
+    "kron_apply",
+    "softmax",
+    "softmax_hessian",
+    "softmax_jacobian",
+    "unvec_r",
+    "vec_r",
 ]
 
 

@@ -6,8 +6,12 @@
 #pragma once
 
 #include <cmath>
+#include <cstring>
+#include <stdexcept>
+#include <string>
 
 #include "blockhess/config.hpp"
+#include "blockhess/parallel.hpp"
 
 namespace blockhess::softmax {
 
@@ -23,6 +27,35 @@ BLOCKHESS_HD void forward_row(const T* t, index_t n, T* a) {
   }
   const T inv = T(1) / total;
   for (index_t k = 0; k < n; ++k) a[k] *= inv;
+}
+
+// J_i[j,k] = a_j (delta_jk - a_k) for one row, from a = softmax(t); n^2 entries.
+template <class T>
+BLOCKHESS_HD void jacobian_row(const T* a, index_t n, T* J) {
+  for (index_t j = 0; j < n; ++j)
+    for (index_t k = 0; k < n; ++k) J[j * n + k] = a[j] * ((j == k ? T(1) : T(0)) - a[k]);
+}
+
+// One entry H_i[j,k,l] = d2 a_j / dt_k dt_l (see the top of the file). Call it with k <= l so that
+// every writer of the symmetric pair produces the same bits.
+template <class T>
+BLOCKHESS_HD T hessian_entry(const T* a, index_t j, index_t k, index_t l) {
+  const T djk = j == k ? T(1) : T(0);
+  const T djl = j == l ? T(1) : T(0);
+  const T dkl = k == l ? T(1) : T(0);
+  return a[j] * (T(2) * a[k] * a[l] + djk * djl - dkl * a[k] - djk * a[l] - djl * a[k]);
+}
+
+// H_i[j,k,l] for one row, from a = softmax(t); n^3 entries, symmetric in (k, l).
+template <class T>
+BLOCKHESS_HD void hessian_row(const T* a, index_t n, T* H) {
+  for (index_t j = 0; j < n; ++j)
+    for (index_t k = 0; k < n; ++k)
+      for (index_t l = k; l < n; ++l) {
+        const T v = hessian_entry(a, j, k, l);
+        H[(j * n + k) * n + l] = v;
+        H[(j * n + l) * n + k] = v;
+      }
 }
 
 // C[k,l] = sum_j g_j H_i[j,k,l]: the Hessian of <g, softmax(t)> with respect to t, from a = softmax(t).
@@ -49,6 +82,73 @@ BLOCKHESS_HD void vjp_row(const T* a, const T* g, index_t n, T* gt) {
   T ag = 0;
   for (index_t k = 0; k < n; ++k) ag += a[k] * g[k];
   for (index_t k = 0; k < n; ++k) gt[k] = a[k] * (g[k] - ag);
+}
+
+// ---- Whole matrices: T (m, n), softmax over each of the m rows. ----
+
+namespace detail {
+inline void check_shape(index_t m, index_t n) {
+  if (m < 1 || n < 1)
+    throw std::invalid_argument("softmax: T must have shape (m, n) with m, n >= 1, got (" + std::to_string(m) +
+                                ", " + std::to_string(n) + ")");
+}
+}  // namespace detail
+
+// A = softmax(T) row by row; A (m, n).
+template <class T>
+void forward(const T* Tm, index_t m, index_t n, T* A) {
+  detail::check_shape(m, n);
+  blockhess::detail::parallel_for(m, n, [&](index_t i) { forward_row(Tm + i * n, n, A + i * n); });
+}
+
+// Jacobian blocks (m, n, n) from A = softmax(T): block i is J_i.
+template <class T>
+void jacobian_blocks(const T* A, index_t m, index_t n, T* J) {
+  detail::check_shape(m, n);
+  blockhess::detail::parallel_for(m, n * n, [&](index_t i) { jacobian_row(A + i * n, n, J + i * n * n); });
+}
+
+// Dense Jacobian (m n, m n): the row blocks on the diagonal, zeros elsewhere.
+template <class T>
+void jacobian_dense(const T* A, index_t m, index_t n, T* J) {
+  detail::check_shape(m, n);
+  const index_t N = m * n;
+  blockhess::detail::parallel_for(m, n * N, [&](index_t i) {
+    T* rows = J + i * n * N;
+    std::memset(rows, 0, sizeof(T) * static_cast<size_t>(n * N));
+    const T* a = A + i * n;
+    for (index_t j = 0; j < n; ++j)
+      for (index_t k = 0; k < n; ++k) rows[j * N + i * n + k] = a[j] * ((j == k ? T(1) : T(0)) - a[k]);
+  });
+}
+
+// Second-derivative blocks (m, n, n, n): [i, j, k, l] = d2 A_ij / dT_ik dT_il.
+template <class T>
+void hessian_blocks(const T* A, index_t m, index_t n, T* H) {
+  detail::check_shape(m, n);
+  blockhess::detail::parallel_for(m, n * n * n, [&](index_t i) { hessian_row(A + i * n, n, H + i * n * n * n); });
+}
+
+// Dense second derivative ((m n)^2, m n) in the paper's layout: [(o N + p), q] = d2 A_o / dT_p dT_q,
+// N = m n. Only o, p, q in the same row are nonzero; row i's block is written straight into place.
+template <class T>
+void hessian_dense(const T* A, index_t m, index_t n, T* H) {
+  detail::check_shape(m, n);
+  const index_t N = m * n;
+  // Rows (o, p) with o in row i form the contiguous slab [i n N, (i+1) n N) of N-wide rows.
+  blockhess::detail::parallel_for(m, n * N * N, [&](index_t i) {
+    T* slab = H + i * n * N * N;
+    std::memset(slab, 0, sizeof(T) * static_cast<size_t>(n * N * N));
+    const T* a = A + i * n;
+    // o = i n + j, p = i n + k, q = i n + l; local row (o - i n) N + p within the slab.
+    for (index_t j = 0; j < n; ++j)
+      for (index_t k = 0; k < n; ++k)
+        for (index_t l = k; l < n; ++l) {
+          const T v = hessian_entry(a, j, k, l);
+          slab[(j * N + i * n + k) * N + i * n + l] = v;
+          slab[(j * N + i * n + l) * N + i * n + k] = v;
+        }
+  });
 }
 
 }  // namespace blockhess::softmax

@@ -1,0 +1,118 @@
+"""Row-major vectorisation, commutation matrices and Kronecker products (spec §2.1-2.3).
+
+``vec_r(A) = A.reshape(-1)``; ``K_{m,n}`` is the permutation with ``K_{m,n} vec(A) = vec(A^T)`` for
+``A`` of shape ``(m, n)``, i.e. ``(K_{m,n})[i*n + j, j*m + i] = 1``; hence
+``vec_r(A.T) = K_{n,m} vec_r(A)``. ``(A ⊗ B) vec_r(X) = vec_r(A X B^T)``.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import numpy as np
+
+from . import _backend, _core
+from ._validate import common_dtype, contiguous, float_array, require_output_fits
+
+
+def _dim(value: Any, name: str) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an integer, got bool")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__}") from None
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+def _float_dtype(dtype: Any) -> np.dtype:
+    dt = np.dtype(dtype)
+    if dt not in (np.dtype(np.float32), np.dtype(np.float64)):
+        raise TypeError(f"dtype must be float32 or float64, got {dt}")
+    return dt
+
+
+def vec_r(A: Any) -> np.ndarray:
+    """Row-major vectorisation of a 2-D array: ``vec_r(A)[i*n + j] = A[i, j]`` (a new 1-D array)."""
+    A = float_array(A, "A", ndim=2)
+    _backend.on_device(A)
+    return np.array(A, dtype=A.dtype, order="C").reshape(-1)
+
+
+def unvec_r(v: Any, m: int, n: int) -> np.ndarray:
+    """Inverse of :func:`vec_r`: the ``(m, n)`` array whose rows are stacked in ``v`` (a new array)."""
+    m, n = _dim(m, "m"), _dim(n, "n")
+    v = float_array(v, "v", ndim=1)
+    if v.shape != (m * n,):
+        raise ValueError(f"v must have shape ({m * n},) to unstack into ({m}, {n}), got {v.shape}")
+    _backend.on_device(v)
+    return np.array(v, dtype=v.dtype, order="C").reshape(m, n)
+
+
+def commutation_permutation(m: int, n: int) -> np.ndarray:
+    """The index map of ``K_{m,n}``: int64 ``perm`` with ``(K_{m,n} v)[r] = v[perm[r]]``."""
+    m, n = _dim(m, "m"), _dim(n, "n")
+    out = np.empty(m * n, dtype=np.int64)
+    _core.commutation_permutation(m, n, out)
+    return out
+
+
+def commutation_matrix(m: int, n: int, *, dtype: Any = np.float64) -> np.ndarray:
+    """The dense commutation matrix ``K_{m,n}``, shape ``(m*n, m*n)``.
+
+    ``K_{m,n} @ A.reshape(-1, order="F") == A.T.reshape(-1, order="F")`` for ``A`` of shape (m, n).
+    Prefer :func:`commute`, which applies it without forming it.
+    """
+    m, n = _dim(m, "m"), _dim(n, "n")
+    dtype = _float_dtype(dtype)
+    shape = (m * n, m * n)
+    require_output_fits(shape, dtype, "the dense commutation matrix", "use blockhess.commute(v, m, n)")
+    out = np.empty(shape, dtype=dtype)
+    _core.commutation_dense(m, n, out)
+    return out
+
+
+def commute(v: Any, m: int, n: int) -> np.ndarray:
+    """``K_{m,n} v`` without forming ``K_{m,n}``.
+
+    ``v`` is a vector of length ``m*n`` or a matrix with ``m*n`` rows (then every column is
+    permuted). ``commute(vec_r(A), n, m) == vec_r(A.T)`` for ``A`` of shape (m, n).
+    """
+    m, n = _dim(m, "m"), _dim(n, "n")
+    v = float_array(v, "v", ndim=(1, 2))
+    if v.shape[0] != m * n:
+        raise ValueError(f"v must have m*n = {m * n} rows for m={m}, n={n}, got shape {v.shape}")
+    _backend.on_device(v)
+    v = contiguous(v, v.dtype)
+    out = np.empty_like(v)
+    _core.commute(v, m, n, out)
+    return out
+
+
+def kron_apply(A: Any, B: Any, X: Any) -> np.ndarray:
+    """``(A ⊗ B) vec_r(X) = vec_r(A X B^T)`` without forming ``A ⊗ B``.
+
+    ``A`` is (p, m), ``B`` is (q, n) and ``X`` is (m, n) or its vec_r of length m*n; returns a
+    vector of length p*q.
+    """
+    A = float_array(A, "A", ndim=2)
+    B = float_array(B, "B", ndim=2)
+    X = float_array(X, "X", ndim=(1, 2))
+    (p, m), (q, n) = A.shape, B.shape
+    if 0 in (p, m, q, n):
+        raise ValueError(f"A and B must be non-empty, got shapes {A.shape} and {B.shape}")
+    if X.shape not in ((m, n), (m * n,)):
+        raise ValueError(
+            f"X must have shape ({m}, {n}) or ({m * n},) to match A of shape {A.shape} and B of "
+            f"shape {B.shape}, got {X.shape}"
+        )
+    _backend.on_device(A, B, X)
+    dtype = common_dtype(A, B, X)
+    A, B = contiguous(A, dtype), contiguous(B, dtype)
+    X = contiguous(X, dtype).reshape(m, n)
+    out = np.empty(p * q, dtype=dtype)
+    _core.kron_apply(A, B, X, out)
+    return out

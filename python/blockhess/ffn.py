@@ -1,0 +1,92 @@
+"""The FFN sublayer ``relu(Y W_1) W_2`` (no residual, no biases) and its exact derivatives (spec §3.5).
+
+``Y`` (L, d), ``W_1`` (d, d_ff), ``W_2`` (d_ff, d_out); the paper has ``d_out = d``. Derivatives
+are in the vec_r numerator layout. ReLU convention: the derivative at exactly 0 is taken as 0
+(as in PyTorch), and ReLU's second derivative is 0 (spec Lemma 1), so the derivatives are exact
+wherever no pre-activation ``Y W_1`` is exactly 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import _backend, _core
+from ._validate import choice, common_dtype, contiguous, float_array, require_output_fits
+
+_LAYOUTS = ("dense", "blocks")
+
+
+def _prepare(Y: Any, W_1: Any, W_2: Any):
+    Y = float_array(Y, "Y", ndim=2)
+    W_1 = float_array(W_1, "W_1", ndim=2)
+    W_2 = float_array(W_2, "W_2", ndim=2)
+    L, d = Y.shape
+    if L < 1 or d < 1:
+        raise ValueError(f"Y must have shape (L, d) with L, d >= 1, got {Y.shape}")
+    d_ff = W_1.shape[1]
+    if W_1.shape[0] != d or d_ff < 1:
+        raise ValueError(f"W_1 must have shape ({d}, d_ff) with d_ff >= 1 to match Y of shape {Y.shape}, got {W_1.shape}")
+    if W_2.shape[0] != d_ff or W_2.shape[1] < 1:
+        raise ValueError(f"W_2 must have shape ({d_ff}, d_out) to match W_1 of shape {W_1.shape}, got {W_2.shape}")
+    _backend.on_device(Y, W_1, W_2)
+    dtype = common_dtype(Y, W_1, W_2)
+    return contiguous(Y, dtype), contiguous(W_1, dtype), contiguous(W_2, dtype), dtype
+
+
+def ffn(Y: Any, W_1: Any, W_2: Any) -> np.ndarray:
+    """``relu(Y W_1) W_2``, shape (L, d_out)."""
+    Y, W_1, W_2, dtype = _prepare(Y, W_1, W_2)
+    out = np.empty((Y.shape[0], W_2.shape[1]), dtype=dtype)
+    _core.ffn_forward(Y, W_1, W_2, out)
+    return out
+
+
+def ffn_jacobian(Y: Any, W_1: Any, W_2: Any, wrt: str, *, layout: str = "dense") -> np.ndarray:
+    """Exact Jacobian of ``FFN(Y)`` (L, d_out) with respect to ``wrt``.
+
+    ``wrt="W_1"`` gives the paper's B_1, ``(L*d_out, d*d_ff)``; ``wrt="W_2"`` gives B_2,
+    ``(L*d_out, d_ff*d_out)``; ``wrt="Y"`` gives ``(L*d_out, L*d)``, which is block diagonal, so
+    ``layout="blocks"`` returns just the blocks ``(L, d_out, d)`` (block t is W_2^T D_t W_1^T).
+    """
+    wrt = choice(wrt, "wrt", ("W_1", "W_2", "Y"))
+    layout = choice(layout, "layout", _LAYOUTS)
+    if layout == "blocks" and wrt != "Y":
+        raise ValueError(f'layout="blocks" is only available for wrt="Y", got wrt={wrt!r}')
+    Y, W_1, W_2, dtype = _prepare(Y, W_1, W_2)
+    (L, d), d_ff, d_out = Y.shape, W_1.shape[1], W_2.shape[1]
+    if wrt == "W_1":
+        shape, kind, hint = (L * d_out, d * d_ff), 0, "use fewer tokens"
+    elif wrt == "W_2":
+        shape, kind, hint = (L * d_out, d_ff * d_out), 1, "use fewer tokens"
+    elif layout == "dense":
+        shape, kind, hint = (L * d_out, L * d), 2, 'use layout="blocks"'
+    else:
+        shape, kind, hint = (L, d_out, d), 3, "use fewer tokens"
+    require_output_fits(shape, dtype, f"the FFN Jacobian with respect to {wrt}", hint)
+    out = np.empty(shape, dtype=dtype)
+    _core.ffn_jacobian(Y, W_1, W_2, kind, out)
+    return out
+
+
+def ffn_cross_hessian(Y: Any, W_1: Any, W_2: Any, *, layout: str = "dense") -> np.ndarray:
+    """Exact cross second derivative ``d2 FFN / dW_1 dW_2``.
+
+    ``layout="dense"`` gives the paper's layout ``(L*d_out*d*d_ff, d_ff*d_out)``: entry
+    ``[(t*d_out + c)*d*d_ff + b*d_ff + f, f2*d_out + c2] = d2 F[t,c] / dW_1[b,f] dW_2[f2,c2]``,
+    which is ``delta(f, f2) delta(c, c2) Y[t,b] 1[(Y W_1)[t,f] > 0]`` (the corrected form of
+    erratum E4). ``layout="blocks"`` returns only those values, ``(L, d, d_ff)`` with
+    ``[t, b, f] = Y[t,b] 1[(Y W_1)[t,f] > 0]``. The (W_1, W_1) and (W_2, W_2) blocks are zero.
+    """
+    layout = choice(layout, "layout", _LAYOUTS)
+    Y, W_1, W_2, dtype = _prepare(Y, W_1, W_2)
+    (L, d), d_ff, d_out = Y.shape, W_1.shape[1], W_2.shape[1]
+    if layout == "dense":
+        shape, kind, hint = (L * d_out * d * d_ff, d_ff * d_out), 1, 'use layout="blocks"'
+    else:
+        shape, kind, hint = (L, d, d_ff), 0, "use fewer tokens"
+    require_output_fits(shape, dtype, f"the {layout} FFN cross second derivative", hint)
+    out = np.empty(shape, dtype=dtype)
+    _core.ffn_cross_hessian(Y, W_1, W_2, kind, out)
+    return out
