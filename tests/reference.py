@@ -73,3 +73,22 @@ def finite_difference_jacobian(f, x, h=1e-5):
         e[k] = h
         cols.append((np.ravel(f(x + e.reshape(x.shape))) - np.ravel(f(x - e.reshape(x.shape)))) / (2 * h))
     return np.stack(cols, axis=1)
+
+
+def cross_second_derivative(f, x, y):
+    """d/dy of (d vec_r f(x, y) / d vec_r x) in the spec's layout: (out.size * x.size, y.size)."""
+    x, y = t(x), t(y)
+    out = f(x, y)
+    d2 = jacrev(jacrev(f, argnums=0), argnums=1)(x, y)
+    return d2.reshape(out.numel() * x.numel(), y.numel()).numpy()
+
+
+def commutation_from_definition(m, n):
+    """K_{m,n} built column by column from its definition K vec(A) = vec(A^T), vec column-major."""
+    K = np.zeros((m * n, m * n))
+    for c in range(m * n):
+        e = np.zeros(m * n)
+        e[c] = 1.0
+        A = e.reshape((m, n), order="F")  # vec(A) = e_c
+        K[:, c] = A.T.reshape(-1, order="F")
+    return K
