@@ -1,5 +1,161 @@
+// Bindings for the Transformer block: forward, Jacobians, output second derivatives, and the loss
+// gradient and Hessian. X is (B, L, d) (B = 1 for the single-sample functions); weights are the
+// five matrices in the order W_Q, W_K, W_V, W_1, W_2.
 #include "binding.hpp"
 
+#include <array>
+#include <cstdint>
+
+#include "blockhess/block.hpp"
+#include "blockhess/block_hessian.hpp"
+#include "blockhess/block_loss.hpp"
+
 namespace blockhess::bind {
-void bind_block(py::module_&) {}
+namespace {
+
+template <class T>
+struct Problem {
+  block::Dims dims;
+  index_t B = 0;
+  block::Weights<T> weights;
+};
+
+template <class T>
+Problem<T> problem(const carray<T>& X, const carray<T>& WQ, const carray<T>& WK, const carray<T>& WV,
+                   const carray<T>& W1, const carray<T>& W2) {
+  if (X.ndim() != 3) throw std::invalid_argument("block: X must be (B, L, d)");
+  Problem<T> p;
+  p.B = X.shape(0);
+  p.dims.L = X.shape(1);
+  p.dims.d = X.shape(2);
+  if (WQ.ndim() != 2 || W1.ndim() != 2) throw std::invalid_argument("block: weights must be 2-D");
+  p.dims.dk = WQ.shape(1);
+  p.dims.dff = W1.shape(1);
+  p.dims.check();
+  const std::array<const carray<T>*, block::kNumParams> w{&WQ, &WK, &WV, &W1, &W2};
+  for (int k = 0; k < block::kNumParams; ++k) {
+    require_shape(*w[k], {p.dims.rows(k), p.dims.cols(k)}, "weight");
+    p.weights.w[k] = w[k]->data();
+  }
+  return p;
+}
+
+block::Selection selection(const std::vector<bool>& wrt) {
+  if (wrt.size() != block::kNumParams) throw std::invalid_argument("block: wrt needs 5 flags");
+  block::Selection s{};
+  for (int k = 0; k < block::kNumParams; ++k) s[k] = wrt[k];
+  return s;
+}
+
+template <class T>
+block::Target<T> target(const Problem<T>& p, int kind, const optional_carray<T>& values,
+                        const optional_carray<std::int64_t>& classes) {
+  if (kind != 0 && kind != 1) throw std::invalid_argument("block: unknown loss kind");
+  if (values) require_shape(*values, {p.B, p.dims.L, p.dims.d}, "target");
+  if (classes) require_shape(*classes, {p.B, p.dims.L}, "target");
+  block::Target<T> t;
+  t.kind = static_cast<loss::Kind>(kind);
+  t.values = data_or_null(values);
+  t.classes = data_or_null(classes);
+  return t;
+}
+
+template <class T>
+void bind_for(py::module_& m) {
+  using A = const carray<T>&;
+  using opt_classes = optional_carray<std::int64_t>;
+
+  m.def(
+      "block_forward",
+      [](A X, A WQ, A WK, A WV, A W1, A W2, T eps, carray<T>& out) {
+        const auto p = problem(X, WQ, WK, WV, W1, W2);
+        require_shape(out, {p.B, p.dims.L, p.dims.d}, "out");
+        T* o = mutable_ptr(out);
+        py::gil_scoped_release release;
+        const auto f = block::forward(p.dims, p.B, X.data(), p.weights, eps);
+        std::copy(f.Z.begin(), f.Z.end(), o);
+      },
+      py::arg("X").noconvert(), py::arg("W_Q").noconvert(), py::arg("W_K").noconvert(), py::arg("W_V").noconvert(),
+      py::arg("W_1").noconvert(), py::arg("W_2").noconvert(), py::arg("eps"), py::arg("out").noconvert());
+
+  m.def(
+      "block_jacobian",
+      [](A X, A WQ, A WK, A WV, A W1, A W2, T eps, int param, carray<T>& out) {
+        const auto p = problem(X, WQ, WK, WV, W1, W2);
+        if (p.B != 1) throw std::invalid_argument("block_jacobian: one sample only");
+        if (param < 0 || param >= block::kNumParams) throw std::invalid_argument("block_jacobian: bad param");
+        require_shape(out, {p.dims.L * p.dims.d, p.dims.size(param)}, "out");
+        T* o = mutable_ptr(out);
+        py::gil_scoped_release release;
+        const auto f = block::forward(p.dims, 1, X.data(), p.weights, eps);
+        block::jacobian(f, block::factorize(f, p.weights), param, o);
+      },
+      py::arg("X").noconvert(), py::arg("W_Q").noconvert(), py::arg("W_K").noconvert(), py::arg("W_V").noconvert(),
+      py::arg("W_1").noconvert(), py::arg("W_2").noconvert(), py::arg("eps"), py::arg("param"),
+      py::arg("out").noconvert());
+
+  m.def(
+      "block_output_hessian",
+      [](A X, A WQ, A WK, A WV, A W1, A W2, T eps, int i, int j, carray<T>& out) {
+        const auto p = problem(X, WQ, WK, WV, W1, W2);
+        if (p.B != 1) throw std::invalid_argument("block_output_hessian: one sample only");
+        if (i < 0 || i >= block::kNumParams || j < 0 || j >= block::kNumParams)
+          throw std::invalid_argument("block_output_hessian: bad param");
+        require_shape(out, {p.dims.L * p.dims.d * p.dims.size(i), p.dims.size(j)}, "out");
+        T* o = mutable_ptr(out);
+        py::gil_scoped_release release;
+        block::output_hessian(p.dims, X.data(), p.weights, eps, i, j, o);
+      },
+      py::arg("X").noconvert(), py::arg("W_Q").noconvert(), py::arg("W_K").noconvert(), py::arg("W_V").noconvert(),
+      py::arg("W_1").noconvert(), py::arg("W_2").noconvert(), py::arg("eps"), py::arg("i"), py::arg("j"),
+      py::arg("out").noconvert());
+
+  m.def(
+      "loss_gradient",
+      [](A X, A WQ, A WK, A WV, A W1, A W2, T eps, int kind, const optional_carray<T>& values,
+         const opt_classes& classes, std::optional<carray<T>> out) {
+        const auto p = problem(X, WQ, WK, WV, W1, W2);
+        T* o = nullptr;
+        if (out) {
+          index_t total = 0;
+          for (int k = 0; k < block::kNumParams; ++k) total += p.dims.size(k);
+          require_shape(*out, {total}, "out");
+          o = mutable_ptr(*out);
+        }
+        const auto tgt = target<T>(p, kind, values, classes);
+        py::gil_scoped_release release;
+        return block::loss_gradient(p.dims, p.B, X.data(), p.weights, eps, tgt, o);
+      },
+      py::arg("X").noconvert(), py::arg("W_Q").noconvert(), py::arg("W_K").noconvert(), py::arg("W_V").noconvert(),
+      py::arg("W_1").noconvert(), py::arg("W_2").noconvert(), py::arg("eps"), py::arg("kind"),
+      py::arg("values").noconvert().none(true), py::arg("classes").noconvert().none(true),
+      py::arg("out").noconvert().none(true));
+
+  m.def(
+      "loss_hessian",
+      [](A X, A WQ, A WK, A WV, A W1, A W2, T eps, int kind, const optional_carray<T>& values,
+         const opt_classes& classes, int part, const std::vector<bool>& wrt, carray<T>& out) {
+        const auto p = problem(X, WQ, WK, WV, W1, W2);
+        const auto sel = selection(wrt);
+        std::array<index_t, block::kNumParams> off{};
+        const index_t P = block::offsets(p.dims, sel, off);
+        require_shape(out, {P, P}, "out");
+        if (part < 0 || part > 2) throw std::invalid_argument("loss_hessian: bad part");
+        T* o = mutable_ptr(out);
+        const auto tgt = target<T>(p, kind, values, classes);
+        py::gil_scoped_release release;
+        return block::loss_hessian(p.dims, p.B, X.data(), p.weights, eps, tgt, static_cast<block::Part>(part), sel, o);
+      },
+      py::arg("X").noconvert(), py::arg("W_Q").noconvert(), py::arg("W_K").noconvert(), py::arg("W_V").noconvert(),
+      py::arg("W_1").noconvert(), py::arg("W_2").noconvert(), py::arg("eps"), py::arg("kind"),
+      py::arg("values").noconvert().none(true), py::arg("classes").noconvert().none(true), py::arg("part"),
+      py::arg("wrt"), py::arg("out").noconvert());
+}
+
+}  // namespace
+
+void bind_block(py::module_& m) {
+  for_each_float([&](auto* tag) { bind_for<std::remove_pointer_t<decltype(tag)>>(m); });
+}
+
 }  // namespace blockhess::bind

@@ -1,0 +1,167 @@
+// The post-LN Transformer block of spec §1.5, for a batch of B samples:
+//   T = X W_Q W_K^T X^T / sqrt(d_k),  A = softmax_rows(T),  F = A X W_V,
+//   Y = LN(X + F),  R = relu(Y W_1),  S = R W_2 + Y,  Z = LN(S)
+// (no biases, LayerNorm without affine parameters, optional eps). This header holds the forward
+// pass with its caches and the reverse pass that carries a cotangent of Z back to every
+// intermediate: everything the Jacobians and Hessians are assembled from.
+#pragma once
+
+#include <Eigen/Core>
+#include <array>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "blockhess/config.hpp"
+#include "blockhess/layernorm.hpp"
+#include "blockhess/parallel.hpp"
+#include "blockhess/softmax.hpp"
+
+namespace blockhess::block {
+
+// The five weight matrices, in the order of the Hessian's rows and columns.
+enum Param : int { W_Q = 0, W_K = 1, W_V = 2, W_1 = 3, W_2 = 4 };
+constexpr int kNumParams = 5;
+
+struct Dims {
+  index_t L = 0, d = 0, dk = 0, dff = 0;
+
+  index_t rows(int p) const { return p == W_2 ? dff : d; }
+  index_t cols(int p) const { return p == W_Q || p == W_K ? dk : p == W_1 ? dff : d; }
+  index_t size(int p) const { return rows(p) * cols(p); }
+  void check() const {
+    if (L < 1 || d < 1 || dk < 1 || dff < 1)
+      throw std::invalid_argument("block: L, d, d_k and d_ff must all be >= 1");
+  }
+};
+
+template <class T>
+struct Weights {
+  std::array<const T*, kNumParams> w{};  // row-major, shapes Dims::rows(p) x Dims::cols(p)
+};
+
+template <class T>
+using Mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+template <class T>
+using MapC = Eigen::Map<const Mat<T>>;
+template <class T>
+using MapM = Eigen::Map<Mat<T>>;
+
+// Forward caches for B samples; every token-major array has B*L rows.
+template <class T>
+struct Forward {
+  Dims dims;
+  index_t B = 0;
+  const T* X = nullptr;                 // (B*L, d), borrowed
+  std::vector<T> Q, K, V;               // (B*L, dk), (B*L, dk), (B*L, d)
+  std::vector<T> A;                     // (B, L, L) attention weights
+  std::vector<T> F;                     // (B*L, d) attention output
+  std::vector<T> Y, sigma1;             // first LayerNorm output and row std
+  std::vector<T> H1, R;                 // pre-activation Y W_1 and relu(H1), (B*L, dff)
+  std::vector<T> Z, sigma2;             // block output and second LayerNorm row std
+
+  index_t tokens() const { return B * dims.L; }
+  T inv_sqrt_dk() const { return T(1) / std::sqrt(static_cast<T>(dims.dk)); }
+};
+
+// Cotangents of a scalar (a loss, or one output entry) with respect to every intermediate.
+template <class T>
+struct Reverse {
+  std::vector<T> gS;   // (B*L, d)   d/dS
+  std::vector<T> gH1;  // (B*L, dff) d/d(Y W_1)
+  std::vector<T> gY;   // (B*L, d)   d/dY, through both the FFN and its residual
+  std::vector<T> gF;   // (B*L, d)   d/dF = d/d(X + F)
+  std::vector<T> gA;   // (B, L, L)  d/dA
+  std::vector<T> gT;   // (B, L, L)  d/dT
+};
+
+template <class T>
+Forward<T> forward(const Dims& dims, index_t B, const T* X, const Weights<T>& W, T eps) {
+  dims.check();
+  const index_t L = dims.L, d = dims.d, dk = dims.dk, dff = dims.dff, n = B * L;
+  Forward<T> f;
+  f.dims = dims;
+  f.B = B;
+  f.X = X;
+  f.Q.resize(n * dk), f.K.resize(n * dk), f.V.resize(n * d), f.A.resize(B * L * L), f.F.resize(n * d);
+  f.Y.resize(n * d), f.sigma1.resize(n), f.H1.resize(n * dff), f.R.resize(n * dff);
+  f.Z.resize(n * d), f.sigma2.resize(n);
+
+  const MapC<T> Xm(X, n, d);
+  MapM<T>(f.Q.data(), n, dk).noalias() = Xm * MapC<T>(W.w[W_Q], d, dk);
+  MapM<T>(f.K.data(), n, dk).noalias() = Xm * MapC<T>(W.w[W_K], d, dk);
+  MapM<T>(f.V.data(), n, d).noalias() = Xm * MapC<T>(W.w[W_V], d, d);
+  const T scale = f.inv_sqrt_dk();
+  for (index_t b = 0; b < B; ++b) {
+    MapM<T> A(f.A.data() + b * L * L, L, L);
+    A.noalias() = scale * MapC<T>(f.Q.data() + b * L * dk, L, dk) * MapC<T>(f.K.data() + b * L * dk, L, dk).transpose();
+    for (index_t i = 0; i < L; ++i) softmax::forward_row(A.data() + i * L, L, A.data() + i * L);
+    MapM<T>(f.F.data() + b * L * d, L, d).noalias() = A * MapC<T>(f.V.data() + b * L * d, L, d);
+  }
+  std::vector<T> S(n * d);
+  MapM<T>(S.data(), n, d) = Xm + MapC<T>(f.F.data(), n, d);
+  layernorm::normalize(S.data(), n, d, eps, f.Y.data(), f.sigma1.data());
+  MapM<T>(f.H1.data(), n, dff).noalias() = MapC<T>(f.Y.data(), n, d) * MapC<T>(W.w[W_1], d, dff);
+  MapM<T>(f.R.data(), n, dff) = MapC<T>(f.H1.data(), n, dff).cwiseMax(T(0));
+  MapM<T>(S.data(), n, d).noalias() = MapC<T>(f.R.data(), n, dff) * MapC<T>(W.w[W_2], dff, d);
+  MapM<T>(S.data(), n, d) += MapC<T>(f.Y.data(), n, d);
+  layernorm::normalize(S.data(), n, d, eps, f.Z.data(), f.sigma2.data());
+  return f;
+}
+
+// Vector-Jacobian product of a LayerNorm row (no affine): J^T g = (g - mean(g) - y (y.g)/d) / sigma.
+template <class T>
+void layernorm_vjp_row(const T* y, T sigma, const T* g, index_t d, T* out) {
+  T mean = 0, yg = 0;
+  for (index_t a = 0; a < d; ++a) mean += g[a], yg += y[a] * g[a];
+  mean /= static_cast<T>(d);
+  yg /= static_cast<T>(d);
+  for (index_t a = 0; a < d; ++a) out[a] = (g[a] - mean - y[a] * yg) / sigma;
+}
+
+// Carry gZ (B*L, d) back through the block.
+template <class T>
+Reverse<T> reverse(const Forward<T>& f, const Weights<T>& W, const T* gZ) {
+  const Dims& D = f.dims;
+  const index_t L = D.L, d = D.d, dff = D.dff, n = f.tokens();
+  Reverse<T> r;
+  r.gS.resize(n * d), r.gH1.resize(n * dff), r.gY.resize(n * d), r.gF.resize(n * d), r.gA.resize(f.B * L * L), r.gT.resize(f.B * L * L);
+  for (index_t t = 0; t < n; ++t) layernorm_vjp_row(f.Z.data() + t * d, f.sigma2[t], gZ + t * d, d, r.gS.data() + t * d);
+  MapM<T> gH1(r.gH1.data(), n, dff);
+  gH1.noalias() = MapC<T>(r.gS.data(), n, d) * MapC<T>(W.w[W_2], dff, d).transpose();
+  for (index_t k = 0; k < n * dff; ++k)
+    if (!(f.H1[k] > T(0))) r.gH1[k] = T(0);  // relu'(0) is taken as 0
+  MapM<T>(r.gY.data(), n, d).noalias() = gH1 * MapC<T>(W.w[W_1], d, dff).transpose();
+  MapM<T>(r.gY.data(), n, d) += MapC<T>(r.gS.data(), n, d);
+  for (index_t t = 0; t < n; ++t) layernorm_vjp_row(f.Y.data() + t * d, f.sigma1[t], r.gY.data() + t * d, d, r.gF.data() + t * d);
+  for (index_t b = 0; b < f.B; ++b) {
+    MapM<T>(r.gA.data() + b * L * L, L, L).noalias() =
+        MapC<T>(r.gF.data() + b * L * d, L, d) * MapC<T>(f.V.data() + b * L * d, L, d).transpose();
+  }
+  for (index_t t = 0; t < n; ++t) softmax::vjp_row(f.A.data() + t * L, r.gA.data() + t * L, L, r.gT.data() + t * L);
+  return r;
+}
+
+// Gradient of the scalar behind `r` with respect to the weights, concatenated in Param order.
+template <class T>
+void weight_gradient(const Forward<T>& f, const Reverse<T>& r, T* out) {
+  const Dims& D = f.dims;
+  const index_t L = D.L, d = D.d, dk = D.dk, dff = D.dff, n = f.tokens();
+  const T s = f.inv_sqrt_dk();
+  MapM<T> gQ(out, d, dk), gK(out + d * dk, d, dk), gV(out + 2 * d * dk, d, d);
+  gQ.setZero(), gK.setZero(), gV.setZero();
+  for (index_t b = 0; b < f.B; ++b) {
+    const MapC<T> X(f.X + b * L * d, L, d), gT(r.gT.data() + b * L * L, L, L), A(f.A.data() + b * L * L, L, L);
+    const MapC<T> Q(f.Q.data() + b * L * dk, L, dk), K(f.K.data() + b * L * dk, L, dk);
+    const MapC<T> gF(r.gF.data() + b * L * d, L, d);
+    gQ.noalias() += s * X.transpose() * (gT * K);
+    gK.noalias() += s * X.transpose() * (gT.transpose() * Q);
+    gV.noalias() += X.transpose() * (A.transpose() * gF);
+  }
+  T* o = out + 2 * d * dk + d * d;
+  MapM<T>(o, d, dff).noalias() = MapC<T>(f.Y.data(), n, d).transpose() * MapC<T>(r.gH1.data(), n, dff);
+  MapM<T>(o + d * dff, dff, d).noalias() = MapC<T>(f.R.data(), n, dff).transpose() * MapC<T>(r.gS.data(), n, d);
+}
+
+}  // namespace blockhess::block

@@ -1,0 +1,116 @@
+// The one assembly primitive behind every block of the Transformer-block Hessian.
+//
+// Inside a block every parameter's derivative factorises per token t into a vector on one of the
+// parameter's two matrix indices and a small matrix on the other (spec §3.8: "sums over tokens of
+// Kronecker products"). A block of the Hessian is therefore
+//
+//     H[(p1,q1), (p2,q2)] += scale * sum_t  u_t[o_i] * w_t[o_j] * Gamma_t[r_i, r_j]
+//
+// where for parameter i the "vector index" o_i is p1 or q1 and the "matrix index" r_i is the other
+// one. Forming it as a dense J^T J would cost tokens * rows(J) * n_i * n_j; this costs
+// tokens * n_i * n_j, done as GEMMs of (n_oj x tokens) by (tokens x r_i r_j), one per o_i.
+#pragma once
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <vector>
+
+#include "blockhess/config.hpp"
+
+namespace blockhess::kron {
+
+// How a parameter matrix of shape (n_first, n_second) is split into vector and matrix indices.
+struct Split {
+  index_t n_first = 0, n_second = 0;
+  bool vec_on_first = true;
+
+  index_t n_vec() const { return vec_on_first ? n_first : n_second; }
+  index_t n_mat() const { return vec_on_first ? n_second : n_first; }
+  index_t size() const { return n_first * n_second; }
+  // Flat (row-major) parameter index of (vector index o, matrix index r).
+  index_t flat(index_t o, index_t r) const { return vec_on_first ? o * n_second + r : r * n_second + o; }
+};
+
+namespace detail {
+// Tokens per chunk so that one chunk of Gamma stays near 32 MiB.
+inline index_t chunk_tokens(index_t tokens, index_t gamma_size) {
+  const index_t budget = index_t(1) << 22;
+  return std::max<index_t>(1, std::min<index_t>(tokens, budget / std::max<index_t>(1, gamma_size)));
+}
+}  // namespace detail
+
+// H (row stride ldH, already offset to the block's first entry) += the sum above.
+// u: (tokens, si.n_vec()), w: (tokens, sj.n_vec()), both row-major.
+// gamma(t, out) writes Gamma_t, (si.n_mat(), sj.n_mat()) row-major, for token t.
+// upper_only: the block is a diagonal block of a symmetric matrix (same factors on both sides);
+// only vector pairs o_j >= o_i are formed, which covers its upper triangle when vec_on_first.
+template <class T, class GammaFn>
+void accumulate(index_t tokens, const Split& si, const T* u, const Split& sj, const T* w, GammaFn&& gamma,
+                T scale, T* H, index_t ldH, bool upper_only = false) {
+  using Mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  const index_t noi = si.n_vec(), nri = si.n_mat(), noj = sj.n_vec(), nrj = sj.n_mat();
+  const index_t gsize = nri * nrj;
+  if (tokens <= 0 || gsize == 0) return;
+  upper_only = upper_only && si.vec_on_first && sj.vec_on_first;
+  const index_t chunk = detail::chunk_tokens(tokens, gsize);
+  std::vector<T> gammas(static_cast<size_t>(chunk * gsize));
+
+  for (index_t t0 = 0; t0 < tokens; t0 += chunk) {
+    const index_t nt = std::min(chunk, tokens - t0);
+#if defined(_OPENMP)
+#pragma omp parallel for schedule(static) if (nt * gsize > (1 << 14))
+#endif
+    for (index_t t = 0; t < nt; ++t) gamma(t0 + t, gammas.data() + t * gsize);
+    const Eigen::Map<const Mat> G(gammas.data(), nt, gsize);
+
+#if defined(_OPENMP)
+#pragma omp parallel if (noi * noj * nt * gsize > (1 << 16))
+#endif
+    {
+      Mat weights, R;  // per thread
+#if defined(_OPENMP)
+#pragma omp for schedule(dynamic)
+#endif
+      for (index_t oi = 0; oi < noi; ++oi) {
+        const index_t oj0 = upper_only ? oi : 0;
+        const index_t m = noj - oj0;
+        weights.resize(m, nt);
+        for (index_t t = 0; t < nt; ++t) {
+          const T ut = scale * u[(t0 + t) * noi + oi];
+          const T* wt = w + (t0 + t) * noj + oj0;
+          for (index_t k = 0; k < m; ++k) weights(k, t) = ut * wt[k];
+        }
+        R.noalias() = weights * G;
+        for (index_t k = 0; k < m; ++k) {
+          const index_t oj = oj0 + k;
+          for (index_t ri = 0; ri < nri; ++ri) {
+            T* row = H + si.flat(oi, ri) * ldH;
+            const T* r = R.data() + k * gsize + ri * nrj;
+            if (sj.vec_on_first) {
+              T* dst = row + oj * sj.n_second;  // contiguous run over r_j
+              for (index_t rj = 0; rj < nrj; ++rj) dst[rj] += r[rj];
+            } else {
+              for (index_t rj = 0; rj < nrj; ++rj) row[rj * sj.n_second + oj] += r[rj];
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// Copy the upper triangle of the n x n matrix H onto its lower triangle, so that H is symmetric
+// bit for bit (every pair is computed once, then mirrored).
+template <class T>
+void mirror_upper(T* H, index_t n) {
+  constexpr index_t tile = 64;
+#if defined(_OPENMP)
+#pragma omp parallel for schedule(dynamic) if (n > 256)
+#endif
+  for (index_t i0 = 0; i0 < n; i0 += tile)
+    for (index_t j0 = 0; j0 <= i0; j0 += tile)
+      for (index_t i = i0; i < std::min(n, i0 + tile); ++i)
+        for (index_t j = j0; j < std::min(i, j0 + tile); ++j) H[i * n + j] = H[j * n + i];
+}
+
+}  // namespace blockhess::kron
