@@ -92,3 +92,68 @@ def commutation_from_definition(m, n):
         A = e.reshape((m, n), order="F")  # vec(A) = e_c
         K[:, c] = A.T.reshape(-1, order="F")
     return K
+
+
+# ---- the post-LN Transformer block of spec §1.5, written from the model definition ----
+
+PARAM_NAMES = ("W_Q", "W_K", "W_V", "W_1", "W_2")
+
+
+def random_block(rng, L, d, dk, dff, B=None, scale=0.6):
+    """Random input, MSE target, class target and weights of a block (float64 numpy)."""
+    lead = (L,) if B is None else (B, L)
+    X = rng.standard_normal((*lead, d))
+    shapes = [(d, dk), (d, dk), (d, d), (d, dff), (dff, d)]
+    weights = [rng.standard_normal(s) * scale / np.sqrt(s[0]) * 2 for s in shapes]
+    target = rng.standard_normal((*lead, d))
+    classes = rng.integers(0, d, size=lead)
+    return X, weights, target, classes
+
+
+def transformer_block(X, WQ, WK, WV, W1, W2, eps=0.0):
+    """Z for X of shape (L, d) or (B, L, d)."""
+    dk = WQ.shape[1]
+    T = X @ WQ @ WK.T @ X.transpose(-1, -2) / math.sqrt(dk)
+    F = torch.softmax(T, dim=-1) @ X @ WV
+    Y = layernorm(X + F, eps)
+    S = torch.relu(Y @ W1) @ W2 + Y
+    return layernorm(S, eps)
+
+
+def unflatten(v, shapes):
+    out, o = [], 0
+    for s in shapes:
+        n = s[0] * s[1]
+        out.append(v[o:o + n].reshape(s))
+        o += n
+    return out
+
+
+def block_loss(Z, target, loss):
+    """Batch-mean loss: mse = mean (Z - target)^2; cross_entropy = mean over tokens of -log softmax."""
+    if loss == "mse":
+        return ((Z - target) ** 2).mean()
+    logits = Z.reshape(-1, Z.shape[-1])
+    return torch.nn.functional.cross_entropy(logits, target.reshape(-1), reduction="mean")
+
+
+def block_loss_derivatives(X, weights, target, loss, eps):
+    """(gradient, full Hessian, outer part J^T H_l J) of the loss over all five flattened weights."""
+    shapes = [w.shape for w in weights]
+    Xt = t(X)
+    tgt = t(target) if loss == "mse" else torch.as_tensor(np.asarray(target, dtype=np.int64))
+    v0 = torch.cat([t(w).reshape(-1) for w in weights])
+
+    def Z_of(v):
+        return transformer_block(Xt, *unflatten(v, shapes), eps=eps)
+
+    def loss_of(v):
+        return block_loss(Z_of(v), tgt, loss)
+
+    grad = torch.func.grad(loss_of)(v0).numpy()
+    full = hessian(loss_of)(v0).numpy()
+    Z0 = Z_of(v0)
+    J = jacrev(Z_of)(v0).reshape(Z0.numel(), -1)
+    HZ = hessian(lambda z: block_loss(z.reshape(Z0.shape), tgt, loss))(Z0.reshape(-1))
+    outer = (J.T @ HZ @ J).numpy()
+    return grad, full, outer

@@ -30,10 +30,27 @@ from .commutation import commutation_matrix, commutation_permutation, commute, k
 from .softmax import softmax, softmax_hessian, softmax_jacobian
 from .attention import attention, attention_jacobian
 from .ffn import ffn, ffn_cross_hessian, ffn_jacobian
+from .block import (
+    BlockParams,
+    block_forward,
+    block_jacobian,
+    block_output_hessian,
+    loss_gradient,
+    loss_hessian,
+    loss_value,
+)
 
 __version__ = _version("blockhess")
 
 __all__ = [
+    # the Transformer block and its loss
+    "BlockParams",
+    "block_forward",
+    "block_jacobian",
+    "block_output_hessian",
+    "loss_gradient",
+    "loss_hessian",
+    "loss_value",
     "OutputTooLargeError",
     "__version__",
     "cuda_available",

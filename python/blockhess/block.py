@@ -1,0 +1,256 @@
+"""The post-LN Transformer block (spec §1.5) and the exact derivatives of its output and loss.
+
+    T = X W_Q W_K^T X^T / sqrt(d_k),  A = softmax_rows(T),  F = A X W_V
+    Y = LN(X + F),  S = relu(Y W_1) W_2 + Y,  Z = LN(S)
+
+LayerNorms have no affine parameters (the paper's gamma = 1, beta = 0) and share ``eps``.
+Parameters are ordered W_Q, W_K, W_V, W_1, W_2 and each is flattened row-major (vec_r).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import _backend, _core
+from ._validate import _xp as _array_module
+from ._validate import choice, common_dtype, contiguous, float_array, nonneg_scalar, require_output_fits
+
+PARAM_NAMES = ("W_Q", "W_K", "W_V", "W_1", "W_2")
+_LOSSES = {"mse": 0, "cross_entropy": 1}
+_PARTS = {"full": 0, "outer": 1, "functional": 2}
+
+
+class BlockParams:
+    """The five weight matrices of a block: W_Q (d, d_k), W_K (d, d_k), W_V (d, d), W_1 (d, d_ff),
+    W_2 (d_ff, d). Arrays are kept in one float dtype (float32 only if all are float32)."""
+
+    names = PARAM_NAMES
+
+    def __init__(self, W_Q: Any, W_K: Any, W_V: Any, W_1: Any, W_2: Any) -> None:
+        arrays = [float_array(w, name, ndim=2) for name, w in zip(PARAM_NAMES, (W_Q, W_K, W_V, W_1, W_2))]
+        _backend.on_device(*arrays)
+        d, d_k = arrays[0].shape
+        d_ff = arrays[3].shape[1]
+        expected = {"W_Q": (d, d_k), "W_K": (d, d_k), "W_V": (d, d), "W_1": (d, d_ff), "W_2": (d_ff, d)}
+        for name, w in zip(PARAM_NAMES, arrays):
+            if w.shape != expected[name]:
+                got = ", ".join(f"{n} {tuple(a.shape)}" for n, a in zip(PARAM_NAMES, arrays))
+                raise ValueError(
+                    f"{name} must have shape {expected[name]} (from W_Q of shape {(d, d_k)} and W_1 "
+                    f"with d_ff = {d_ff}); got {got}"
+                )
+        if min(d, d_k, d_ff) < 1:
+            raise ValueError(f"d, d_k and d_ff must be >= 1, got {(d, d_k, d_ff)}")
+        self.dtype = common_dtype(*arrays)
+        self._arrays = tuple(contiguous(w, self.dtype) for w in arrays)
+        self.d, self.d_k, self.d_ff = d, d_k, d_ff
+
+    @property
+    def arrays(self) -> tuple[Any, ...]:
+        return self._arrays
+
+    @property
+    def shapes(self) -> tuple[tuple[int, int], ...]:
+        return tuple(tuple(w.shape) for w in self._arrays)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(int(w.size) for w in self._arrays)
+
+    @property
+    def size(self) -> int:
+        return sum(self.sizes)
+
+    def __getitem__(self, name: str) -> Any:
+        return self._arrays[_param_index(name)]
+
+    def __iter__(self):
+        return iter(self._arrays)
+
+    def __repr__(self) -> str:
+        return f"BlockParams(d={self.d}, d_k={self.d_k}, d_ff={self.d_ff}, dtype={self.dtype})"
+
+    def slices(self) -> dict[str, slice]:
+        """Where each matrix sits in :meth:`flatten` (and in the rows of a dense loss Hessian)."""
+        bounds = np.cumsum((0, *self.sizes))
+        return {n: slice(int(a), int(b)) for n, a, b in zip(PARAM_NAMES, bounds[:-1], bounds[1:])}
+
+    def flatten(self) -> Any:
+        """All five matrices, each vec_r'd, concatenated in the order of :attr:`names`."""
+        return _array_module(self._arrays[0]).concatenate([w.reshape(-1) for w in self._arrays])
+
+    @classmethod
+    def unflatten(cls, v: Any, like: BlockParams) -> BlockParams:
+        """Inverse of :meth:`flatten`: matrices shaped like those of ``like``."""
+        if not isinstance(like, BlockParams):
+            raise TypeError(f"like must be a BlockParams, got {type(like).__name__}")
+        v = float_array(v, "v", ndim=1)
+        if v.shape[0] != like.size:
+            raise ValueError(f"v must have length {like.size} to match {like!r}, got {v.shape[0]}")
+        return cls(*(v[s].reshape(shape) for s, shape in zip(like.slices().values(), like.shapes)))
+
+
+def _param_index(name: Any) -> int:
+    if name not in PARAM_NAMES:
+        raise ValueError(f"parameter name must be one of {', '.join(PARAM_NAMES)}, got {name!r}")
+    return PARAM_NAMES.index(name)
+
+
+def _check_params(params: Any) -> BlockParams:
+    if not isinstance(params, BlockParams):
+        raise TypeError(f"params must be a blockhess.BlockParams, got {type(params).__name__}")
+    return params
+
+
+def _batch(X: Any, params: BlockParams, *, single: bool = False):
+    """X as a C-contiguous (B, L, d) array in the common dtype, with the weights in that dtype."""
+    X = float_array(X, "X", ndim=(2,) if single else (2, 3))
+    if X.shape[-1] != params.d:
+        raise ValueError(f"X has {X.shape[-1]} features (shape {tuple(X.shape)}) but W_Q has d = {params.d} rows")
+    if X.shape[-2] < 1 or (X.ndim == 3 and X.shape[0] < 1):
+        raise ValueError(f"X must hold at least one token, got shape {tuple(X.shape)}")
+    _backend.on_device(X, *params.arrays)
+    dtype = common_dtype(X, *params.arrays)
+    weights = tuple(contiguous(w, dtype) for w in params.arrays)
+    return contiguous(X.reshape((1, *X.shape)) if X.ndim == 2 else X, dtype), weights, dtype
+
+
+def _target(target: Any, loss: str, X3: np.ndarray, batched: bool, dtype: np.dtype):
+    """(values, classes) for the binding; exactly one is an array."""
+    B, L, d = X3.shape
+    want = (B, L) if batched else (L,)
+    if loss == "mse":
+        target = float_array(target, "target")
+        full = (B, L, d) if batched else (L, d)
+        if tuple(target.shape) != full:
+            raise ValueError(f"target must have the shape of X, {full}, for loss='mse', got {tuple(target.shape)}")
+        return contiguous(target, dtype).reshape(B, L, d), None
+    if target is None or not hasattr(target, "dtype"):
+        target = np.asarray(target)
+    kind = np.dtype(target.dtype).kind
+    if kind not in "iu":
+        raise TypeError(
+            f"target must hold integer class indices for loss='cross_entropy', got dtype {target.dtype}"
+        )
+    if tuple(target.shape) != want:
+        raise ValueError(f"target must have shape {want} (one class per token) for loss='cross_entropy', "
+                         f"got {tuple(target.shape)}")
+    if target.size and (int(target.min()) < 0 or int(target.max()) >= d):
+        bad = int(target.min()) if int(target.min()) < 0 else int(target.max())
+        raise ValueError(f"class index {bad} is out of range: classes must lie in [0, {d}) (the rows of Z have d = {d} logits)")
+    return None, np.ascontiguousarray(target, dtype=np.int64).reshape(B, L)
+
+
+def block_forward(X: Any, params: BlockParams, *, eps: float = 0.0) -> np.ndarray:
+    """The block output Z for X of shape (L, d) or (B, L, d); same shape as X."""
+    params = _check_params(params)
+    eps = nonneg_scalar(eps, "eps")
+    X3, W, dtype = _batch(X, params)
+    out = np.empty_like(X3)
+    _core.block_forward(X3, *W, eps, out)
+    return out.reshape(np.shape(X))
+
+
+def block_jacobian(X: Any, params: BlockParams, wrt: str, *, eps: float = 0.0) -> np.ndarray:
+    """dZ/dW_wrt for one sample X (L, d): shape (L*d, n_wrt), numerator layout."""
+    params = _check_params(params)
+    p = _param_index(wrt)
+    eps = nonneg_scalar(eps, "eps")
+    X3, W, dtype = _batch(X, params, single=True)
+    L, d = X3.shape[1:]
+    shape = (L * d, params.sizes[p])
+    require_output_fits(shape, dtype, f"the block Jacobian with respect to {wrt}", "use loss_gradient or a smaller L")
+    out = np.empty(shape, dtype=dtype)
+    _core.block_jacobian(X3, *W, eps, p, out)
+    return out
+
+
+def block_output_hessian(X: Any, params: BlockParams, wrt_i: str, wrt_j: str, *, eps: float = 0.0) -> np.ndarray:
+    """d2 Z / dW_i dW_j for one sample, in the paper's layout (L*d*n_i, n_j).
+
+    Row ``o * n_i + a``, column ``b``: d2 Z_o / d(W_i)_a d(W_j)_b. This object is large (L d n_i n_j
+    entries) and meant for small sizes; for a loss use :func:`loss_hessian`.
+    """
+    params = _check_params(params)
+    i, j = _param_index(wrt_i), _param_index(wrt_j)
+    eps = nonneg_scalar(eps, "eps")
+    X3, W, dtype = _batch(X, params, single=True)
+    L, d = X3.shape[1:]
+    shape = (L * d * params.sizes[i], params.sizes[j])
+    require_output_fits(shape, dtype, f"d2Z/d{wrt_i}d{wrt_j}", "use loss_hessian, which contracts it with the loss")
+    out = np.empty(shape, dtype=dtype)
+    _core.block_output_hessian(X3, *W, eps, i, j, out)
+    return out
+
+
+def _loss_inputs(X, target, params, loss, eps):
+    params = _check_params(params)
+    loss = choice(loss, "loss", tuple(_LOSSES))
+    eps = nonneg_scalar(eps, "eps")
+    X3, W, dtype = _batch(X, params)
+    values, classes = _target(target, loss, X3, np.ndim(X) == 3, dtype)
+    return params, X3, W, dtype, eps, _LOSSES[loss], values, classes
+
+
+def loss_value(X: Any, target: Any, params: BlockParams, *, loss: str = "mse", eps: float = 0.0) -> float:
+    """The loss of the block output: mean over the batch of the per-sample loss."""
+    params, X3, W, dtype, eps, kind, values, classes = _loss_inputs(X, target, params, loss, eps)
+    return float(_core.loss_gradient(X3, *W, eps, kind, values, classes, None))
+
+
+def loss_gradient(X: Any, target: Any, params: BlockParams, *, loss: str = "mse", eps: float = 0.0) -> np.ndarray:
+    """Gradient of the loss with respect to all five matrices, flattened like ``params.flatten()``: (P,).
+
+    ``loss="mse"``: mean of (Z - target)**2 over all entries (per sample 1/(L d) ||Z - T||_F^2);
+    ``loss="cross_entropy"``: rows of Z are logits, ``target`` holds integer classes (L,) or (B, L).
+    A batch X (B, L, d) gives the gradient of the batch-mean loss.
+    """
+    params, X3, W, dtype, eps, kind, values, classes = _loss_inputs(X, target, params, loss, eps)
+    out = np.empty(params.size, dtype=dtype)
+    _core.loss_gradient(X3, *W, eps, kind, values, classes, out)
+    return out
+
+
+def loss_hessian(
+    X: Any,
+    target: Any,
+    params: BlockParams,
+    *,
+    loss: str = "mse",
+    part: str = "full",
+    layout: str = "dense",
+    eps: float = 0.0,
+    wrt: tuple[str, ...] | None = None,
+) -> Any:
+    """Exact Hessian of the loss with respect to the block's weight matrices.
+
+    part: "full", "outer" (Gauss-Newton, J^T H_loss J) or "functional" (the rest); outer +
+    functional == full. layout="dense": a (P, P) array, parameters in the order W_Q, W_K, W_V, W_1,
+    W_2 (or those named in ``wrt``), each vec_r'd. layout="blocks": a dict keyed by name pairs,
+    ``H["W_Q", "W_V"]`` of shape (n_Q, n_V), views into one symmetric array. A batch X (B, L, d)
+    gives the Hessian of the batch-mean loss, the paper's H^(k). Exactly symmetric, bit for bit.
+    """
+    params, X3, W, dtype, eps, kind, values, classes = _loss_inputs(X, target, params, loss, eps)
+    part_code = _PARTS[choice(part, "part", tuple(_PARTS))]
+    layout = choice(layout, "layout", ("dense", "blocks"))
+    names = PARAM_NAMES if wrt is None else tuple(wrt)
+    if isinstance(wrt, str) or not names or len(set(names)) != len(names):
+        raise ValueError(f"wrt must be a non-empty sequence of distinct names from {PARAM_NAMES}, got {wrt!r}")
+    selected = [n in names for n in PARAM_NAMES]
+    for n in names:
+        _param_index(n)
+    names = tuple(n for n in PARAM_NAMES if n in names)  # the Hessian follows the canonical order
+    P = sum(s for s, keep in zip(params.sizes, selected) if keep)
+    require_output_fits(
+        (P, P), dtype, f"the loss Hessian over {', '.join(names)} (P = {P})",
+        "pass wrt=(...) with fewer parameters, e.g. wrt=('W_Q', 'W_K')",
+    )
+    H = np.empty((P, P), dtype=dtype)
+    _core.loss_hessian(X3, *W, eps, kind, values, classes, part_code, selected, H)
+    if layout == "dense":
+        return H
+    bounds = np.cumsum((0, *(params.sizes[PARAM_NAMES.index(n)] for n in names)))
+    where = {n: slice(int(a), int(b)) for n, a, b in zip(names, bounds[:-1], bounds[1:])}
+    return {(a, b): H[where[a], where[b]] for a in names for b in names}
