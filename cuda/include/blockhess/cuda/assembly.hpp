@@ -1,0 +1,70 @@
+// Structured assembly on the GPU: commutation matrices, per-token Kronecker products (the
+// Jacobians of attention, FFN and the block), per-token Kronecker sums (the blocks of the block
+// Hessian), mirroring of symmetric matrices. Plain C++ launchers, no CUDA types.
+//
+// Device pointers to C-contiguous row-major arrays; asynchronous on `stream`; std::runtime_error on
+// a CUDA error, std::invalid_argument on bad sizes. Large matrix products are not done here (the
+// Python layer uses cuBLAS through CuPy for those).
+#pragma once
+
+#include <cstdint>
+
+#include "blockhess/config.hpp"
+
+namespace blockhess::cuda {
+
+// How a parameter matrix of shape (n_first, n_second) splits into a "vector" index o (carried by a
+// per-token vector) and a "matrix" index r (carried by a per-token matrix); as kron::Split on the CPU.
+struct Split {
+  index_t n_first = 0, n_second = 0;
+  bool vec_on_first = true;
+};
+
+namespace assembly {
+
+// out = K_{m,n} v: v and out have m n rows of `cols` entries; row i n + j of out is row j m + i of v.
+template <class T>
+void commute(const T* v, index_t m, index_t n, index_t cols, T* out, std::uintptr_t stream);
+
+// Dense K_{m,n} (m n, m n).
+template <class T>
+void commutation_dense(index_t m, index_t n, T* K, std::uintptr_t stream);
+
+// Per-token Kronecker product, the shape of every Jacobian with respect to a weight matrix:
+//   out[t R + a, flat(o, r)] = scale * u[t, o] * M[t, a, r],   out (tokens R, n_first n_second),
+// flat(o, r) = o n_second + r if s.vec_on_first, else r n_second + o. u (tokens, n_vec),
+// M (tokens, R, n_mat); M == nullptr means M_t = I (then R must equal n_mat).
+template <class T>
+void token_kron(index_t tokens, index_t R, Split s, const T* u, const T* M, T scale, T* out, std::uintptr_t stream);
+
+// Per-token Kronecker sum into a block of a larger matrix (row stride ldH):
+//   H[flat_i(oi, ri), flat_j(oj, rj)] += alpha * sum_t u[t, oi] w[t, oj] Gamma[t, ri, rj]
+// u (tokens, n_vec_i), w (tokens, n_vec_j), Gamma (tokens, n_mat_i, n_mat_j). With upper_only, only
+// entries with column >= row (block coordinates) are written: for diagonal blocks that mirror_upper
+// completes afterwards.
+template <class T>
+void kron_accumulate(index_t tokens, Split si, const T* u, Split sj, const T* w, const T* Gamma, T alpha, T* H,
+                     index_t ldH, bool upper_only, std::uintptr_t stream);
+
+// H (n, n, row stride ld): copies the upper triangle onto the lower one, so H is symmetric bit for bit.
+template <class T>
+void mirror_upper(T* H, index_t n, index_t ld, std::uintptr_t stream);
+
+// Block-diagonal dense matrix (tokens r, tokens c) from blocks (tokens, r, c).
+template <class T>
+void blockdiag_dense(const T* blocks, index_t tokens, index_t r, index_t c, T* out, std::uintptr_t stream);
+
+// dF/dX of single-head attention, (L dv, L d), from the forward quantities (attention.hpp):
+//   out[t dv + a, u d + b] = A[t,u] W_V[b,a] + (c A[t,u] (V[u,a] - F[t,a])) Qt[t,b] + delta_tu D[t,a,b]
+// with A (L, L), W_V (d, dv), V and F (L, dv), Qt = Q W_K^T (L, d), D (L, dv, d), c = 1/sqrt(d_k).
+template <class T>
+void attention_dx(const T* A, const T* WV, const T* V, const T* F, const T* Qt, const T* D, index_t L, index_t d,
+                  index_t dv, T c, T* out, std::uintptr_t stream);
+
+// d2 FFN / dW_1 dW_2 in the paper's layout ((L e d f), f e) from its nonzero values C (L, d, f):
+//   out[((t e + c) d + b) f + g, g e + c] = C[t, b, g], zeros elsewhere.
+template <class T>
+void ffn_cross_dense(const T* C, index_t L, index_t d, index_t f, index_t e, T* out, std::uintptr_t stream);
+
+}  // namespace assembly
+}  // namespace blockhess::cuda

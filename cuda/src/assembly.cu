@@ -1,0 +1,288 @@
+// Structured assembly kernels (see cuda/include/blockhess/cuda/assembly.hpp). All element-wise:
+// one thread block per output row (grid-stride), threads over the row, so writes are coalesced.
+#include "blockhess/cuda/assembly.hpp"
+
+#include <limits>
+
+#include "common.cuh"
+
+namespace blockhess::cuda::assembly {
+namespace {
+
+using detail::kMaxThreads;
+
+// (o, r) of a flat parameter index; 32-bit arithmetic (the launchers check the sizes).
+__device__ __forceinline__ void split_index(std::uint32_t flat, std::uint32_t n_second, bool vec_on_first,
+                                           std::uint32_t& o, std::uint32_t& r) {
+  const std::uint32_t hi = flat / n_second, lo = flat - hi * n_second;
+  if (vec_on_first) {
+    o = hi;
+    r = lo;
+  } else {
+    r = hi;
+    o = lo;
+  }
+}
+
+template <class T>
+__global__ void commute_kernel(const T* v, index_t m, index_t n, index_t cols, T* out) {
+  const index_t total = m * n * cols;
+  for (index_t e = blockIdx.x * static_cast<index_t>(blockDim.x) + threadIdx.x; e < total;
+       e += static_cast<index_t>(gridDim.x) * blockDim.x) {
+    const index_t r = e / cols, k = e - r * cols;
+    const index_t i = r / n, j = r - i * n;
+    out[e] = v[(j * m + i) * cols + k];
+  }
+}
+
+template <class T>
+__global__ void commutation_ones_kernel(index_t m, index_t n, T* K) {
+  const index_t N = m * n;
+  for (index_t r = blockIdx.x * static_cast<index_t>(blockDim.x) + threadIdx.x; r < N;
+       r += static_cast<index_t>(gridDim.x) * blockDim.x) {
+    const index_t i = r / n, j = r - i * n;
+    K[r * N + j * m + i] = T(1);
+  }
+}
+
+template <class T>
+__global__ void token_kron_kernel(index_t rows, index_t R, std::uint32_t n_second, bool vec_on_first,
+                                  index_t n_vec, index_t n_mat, std::uint32_t ncols, const T* u, const T* M,
+                                  T scale, T* out) {
+  for (index_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const index_t t = row / R, a = row - t * R;
+    const T* ut = u + t * n_vec;
+    const T* Mta = M ? M + (t * R + a) * n_mat : nullptr;
+    T* o = out + row * static_cast<index_t>(ncols);
+    for (std::uint32_t col = blockIdx.y * blockDim.x + threadIdx.x; col < ncols; col += gridDim.y * blockDim.x) {
+      std::uint32_t ov, r;
+      split_index(col, n_second, vec_on_first, ov, r);
+      const T m = Mta ? Mta[r] : (static_cast<index_t>(r) == a ? T(1) : T(0));
+      o[col] = scale * ut[ov] * m;
+    }
+  }
+}
+
+template <class T>
+__global__ void kron_accumulate_kernel(index_t tokens, std::uint32_t ni, std::uint32_t nsi, bool vfi,
+                                       std::uint32_t noi, std::uint32_t nri, const T* u, std::uint32_t nj,
+                                       std::uint32_t nsj, bool vfj, std::uint32_t noj, std::uint32_t nrj,
+                                       const T* w, const T* G, T alpha, T* H, index_t ldH, bool upper_only) {
+  const index_t gstride = static_cast<index_t>(nri) * nrj;
+  for (std::uint32_t row = blockIdx.x; row < ni; row += gridDim.x) {
+    std::uint32_t oi, ri;
+    split_index(row, nsi, vfi, oi, ri);
+    T* h = H + static_cast<index_t>(row) * ldH;
+    const std::uint32_t c0 = upper_only ? row : 0u;
+    for (std::uint32_t col = c0 + blockIdx.y * blockDim.x + threadIdx.x; col < nj; col += gridDim.y * blockDim.x) {
+      std::uint32_t oj, rj;
+      split_index(col, nsj, vfj, oj, rj);
+      const T* up = u + oi;
+      const T* wp = w + oj;
+      const T* gp = G + static_cast<index_t>(ri) * nrj + rj;
+      T acc = 0;
+      for (index_t t = 0; t < tokens; ++t) acc += up[t * noi] * wp[t * noj] * gp[t * gstride];
+      h[col] += alpha * acc;
+    }
+  }
+}
+
+constexpr int kTile = 32;
+
+// Lower tile (bi, bj), bi >= bj: H[r, c] = H[c, r] for r > c, through a shared transpose tile.
+template <class T>
+__global__ void mirror_kernel(T* H, index_t n, index_t ld) {
+  __shared__ T tile[kTile][kTile + 1];
+  const index_t bi = blockIdx.y, bj = blockIdx.x;
+  if (bi < bj) return;
+  const int tx = threadIdx.x;
+  for (int ty = threadIdx.y; ty < kTile; ty += blockDim.y) {
+    const index_t c = bj * kTile + ty, r = bi * kTile + tx;  // source H[c, r] (upper), coalesced over r
+    if (c < n && r < n) tile[ty][tx] = H[c * ld + r];
+  }
+  __syncthreads();
+  for (int ty = threadIdx.y; ty < kTile; ty += blockDim.y) {
+    const index_t r = bi * kTile + ty, c = bj * kTile + tx;
+    if (r < n && c < n && r > c) H[r * ld + c] = tile[tx][ty];
+  }
+}
+
+template <class T>
+__global__ void blockdiag_kernel(const T* blocks, index_t tokens, index_t r, index_t c, T* out) {
+  const index_t ncols = tokens * c;
+  for (index_t row = blockIdx.x; row < tokens * r; row += gridDim.x) {
+    const index_t t = row / r, a = row - t * r;
+    const T* src = blocks + (t * r + a) * c - t * c;
+    T* o = out + row * ncols;
+    for (index_t col = blockIdx.y * static_cast<index_t>(blockDim.x) + threadIdx.x; col < ncols;
+         col += static_cast<index_t>(gridDim.y) * blockDim.x)
+      o[col] = (col >= t * c && col < t * c + c) ? src[col] : T(0);
+  }
+}
+
+template <class T>
+__global__ void attention_dx_kernel(const T* A, const T* WV, const T* V, const T* F, const T* Qt, const T* D,
+                                    index_t L, std::uint32_t d, index_t dv, T c, T* out) {
+  const std::uint32_t ncols = static_cast<std::uint32_t>(L) * d;
+  for (index_t row = blockIdx.x; row < L * dv; row += gridDim.x) {
+    const index_t t = row / dv, a = row - t * dv;
+    const T fa = F[t * dv + a];
+    T* o = out + row * static_cast<index_t>(ncols);
+    for (std::uint32_t col = blockIdx.y * blockDim.x + threadIdx.x; col < ncols; col += gridDim.y * blockDim.x) {
+      const std::uint32_t u = col / d, b = col - u * d;
+      const T w = A[t * L + u];
+      const T g = c * w * (V[u * dv + a] - fa);
+      T v = w * WV[static_cast<index_t>(b) * dv + a] + g * Qt[t * d + b];
+      if (static_cast<index_t>(u) == t) v += D[(t * dv + a) * d + b];
+      o[col] = v;
+    }
+  }
+}
+
+template <class T>
+__global__ void ffn_cross_kernel(const T* C, index_t L, index_t d, index_t f, index_t e, T* out) {
+  const index_t total = L * e * d * f, n2 = f * e;
+  for (index_t k = blockIdx.x * static_cast<index_t>(blockDim.x) + threadIdx.x; k < total;
+       k += static_cast<index_t>(gridDim.x) * blockDim.x) {
+    // k = ((t e + c) d + b) f + g is also the output row
+    index_t q = k;
+    const index_t g = q % f;
+    q /= f;
+    const index_t b = q % d;
+    q /= d;
+    const index_t c = q % e, t = q / e;
+    out[k * n2 + g * e + c] = C[(t * d + b) * f + g];
+  }
+}
+
+void require_u32(index_t n, const char* what) {
+  detail::require(n >= 0 && n < static_cast<index_t>(std::numeric_limits<std::uint32_t>::max()),
+                  std::string(what) + ": a dimension of " + std::to_string(n) + " is too large");
+}
+
+// Column tiles so that a row of ncols is covered by several blocks when it is long.
+unsigned col_tiles(index_t ncols, index_t rows) {
+  const index_t per_row = (ncols + kMaxThreads - 1) / kMaxThreads;
+  // enough blocks to fill the GPU even with few rows, without exceeding the grid limit
+  const index_t want = std::max<index_t>(1, std::min<index_t>(per_row, (4096 + rows - 1) / std::max<index_t>(rows, 1)));
+  return static_cast<unsigned>(std::min<index_t>(want, detail::kMaxGridY));
+}
+
+index_t split_size(const Split& s) { return s.n_first * s.n_second; }
+index_t n_vec(const Split& s) { return s.vec_on_first ? s.n_first : s.n_second; }
+index_t n_mat(const Split& s) { return s.vec_on_first ? s.n_second : s.n_first; }
+
+void check_split(const Split& s, const char* what) {
+  detail::require(s.n_first >= 1 && s.n_second >= 1, std::string(what) + ": empty parameter split");
+  require_u32(split_size(s), what);
+}
+
+}  // namespace
+
+template <class T>
+void commute(const T* v, index_t m, index_t n, index_t cols, T* out, std::uintptr_t stream) {
+  detail::require(m >= 1 && n >= 1 && cols >= 1, "commute: m, n and cols must be >= 1");
+  commute_kernel<T><<<detail::elementwise_blocks(m * n * cols), kMaxThreads, 0, detail::as_stream(stream)>>>(
+      v, m, n, cols, out);
+  detail::check_launch("commute");
+}
+
+template <class T>
+void commutation_dense(index_t m, index_t n, T* K, std::uintptr_t stream) {
+  detail::require(m >= 1 && n >= 1, "commutation_dense: m and n must be >= 1");
+  const index_t N = m * n;
+  const cudaStream_t s = detail::as_stream(stream);
+  detail::check(cudaMemsetAsync(K, 0, sizeof(T) * static_cast<size_t>(N * N), s), "commutation_dense memset");
+  commutation_ones_kernel<T><<<detail::elementwise_blocks(N), kMaxThreads, 0, s>>>(m, n, K);
+  detail::check_launch("commutation_dense");
+}
+
+template <class T>
+void token_kron(index_t tokens, index_t R, Split s, const T* u, const T* M, T scale, T* out, std::uintptr_t stream) {
+  check_split(s, "token_kron");
+  detail::require(tokens >= 1 && R >= 1, "token_kron: tokens and R must be >= 1");
+  detail::require(M != nullptr || R == n_mat(s), "token_kron: an identity M needs R == n_mat");
+  const index_t ncols = split_size(s), rows = tokens * R;
+  const dim3 grid(detail::grid_x(rows), col_tiles(ncols, rows));
+  token_kron_kernel<T><<<grid, kMaxThreads, 0, detail::as_stream(stream)>>>(
+      rows, R, static_cast<std::uint32_t>(s.n_second), s.vec_on_first, n_vec(s), n_mat(s),
+      static_cast<std::uint32_t>(ncols), u, M, scale, out);
+  detail::check_launch("token_kron");
+}
+
+template <class T>
+void kron_accumulate(index_t tokens, Split si, const T* u, Split sj, const T* w, const T* Gamma, T alpha, T* H,
+                     index_t ldH, bool upper_only, std::uintptr_t stream) {
+  check_split(si, "kron_accumulate");
+  check_split(sj, "kron_accumulate");
+  detail::require(tokens >= 0, "kron_accumulate: tokens must be >= 0");
+  detail::require(ldH >= split_size(sj), "kron_accumulate: ldH is smaller than the block width");
+  if (tokens == 0) return;
+  const index_t ni = split_size(si), nj = split_size(sj);
+  const dim3 grid(detail::grid_x(ni), col_tiles(nj, ni));
+  kron_accumulate_kernel<T><<<grid, kMaxThreads, 0, detail::as_stream(stream)>>>(
+      tokens, static_cast<std::uint32_t>(ni), static_cast<std::uint32_t>(si.n_second), si.vec_on_first,
+      static_cast<std::uint32_t>(n_vec(si)), static_cast<std::uint32_t>(n_mat(si)), u, static_cast<std::uint32_t>(nj),
+      static_cast<std::uint32_t>(sj.n_second), sj.vec_on_first, static_cast<std::uint32_t>(n_vec(sj)),
+      static_cast<std::uint32_t>(n_mat(sj)), w, Gamma, alpha, H, ldH, upper_only);
+  detail::check_launch("kron_accumulate");
+}
+
+template <class T>
+void mirror_upper(T* H, index_t n, index_t ld, std::uintptr_t stream) {
+  detail::require(n >= 0 && ld >= n, "mirror_upper: need 0 <= n <= ld");
+  if (n < 2) return;
+  const index_t tiles = (n + kTile - 1) / kTile;
+  detail::require(tiles <= static_cast<index_t>(detail::kMaxGridY), "mirror_upper: matrix too large");
+  const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(tiles)), block(kTile, 8);
+  mirror_kernel<T><<<grid, block, 0, detail::as_stream(stream)>>>(H, n, ld);
+  detail::check_launch("mirror_upper");
+}
+
+template <class T>
+void blockdiag_dense(const T* blocks, index_t tokens, index_t r, index_t c, T* out, std::uintptr_t stream) {
+  detail::require(tokens >= 1 && r >= 1 && c >= 1, "blockdiag_dense: sizes must be >= 1");
+  const index_t rows = tokens * r, ncols = tokens * c;
+  const dim3 grid(detail::grid_x(rows), col_tiles(ncols, rows));
+  blockdiag_kernel<T><<<grid, kMaxThreads, 0, detail::as_stream(stream)>>>(blocks, tokens, r, c, out);
+  detail::check_launch("blockdiag_dense");
+}
+
+template <class T>
+void attention_dx(const T* A, const T* WV, const T* V, const T* F, const T* Qt, const T* D, index_t L, index_t d,
+                  index_t dv, T c, T* out, std::uintptr_t stream) {
+  detail::require(L >= 1 && d >= 1 && dv >= 1, "attention_dx: sizes must be >= 1");
+  require_u32(L * d, "attention_dx");
+  const index_t rows = L * dv, ncols = L * d;
+  const dim3 grid(detail::grid_x(rows), col_tiles(ncols, rows));
+  attention_dx_kernel<T><<<grid, kMaxThreads, 0, detail::as_stream(stream)>>>(
+      A, WV, V, F, Qt, D, L, static_cast<std::uint32_t>(d), dv, c, out);
+  detail::check_launch("attention_dx");
+}
+
+template <class T>
+void ffn_cross_dense(const T* C, index_t L, index_t d, index_t f, index_t e, T* out, std::uintptr_t stream) {
+  detail::require(L >= 1 && d >= 1 && f >= 1 && e >= 1, "ffn_cross_dense: sizes must be >= 1");
+  const index_t rows = L * e * d * f, n2 = f * e;
+  const cudaStream_t s = detail::as_stream(stream);
+  detail::check(cudaMemsetAsync(out, 0, sizeof(T) * static_cast<size_t>(rows * n2), s), "ffn_cross_dense memset");
+  ffn_cross_kernel<T><<<detail::elementwise_blocks(rows), kMaxThreads, 0, s>>>(C, L, d, f, e, out);
+  detail::check_launch("ffn_cross_dense");
+}
+
+#define BLOCKHESS_INSTANTIATE(T)                                                                                   \
+  template void commute<T>(const T*, index_t, index_t, index_t, T*, std::uintptr_t);                               \
+  template void commutation_dense<T>(index_t, index_t, T*, std::uintptr_t);                                        \
+  template void token_kron<T>(index_t, index_t, Split, const T*, const T*, T, T*, std::uintptr_t);                 \
+  template void kron_accumulate<T>(index_t, Split, const T*, Split, const T*, const T*, T, T*, index_t, bool,      \
+                                   std::uintptr_t);                                                                \
+  template void mirror_upper<T>(T*, index_t, index_t, std::uintptr_t);                                             \
+  template void blockdiag_dense<T>(const T*, index_t, index_t, index_t, T*, std::uintptr_t);                       \
+  template void attention_dx<T>(const T*, const T*, const T*, const T*, const T*, const T*, index_t, index_t,      \
+                                index_t, T, T*, std::uintptr_t);                                                   \
+  template void ffn_cross_dense<T>(const T*, index_t, index_t, index_t, index_t, T*, std::uintptr_t);
+BLOCKHESS_INSTANTIATE(float)
+BLOCKHESS_INSTANTIATE(double)
+#undef BLOCKHESS_INSTANTIATE
+
+}  // namespace blockhess::cuda::assembly
