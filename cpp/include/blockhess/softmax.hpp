@@ -36,14 +36,19 @@ BLOCKHESS_HD void jacobian_row(const T* a, index_t n, T* J) {
     for (index_t k = 0; k < n; ++k) J[j * n + k] = a[j] * ((j == k ? T(1) : T(0)) - a[k]);
 }
 
-// One entry H_i[j,k,l] = d2 a_j / dt_k dt_l (see the top of the file). Call it with k <= l so that
-// every writer of the symmetric pair produces the same bits.
+// One entry H_i[j,k,l] = d2 a_j / dt_k dt_l. The formula at the top of the file cancels badly
+// (e.g. a_j (2 a_j^2 + 1 - 3 a_j) near a_j = 1/2), so it is evaluated in factored form per case:
+//   j = k = l: a_j (1 - a_j) (1 - 2 a_j)        k = l != j: a_j a_k (2 a_k - 1)
+//   j = k != l: a_j a_l (2 a_j - 1)             j = l != k: a_j a_k (2 a_j - 1)
+//   all distinct: 2 a_j a_k a_l
+// Symmetric in (k, l) bit for bit.
 template <class T>
 BLOCKHESS_HD T hessian_entry(const T* a, index_t j, index_t k, index_t l) {
-  const T djk = j == k ? T(1) : T(0);
-  const T djl = j == l ? T(1) : T(0);
-  const T dkl = k == l ? T(1) : T(0);
-  return a[j] * (T(2) * a[k] * a[l] + djk * djl - dkl * a[k] - djk * a[l] - djl * a[k]);
+  const T aj = a[j];
+  if (k == l) return j == k ? aj * (T(1) - aj) * (T(1) - T(2) * aj) : aj * a[k] * (T(2) * a[k] - T(1));
+  if (j == k) return aj * a[l] * (T(2) * aj - T(1));
+  if (j == l) return aj * a[k] * (T(2) * aj - T(1));
+  return T(2) * aj * (k < l ? a[k] * a[l] : a[l] * a[k]);
 }
 
 // H_i[j,k,l] for one row, from a = softmax(t); n^3 entries, symmetric in (k, l).
