@@ -17,6 +17,8 @@ void parallel_for(index_t n, index_t work_per_item, Body&& body) {
     for (index_t i = 0; i < n; ++i) body(i);
     return;
   }
+#else
+  (void)work_per_item;  // only the OpenMP path uses it
 #endif
   for (index_t i = 0; i < n; ++i) body(i);
 }
