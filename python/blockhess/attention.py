@@ -27,11 +27,15 @@ def _prepare(X: Any, W_Q: Any, W_K: Any, W_V: Any):
         raise ValueError(f"X must have shape (L, d) with L, d >= 1, got {X.shape}")
     d_k = W_Q.shape[1]
     if W_Q.shape[0] != d or d_k < 1:
-        raise ValueError(f"W_Q must have shape ({d}, d_k) with d_k >= 1 to match X of shape {X.shape}, got {W_Q.shape}")
+        raise ValueError(
+            f"W_Q must have shape ({d}, d_k) with d_k >= 1 to match X of shape {X.shape}, got {W_Q.shape}"
+        )
     if W_K.shape != W_Q.shape:
         raise ValueError(f"W_K must have the shape of W_Q {W_Q.shape}, got {W_K.shape}")
     if W_V.shape[0] != d or W_V.shape[1] < 1:
-        raise ValueError(f"W_V must have shape ({d}, d_v) with d_v >= 1 to match X of shape {X.shape}, got {W_V.shape}")
+        raise ValueError(
+            f"W_V must have shape ({d}, d_v) with d_v >= 1 to match X of shape {X.shape}, got {W_V.shape}"
+        )
     _backend.on_device(X, W_Q, W_K, W_V)
     dtype = common_dtype(X, W_Q, W_K, W_V)
     return tuple(contiguous(a, dtype) for a in (X, W_Q, W_K, W_V)) + (dtype,)

@@ -27,7 +27,9 @@ def _prepare(Y: Any, W_1: Any, W_2: Any):
         raise ValueError(f"Y must have shape (L, d) with L, d >= 1, got {Y.shape}")
     d_ff = W_1.shape[1]
     if W_1.shape[0] != d or d_ff < 1:
-        raise ValueError(f"W_1 must have shape ({d}, d_ff) with d_ff >= 1 to match Y of shape {Y.shape}, got {W_1.shape}")
+        raise ValueError(
+            f"W_1 must have shape ({d}, d_ff) with d_ff >= 1 to match Y of shape {Y.shape}, got {W_1.shape}"
+        )
     if W_2.shape[0] != d_ff or W_2.shape[1] < 1:
         raise ValueError(f"W_2 must have shape ({d_ff}, d_out) to match W_1 of shape {W_1.shape}, got {W_2.shape}")
     _backend.on_device(Y, W_1, W_2)
