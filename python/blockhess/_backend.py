@@ -11,6 +11,8 @@ try:  # the CUDA module exists only when the package was built with nvcc
 except ImportError:  # pragma: no cover - depends on the build
     _cuda = None
 
+_REBUILD = "rebuild with CUDA on a machine with nvcc: BLOCKHESS_CUDA=ON pip install --no-build-isolation --no-deps ."
+
 
 def cuda_available() -> bool:
     """True when blockhess was built with CUDA and a GPU is visible."""
@@ -26,6 +28,26 @@ def is_device_array(x: Any) -> bool:
     return x is not None and hasattr(x, "__cuda_array_interface__")
 
 
+def require_gpu() -> None:
+    """RuntimeError, saying how to rebuild, unless the CUDA module is built and a GPU is visible."""
+    if not cuda_available():
+        reason = "this build of blockhess has no CUDA module" if _cuda is None else "no usable GPU is visible"
+        raise RuntimeError(f"got a GPU array but {reason}; {_REBUILD}")
+
+
+def device_module() -> Any:
+    """CuPy, for GPU arrays; RuntimeError when the GPU path cannot run in this process."""
+    require_gpu()
+    try:
+        import cupy
+    except ImportError:
+        raise RuntimeError(
+            "got a GPU array but CuPy is not installed; blockhess returns CuPy arrays for GPU inputs: "
+            "pip install cupy-cuda13x (or the blockhess[cuda] extra)"
+        ) from None
+    return cupy
+
+
 def on_device(*arrays: Any) -> bool:
     """True if the arrays live on a GPU, False if on the host; TypeError when they are mixed."""
     flags = {is_device_array(a) for a in arrays if a is not None}
@@ -34,10 +56,6 @@ def on_device(*arrays: Any) -> bool:
             "inputs mix host (numpy) and device (CuPy) arrays; move them all to one side first"
         )
     device = flags == {True}
-    if device and not cuda_available():
-        reason = "this build of blockhess has no CUDA module" if _cuda is None else "no usable GPU is visible"
-        raise RuntimeError(
-            f"got a GPU array but {reason}; rebuild with CUDA on a machine with nvcc: "
-            "BLOCKHESS_CUDA=ON pip install --no-build-isolation --no-deps ."
-        )
+    if device:
+        require_gpu()
     return device

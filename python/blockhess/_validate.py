@@ -18,11 +18,11 @@ FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 def _xp(x: Any):
-    """numpy, or cupy for arrays that live on a GPU."""
+    """numpy, or cupy for arrays that live on a GPU (RuntimeError when the GPU path cannot run)."""
     if hasattr(x, "__cuda_array_interface__"):
-        import cupy
+        from ._backend import device_module
 
-        return cupy
+        return device_module()
     return np
 
 
@@ -34,13 +34,32 @@ def float_array(x: Any, name: str, *, ndim: int | tuple[int, ...] | None = None)
     """
     if x is None:
         raise TypeError(f"{name} must be an array, got None")
-    xp = _xp(x)
-    if not hasattr(x, "dtype"):
+    from ._backend import cuda_available, is_device_array
+
+    if is_device_array(x) and not cuda_available():
+        # A GPU array that this process cannot run: only its metadata is checked here, and the
+        # caller's _backend.on_device() then raises TypeError (mixed with host arrays) or a
+        # RuntimeError that says how to rebuild.
+        xp = None
+    else:
+        xp = _xp(x)
+        if xp is not np and not isinstance(x, xp.ndarray):
+            x = xp.asarray(x)  # torch CUDA tensors, Numba arrays...: zero-copy via __cuda_array_interface__
+    if xp is None:
         try:
-            x = xp.asarray(x)
-        except (ValueError, TypeError) as err:
-            raise TypeError(f"{name} must be a numeric array: {err}") from None
-    dtype = np.dtype(x.dtype)
+            dtype = np.dtype(x.dtype)
+        except (AttributeError, TypeError):  # e.g. a torch CUDA tensor: nothing more to check here
+            from ._backend import require_gpu
+
+            require_gpu()
+            raise
+    else:
+        if not hasattr(x, "dtype"):
+            try:
+                x = xp.asarray(x)
+            except (ValueError, TypeError) as err:
+                raise TypeError(f"{name} must be a numeric array: {err}") from None
+        dtype = np.dtype(x.dtype)
     if dtype not in FLOAT_DTYPES:
         if dtype.kind == "f" and dtype.itemsize < 4:
             hint = f"; cast it with {name}.astype(np.float32) if that is what you want"
@@ -49,10 +68,10 @@ def float_array(x: Any, name: str, *, ndim: int | tuple[int, ...] | None = None)
         raise TypeError(f"{name} must have dtype float32 or float64, got {dtype}{hint}")
     if ndim is not None:
         allowed = (ndim,) if isinstance(ndim, int) else ndim
-        if x.ndim not in allowed:
+        if len(x.shape) not in allowed:
             want = " or ".join(f"{k}-D" for k in allowed)
             raise ValueError(f"{name} must be {want}, got shape {tuple(x.shape)}")
-    if x.size and not bool(xp.isfinite(x).all()):
+    if xp is not None and x.size and not bool(xp.isfinite(x).all()):
         raise ValueError(f"{name} contains NaN or Inf")
     return x
 

@@ -1,0 +1,218 @@
+"""Array-level wrappers around the ``_cuda`` launchers (private).
+
+Each function takes CuPy arrays that already have the right dtype, shape and C-contiguous layout
+(the callers in :mod:`blockhess._gpu` allocate them), checks that, and enqueues one kernel on
+CuPy's current stream of the current device. Nothing is copied and nothing synchronises.
+
+The tests swap this module for a NumPy emulation with the same functions, which runs the
+orchestration in :mod:`blockhess._gpu` on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import _backend
+
+_SUFFIX = {np.dtype(np.float32): "_f32", np.dtype(np.float64): "_f64"}
+
+Split = tuple[int, int, bool]  # (n_first, n_second, vec_on_first), as blockhess::cuda::Split
+
+
+def _stream() -> int:
+    import cupy
+
+    return int(cupy.cuda.get_current_stream().ptr)
+
+
+def _fn(name: str, dtype: Any):
+    return getattr(_backend._cuda, name + _SUFFIX[np.dtype(dtype)])
+
+
+def _ptr(a: Any) -> int:
+    return 0 if a is None else int(a.data.ptr)
+
+
+def _check(dtype: np.dtype, *pairs: tuple[Any, tuple[int, ...] | None]) -> None:
+    """Every array (None allowed) has ``dtype``, is C-contiguous and has the given shape."""
+    for a, shape in pairs:
+        if a is None:
+            continue
+        if np.dtype(a.dtype) != dtype or not a.flags.c_contiguous or (shape is not None and tuple(a.shape) != shape):
+            raise RuntimeError(
+                f"blockhess internal error: kernel argument {a.dtype} {tuple(a.shape)} "
+                f"(C-contiguous: {a.flags.c_contiguous}) where {dtype} {shape} was expected"
+            )
+
+
+# ---- LayerNorm ----------------------------------------------------------------------------------
+
+def ln_forward(X, eps, gamma, beta, Z, sigma) -> None:
+    L, d = X.shape
+    _check(X.dtype, (X, None), (gamma, (d,)), (beta, (d,)), (Z, (L, d)), (sigma, (L,)))
+    _fn("layernorm_forward", X.dtype)(_ptr(X), L, d, float(eps), _ptr(gamma), _ptr(beta), _ptr(Z), _ptr(sigma), _stream())
+
+
+def ln_slab(X, eps, gamma, kind: int, out, sigma, tile_elems: int = 0) -> None:
+    """kind 0: Jacobian blocks, 1: dZ/dgamma, 2: dZ/dbeta; out (L, d, d)."""
+    L, d = X.shape
+    _check(X.dtype, (X, None), (gamma, (d,)), (out, (L, d, d)), (sigma, (L,)))
+    _fn("layernorm_jacobian_blocks", X.dtype)(
+        _ptr(X), L, d, float(eps), _ptr(gamma), int(kind), _ptr(out), _ptr(sigma), _stream(), int(tile_elems)
+    )
+
+
+def ln_jacobian_dense(X, eps, gamma, out, sigma) -> None:
+    L, d = X.shape
+    _check(X.dtype, (X, None), (gamma, (d,)), (out, (L * d, L * d)), (sigma, (L,)))
+    _fn("layernorm_jacobian_dense", X.dtype)(_ptr(X), L, d, float(eps), _ptr(gamma), _ptr(out), _ptr(sigma), _stream())
+
+
+def ln_hessian_blocks(X, eps, gamma, out, sigma) -> None:
+    L, d = X.shape
+    _check(X.dtype, (X, None), (gamma, (d,)), (out, (L, d, d, d)), (sigma, (L,)))
+    _fn("layernorm_hessian_blocks", X.dtype)(_ptr(X), L, d, float(eps), _ptr(gamma), _ptr(out), _ptr(sigma), _stream())
+
+
+def ln_hessian_dense(X, eps, gamma, out, sigma) -> None:
+    L, d = X.shape
+    n = L * d
+    _check(X.dtype, (X, None), (gamma, (d,)), (out, (n * n, n)), (sigma, (L,)))
+    _fn("layernorm_hessian_dense", X.dtype)(_ptr(X), L, d, float(eps), _ptr(gamma), _ptr(out), _ptr(sigma), _stream())
+
+
+def ln_hessian_contract(X, eps, gamma, G, out, sigma) -> None:
+    L, d = X.shape
+    _check(X.dtype, (X, None), (gamma, (d,)), (G, (L, d)), (out, (L, d, d)), (sigma, (L,)))
+    _fn("layernorm_hessian_contract", X.dtype)(
+        _ptr(X), L, d, float(eps), _ptr(gamma), _ptr(G), _ptr(out), _ptr(sigma), _stream()
+    )
+
+
+# ---- softmax ------------------------------------------------------------------------------------
+
+def softmax_forward(T, A) -> None:
+    m, n = T.shape
+    _check(T.dtype, (T, None), (A, (m, n)))
+    _fn("softmax_forward", T.dtype)(_ptr(T), m, n, _ptr(A), _stream())
+
+
+def _softmax_derivative(name: str, A, out, shape) -> None:
+    m, n = A.shape
+    _check(A.dtype, (A, None), (out, shape))
+    _fn(name, A.dtype)(_ptr(A), m, n, _ptr(out), _stream())
+
+
+def softmax_jacobian_blocks(A, out) -> None:
+    m, n = A.shape
+    _softmax_derivative("softmax_jacobian_blocks", A, out, (m, n, n))
+
+
+def softmax_jacobian_dense(A, out) -> None:
+    m, n = A.shape
+    _softmax_derivative("softmax_jacobian_dense", A, out, (m * n, m * n))
+
+
+def softmax_hessian_blocks(A, out) -> None:
+    m, n = A.shape
+    _softmax_derivative("softmax_hessian_blocks", A, out, (m, n, n, n))
+
+
+def softmax_hessian_dense(A, out) -> None:
+    m, n = A.shape
+    _softmax_derivative("softmax_hessian_dense", A, out, ((m * n) ** 2, m * n))
+
+
+def softmax_hessian_contract(A, G, out) -> None:
+    m, n = A.shape
+    _check(A.dtype, (A, None), (G, (m, n)), (out, (m, n, n)))
+    _fn("softmax_hessian_contract", A.dtype)(_ptr(A), _ptr(G), m, n, _ptr(out), _stream())
+
+
+def softmax_vjp(A, G, out) -> None:
+    m, n = A.shape
+    _check(A.dtype, (A, None), (G, (m, n)), (out, (m, n)))
+    _fn("softmax_vjp", A.dtype)(_ptr(A), _ptr(G), m, n, _ptr(out), _stream())
+
+
+# ---- structured assembly ------------------------------------------------------------------------
+
+def commute(v, m: int, n: int, out) -> None:
+    """out = K_{m,n} v for v of shape (m n,) or (m n, cols)."""
+    cols = 1 if v.ndim == 1 else int(v.shape[1])
+    _check(v.dtype, (v, (m * n,) if v.ndim == 1 else (m * n, cols)), (out, tuple(v.shape)))
+    _fn("commute", v.dtype)(_ptr(v), m, n, cols, _ptr(out), _stream())
+
+
+def commutation_dense(m: int, n: int, out) -> None:
+    _check(out.dtype, (out, (m * n, m * n)))
+    _fn("commutation_dense", out.dtype)(m, n, _ptr(out), _stream())
+
+
+def _n_vec(s: Split) -> int:
+    return s[0] if s[2] else s[1]
+
+
+def _n_mat(s: Split) -> int:
+    return s[1] if s[2] else s[0]
+
+
+def token_kron(u, M, split: Split, scale: float, out) -> None:
+    """out[t R + a, flat(o, r)] = scale u[t, o] M[t, a, r]; M None means M_t = I (R = n_mat)."""
+    tokens = int(u.shape[0])
+    R = _n_mat(split) if M is None else int(M.shape[1])
+    _check(u.dtype, (u, (tokens, _n_vec(split))), (M, (tokens, R, _n_mat(split))), (out, (tokens * R, split[0] * split[1])))
+    _fn("token_kron", u.dtype)(tokens, R, split[0], split[1], bool(split[2]), _ptr(u), _ptr(M), float(scale), _ptr(out), _stream())
+
+
+def kron_accumulate(u, si: Split, w, sj: Split, Gamma, alpha: float, H, row0: int, col0: int, upper_only: bool) -> None:
+    """H[row0 + flat_i(oi, ri), col0 + flat_j(oj, rj)] += alpha sum_t u[t,oi] w[t,oj] Gamma[t,ri,rj]."""
+    tokens = int(u.shape[0])
+    ni, nj = si[0] * si[1], sj[0] * sj[1]
+    _check(
+        H.dtype, (u, (tokens, _n_vec(si))), (w, (tokens, _n_vec(sj))), (Gamma, (tokens, _n_mat(si), _n_mat(sj))), (H, None)
+    )
+    if H.ndim != 2:
+        raise RuntimeError(f"blockhess internal error: H must be 2-D, got shape {tuple(H.shape)}")
+    rows, ld = H.shape
+    if row0 < 0 or col0 < 0 or row0 + ni > rows or col0 + nj > ld:
+        raise RuntimeError(f"blockhess internal error: block ({row0}+{ni}, {col0}+{nj}) outside H {tuple(H.shape)}")
+    block = _ptr(H) + (row0 * ld + col0) * H.itemsize
+    _fn("kron_accumulate", H.dtype)(
+        tokens, si[0], si[1], bool(si[2]), _ptr(u), sj[0], sj[1], bool(sj[2]), _ptr(w), _ptr(Gamma), float(alpha),
+        block, ld, bool(upper_only), _stream(),
+    )
+
+
+def mirror_upper(H) -> None:
+    n = int(H.shape[0])
+    _check(H.dtype, (H, (n, n)))
+    _fn("mirror_upper", H.dtype)(_ptr(H), n, n, _stream())
+
+
+def blockdiag_dense(blocks, out) -> None:
+    tokens, r, c = blocks.shape
+    _check(blocks.dtype, (blocks, None), (out, (tokens * r, tokens * c)))
+    _fn("blockdiag_dense", blocks.dtype)(_ptr(blocks), tokens, r, c, _ptr(out), _stream())
+
+
+def attention_dx(A, W_V, V, F, Qt, D, c: float, out) -> None:
+    """dF/dX (L dv, L d) of single-head attention from its forward quantities (see assembly.hpp)."""
+    L = int(A.shape[0])
+    d, dv = W_V.shape
+    _check(A.dtype, (A, (L, L)), (W_V, None), (V, (L, dv)), (F, (L, dv)), (Qt, (L, d)), (D, (L, dv, d)), (out, (L * dv, L * d)))
+    _fn("attention_dx", A.dtype)(
+        _ptr(A), _ptr(W_V), _ptr(V), _ptr(F), _ptr(Qt), _ptr(D), L, d, dv, float(c), _ptr(out), _stream()
+    )
+
+
+def ffn_cross_dense(C, e: int, out) -> None:
+    L, d, f = C.shape
+    _check(C.dtype, (C, None), (out, (L * e * d * f, f * e)))
+    _fn("ffn_cross_dense", C.dtype)(_ptr(C), L, d, f, e, _ptr(out), _stream())
+
+
+def synchronize() -> None:
+    _backend._cuda.synchronize(_stream())

@@ -1,0 +1,188 @@
+"""The GPU code path (blockhess._gpu + blockhess._gpu_launch) run on NumPy arrays, with the CUDA
+kernels replaced by the NumPy emulation of tests/gpu_emulation.py, against the CPU core.
+
+This checks, on any machine, everything of the GPU path except the kernel bodies: the orchestration
+(cuBLAS-side products, per-token factors, which kernel gets which array), the launcher contracts
+(shapes, dtypes, layouts, pointer offsets) and the error paths. tests/test_cuda.py runs the real
+kernels where a GPU exists.
+"""
+
+import gpu_emulation
+import numpy as np
+import pytest
+
+import blockhess
+from blockhess import _gpu
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    return gpu_emulation.install(monkeypatch)
+
+
+def rel(a, b):
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
+
+
+TOL = 1e-12
+
+
+@pytest.mark.parametrize("L,d", [(1, 2), (3, 5), (6, 4)])
+@pytest.mark.parametrize("eps", [0.0, 1e-3])
+@pytest.mark.parametrize("affine", [False, True])
+def test_layernorm(fake, rng, L, d, eps, affine):
+    X = rng.standard_normal((L, d)) + 0.2
+    gamma = rng.standard_normal(d) if affine else None
+    beta = rng.standard_normal(d) if affine else None
+    G = rng.standard_normal((L, d))
+    scale = 1.0 if d == 2 else 1e-300
+    r = lambda a, b: np.linalg.norm(a - b) / max(np.linalg.norm(b), scale)  # noqa: E731
+    assert r(_gpu.layernorm(X, eps, gamma, beta), blockhess.layernorm(X, eps, gamma, beta)) <= TOL
+    for layout in ("dense", "blocks"):
+        assert r(_gpu.layernorm_jacobian(X, eps, gamma, layout, "X"),
+                 blockhess.layernorm_jacobian(X, eps=eps, gamma=gamma, layout=layout)) <= TOL
+        assert r(_gpu.layernorm_hessian(X, eps, gamma, layout),
+                 blockhess.layernorm_hessian(X, eps=eps, gamma=gamma, layout=layout)) <= TOL
+    for wrt in ("gamma", "beta"):
+        got = _gpu.layernorm_jacobian(X, eps, gamma, "dense", wrt)
+        np.testing.assert_array_equal(got, blockhess.layernorm_jacobian(X, eps=eps, gamma=gamma, wrt=wrt))
+    assert r(_gpu.layernorm_hessian_contract(X, G, eps, gamma),
+             blockhess.layernorm_hessian_contract(X, G, eps=eps, gamma=gamma)) <= TOL
+    assert {"layernorm_forward", "layernorm_jacobian_dense", "layernorm_jacobian_blocks", "layernorm_hessian_dense",
+            "layernorm_hessian_blocks", "layernorm_hessian_contract"} <= set(fake.calls)
+
+
+def test_layernorm_zero_variance_message_matches_cpu(fake):
+    X = np.array([[1.0, 2.0, 3.0], [2.0, 2.0, 2.0]])
+    with pytest.raises(ValueError) as cpu:
+        blockhess.layernorm_jacobian(X)
+    for call in (lambda: _gpu.layernorm(X, 0.0, None, None),
+                 lambda: _gpu.layernorm_jacobian(X, 0.0, None, "blocks", "X"),
+                 lambda: _gpu.layernorm_hessian(X, 0.0, None, "dense"),
+                 lambda: _gpu.layernorm_hessian_contract(X, X, 0.0, None)):
+        with pytest.raises(ValueError) as gpu:
+            call()
+        assert str(gpu.value) == str(cpu.value)
+    assert np.isfinite(_gpu.layernorm_jacobian(X, 1e-5, None, "blocks", "X")).all()
+
+
+@pytest.mark.parametrize("m,n", [(1, 1), (3, 3), (2, 5), (4, 3)])
+def test_softmax(fake, rng, m, n):
+    T = rng.standard_normal((m, n)) * 2
+    assert rel(_gpu.softmax(T), blockhess.softmax(T)) <= TOL
+    for layout in ("dense", "blocks"):
+        assert rel(_gpu.softmax_jacobian(T, layout), blockhess.softmax_jacobian(T, layout=layout)) <= TOL
+        assert rel(_gpu.softmax_hessian(T, layout), blockhess.softmax_hessian(T, layout=layout)) <= TOL
+
+
+def test_commutation(fake, rng):
+    A = rng.standard_normal((3, 5))
+    v = blockhess.vec_r(A)
+    np.testing.assert_array_equal(_gpu.vec_r(A), v)
+    np.testing.assert_array_equal(_gpu.unvec_r(v, 3, 5), A)
+    np.testing.assert_array_equal(_gpu.commute(v, 3, 5), blockhess.commute(v, 3, 5))
+    M = rng.standard_normal((15, 4))
+    np.testing.assert_array_equal(_gpu.commute(M, 5, 3), blockhess.commute(M, 5, 3))
+    np.testing.assert_array_equal(_gpu.commutation_matrix(3, 5, np.float64, A), blockhess.commutation_matrix(3, 5))
+    B, X = rng.standard_normal((2, 4)), rng.standard_normal((5, 4))
+    assert rel(_gpu.kron_apply(A, B, X), blockhess.kron_apply(A, B, X)) <= TOL
+
+
+@pytest.mark.parametrize("L,d,dk,dv", [(1, 2, 3, 2), (4, 3, 2, 5), (5, 4, 4, 4)])
+def test_attention(fake, rng, L, d, dk, dv):
+    X, WQ, WK, WV = (rng.standard_normal(s) for s in ((L, d), (d, dk), (d, dk), (d, dv)))
+    assert rel(_gpu.attention(X, WQ, WK, WV), blockhess.attention(X, WQ, WK, WV)) <= TOL
+    for wrt in ("W_Q", "W_K", "W_V", "X"):
+        got = _gpu.attention_jacobian(X, WQ, WK, WV, wrt)
+        want = blockhess.attention_jacobian(X, WQ, WK, WV, wrt)
+        assert rel(got, want) <= TOL, wrt
+
+
+@pytest.mark.parametrize("L,d,f,e", [(1, 2, 3, 2), (4, 3, 5, 2), (3, 4, 4, 4)])
+def test_ffn(fake, rng, L, d, f, e):
+    Y, W1, W2 = rng.standard_normal((L, d)), rng.standard_normal((d, f)), rng.standard_normal((f, e))
+    assert rel(_gpu.ffn(Y, W1, W2), blockhess.ffn(Y, W1, W2)) <= TOL
+    for wrt in ("W_1", "W_2", "Y"):
+        assert rel(_gpu.ffn_jacobian(Y, W1, W2, wrt, "dense"), blockhess.ffn_jacobian(Y, W1, W2, wrt)) <= TOL
+    assert rel(_gpu.ffn_jacobian(Y, W1, W2, "Y", "blocks"), blockhess.ffn_jacobian(Y, W1, W2, "Y", layout="blocks")) <= TOL
+    for layout in ("dense", "blocks"):
+        np.testing.assert_array_equal(_gpu.ffn_cross_hessian(Y, W1, W2, layout),
+                                      blockhess.ffn_cross_hessian(Y, W1, W2, layout=layout))
+
+
+def _block(rng, B, L, d, dk, dff, dtype=np.float64):
+    params = blockhess.BlockParams(*(rng.standard_normal(s).astype(dtype) * 0.6
+                                     for s in ((d, dk), (d, dk), (d, d), (d, dff), (dff, d))))
+    X = rng.standard_normal((B, L, d)).astype(dtype)
+    return X, params
+
+
+BLOCK_SHAPES = [(1, 3, 4, 2, 5), (2, 4, 3, 3, 6), (1, 5, 6, 4, 3)]
+
+
+@pytest.mark.parametrize("B,L,d,dk,dff", BLOCK_SHAPES)
+@pytest.mark.parametrize("eps", [0.0, 1e-3])
+def test_block_forward_jacobian_gradient(fake, rng, B, L, d, dk, dff, eps):
+    X, params = _block(rng, B, L, d, dk, dff)
+    W = params.arrays
+    assert rel(_gpu.block_forward(X, W, eps), blockhess.block_forward(X, params, eps=eps)) <= TOL
+    T = rng.standard_normal(X.shape)
+    classes = rng.integers(0, d, size=(B, L))
+    for kind, values, cls, target, loss in ((0, T, None, T, "mse"), (1, None, classes, classes, "cross_entropy")):
+        assert abs(_gpu.loss_value(X, W, eps, kind, values, cls) -
+                   blockhess.loss_value(X, target, params, loss=loss, eps=eps)) <= 1e-12
+        assert rel(_gpu.loss_gradient(X, W, eps, kind, values, cls),
+                   blockhess.loss_gradient(X, target, params, loss=loss, eps=eps)) <= TOL
+    for p, name in enumerate(params.names):
+        assert rel(_gpu.block_jacobian(X[:1], W, eps, p), blockhess.block_jacobian(X[0], params, name, eps=eps)) <= TOL
+
+
+@pytest.mark.parametrize("B,L,d,dk,dff", BLOCK_SHAPES)
+@pytest.mark.parametrize("loss", ["mse", "cross_entropy"])
+@pytest.mark.parametrize("part", ["full", "outer", "functional"])
+def test_block_loss_hessian(fake, rng, B, L, d, dk, dff, loss, part):
+    X, params = _block(rng, B, L, d, dk, dff)
+    target = rng.standard_normal(X.shape) if loss == "mse" else rng.integers(0, d, size=(B, L))
+    kind = 0 if loss == "mse" else 1
+    values, classes = (target, None) if loss == "mse" else (None, target)
+    code = ("full", "outer", "functional").index(part)
+    H = _gpu.loss_hessian(X, params.arrays, 1e-3, kind, values, classes, code, [True] * 5)
+    want = blockhess.loss_hessian(X, target, params, loss=loss, part=part, eps=1e-3)
+    assert rel(H, want) <= TOL
+    np.testing.assert_array_equal(H, H.T)
+
+
+@pytest.mark.parametrize("wrt", [("W_Q",), ("W_K", "W_2"), ("W_Q", "W_K", "W_V"), ("W_V", "W_1")])
+def test_block_loss_hessian_subsets(fake, rng, wrt):
+    X, params = _block(rng, 2, 4, 3, 2, 5)
+    T = rng.standard_normal(X.shape)
+    selected = [n in wrt for n in params.names]
+    H = _gpu.loss_hessian(X, params.arrays, 0.0, 0, T, None, 0, selected)
+    assert rel(H, blockhess.loss_hessian(X, T, params, wrt=wrt)) <= TOL
+
+
+def test_block_output_hessian(fake, rng):
+    X, params = _block(rng, 1, 3, 4, 2, 3)
+    for i, j in ((0, 0), (0, 1), (4, 0), (3, 4), (2, 2), (1, 3)):
+        got = _gpu.block_output_hessian(X, params.arrays, 1e-3, i, j)
+        want = blockhess.block_output_hessian(X[0], params, params.names[i], params.names[j], eps=1e-3)
+        assert rel(got, want) <= TOL, (i, j)
+
+
+def test_block_float32(fake, rng):
+    X, params = _block(rng, 2, 4, 3, 3, 4, dtype=np.float32)
+    T = rng.standard_normal(X.shape).astype(np.float32)
+    H = _gpu.loss_hessian(X, params.arrays, 1e-3, 0, T, None, 0, [True] * 5)
+    assert H.dtype == np.float32
+    assert rel(H, blockhess.loss_hessian(X, T, params, eps=1e-3)) <= 1e-4
+
+
+def test_gamma_chunking_matches(fake, rng, monkeypatch):
+    """Gamma formed one sample at a time gives the same Hessian."""
+    X, params = _block(rng, 3, 4, 3, 2, 4)
+    T = rng.standard_normal(X.shape)
+    whole = _gpu.loss_hessian(X, params.arrays, 0.0, 0, T, None, 0, [True] * 5)
+    monkeypatch.setattr(_gpu, "_GAMMA_BUDGET", 1)
+    assert rel(_gpu.loss_hessian(X, params.arrays, 0.0, 0, T, None, 0, [True] * 5), whole) <= 1e-14
