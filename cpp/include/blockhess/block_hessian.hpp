@@ -141,7 +141,6 @@ void assemble_hessian(const Forward<T>& f, const Weights<T>& W, const Factors<T>
   const index_t L = D.L, d = D.d, dk = D.dk, dff = D.dff, n = f.tokens();
   std::array<index_t, kNumParams> off{};
   const index_t P = offsets(D, wrt, off);
-  std::fill(H, H + P * P, T(0));
   auto block = [&](int i, int j) { return H + off[i] * P + off[j]; };
   const bool outer = part != Part::functional && hessZ != nullptr;
   const bool functional = part != Part::outer;
@@ -162,12 +161,14 @@ void assemble_hessian(const Forward<T>& f, const Weights<T>& W, const Factors<T>
       Om += C;
     }
   });
+  // This first term reaches every entry of the upper block triangle, so it overwrites H (no zero
+  // fill); everything after it adds; the lower triangle is mirrored at the end.
   for (int i = 0; i < kNumParams; ++i)
     for (int j = i; j < kNumParams; ++j)
       if (wrt[i] && wrt[j])
         kron::accumulate(n, fa.split[i], fa.vec[i].data(), fa.split[j], fa.vec[j].data(),
                          detail::sandwich(fa.US[i], fa.split[i].n_mat(), omegaS, fa.US[j], fa.split[j].n_mat(), d),
-                         T(1), block(i, j), P, i == j);
+                         T(1), block(i, j), P, i == j, /*overwrite=*/true);
 
   if (functional) {
     const T s = f.inv_sqrt_dk();
