@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _backend, _core
+from . import _backend, _core, _gpu
 from ._validate import (
     choice,
     common_dtype,
@@ -45,6 +45,8 @@ def _prepare(X: Any, eps: Any, gamma: Any = None, beta: Any = None, G: Any = Non
 def layernorm(X: Any, eps: float = 0.0, gamma: Any = None, beta: Any = None) -> np.ndarray:
     """LN(X) row by row: ``gamma * (X - mean) / sqrt(var + eps) + beta``; same shape and dtype as X."""
     X, eps, dtype, gamma, beta, _ = _prepare(X, eps, gamma, beta)
+    if _backend.on_device(X, gamma, beta):
+        return _gpu.layernorm(X, eps, gamma, beta)
     out = np.empty_like(X)
     _core.layernorm_forward(X, eps, gamma, beta, out)
     return out
@@ -67,6 +69,8 @@ def layernorm_jacobian(
         require_output_fits(shape, dtype, "the dense LayerNorm Jacobian", 'use layout="blocks"')
     else:
         shape, kind = (L * d, d), (2 if wrt == "gamma" else 3)
+    if _backend.on_device(X, gamma):
+        return _gpu.layernorm_jacobian(X, eps, gamma, layout, wrt)
     out = np.empty(shape, dtype=dtype)
     _core.layernorm_jacobian(X, eps, gamma, kind, out)
     return out
@@ -86,6 +90,8 @@ def layernorm_hessian(X: Any, *, eps: float = 0.0, gamma: Any = None, layout: st
         shape, dtype, "the dense LayerNorm second derivative",
         'use layout="blocks" or layernorm_hessian_contract',
     )
+    if _backend.on_device(X, gamma):
+        return _gpu.layernorm_hessian(X, eps, gamma, layout)
     out = np.empty(shape, dtype=dtype)
     _core.layernorm_hessian(X, eps, gamma, kind, out)
     return out
@@ -100,6 +106,8 @@ def layernorm_hessian_contract(X: Any, G: Any, *, eps: float = 0.0, gamma: Any =
     if G is None:
         raise TypeError("G must be an array of shape (L, d), got None")
     L, d = X.shape
+    if _backend.on_device(X, G, gamma):
+        return _gpu.layernorm_hessian_contract(X, G, eps, gamma)
     out = np.empty((L, d, d), dtype=dtype)
     _core.layernorm_hessian_contract(X, eps, gamma, G, out)
     return out
