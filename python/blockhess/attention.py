@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _backend, _core
+from . import _backend, _core, _gpu
 from ._validate import choice, common_dtype, contiguous, float_array, require_output_fits
 
 _WRT = ("W_Q", "W_K", "W_V", "X")
@@ -44,6 +44,8 @@ def _prepare(X: Any, W_Q: Any, W_K: Any, W_V: Any):
 def attention(X: Any, W_Q: Any, W_K: Any, W_V: Any) -> np.ndarray:
     """``softmax(X W_Q W_K^T X^T / sqrt(d_k)) X W_V``, shape (L, d_v)."""
     X, W_Q, W_K, W_V, dtype = _prepare(X, W_Q, W_K, W_V)
+    if _backend.on_device(X, W_Q, W_K, W_V):
+        return _gpu.attention(X, W_Q, W_K, W_V)
     out = np.empty((X.shape[0], W_V.shape[1]), dtype=dtype)
     _core.attention_forward(X, W_Q, W_K, W_V, out)
     return out
@@ -64,6 +66,8 @@ def attention_jacobian(X: Any, W_Q: Any, W_K: Any, W_V: Any, wrt: str) -> np.nda
     n_wrt = {"W_Q": d * d_k, "W_K": d * d_k, "W_V": d * d_v, "X": L * d}[wrt]
     shape = (L * d_v, n_wrt)
     require_output_fits(shape, dtype, f"the attention Jacobian with respect to {wrt}", "use fewer tokens")
+    if _backend.on_device(X, W_Q, W_K, W_V):
+        return _gpu.attention_jacobian(X, W_Q, W_K, W_V, wrt)
     out = np.empty(shape, dtype=dtype)
     _core.attention_jacobian(X, W_Q, W_K, W_V, _WRT.index(wrt), out)
     return out

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _backend, _core
+from . import _backend, _core, _gpu
 from ._validate import _xp as _array_module
 from ._validate import choice, common_dtype, contiguous, float_array, nonneg_scalar, require_output_fits
 
@@ -140,7 +140,7 @@ def _target(target: Any, loss: str, X3: np.ndarray, batched: bool, dtype: np.dty
     if target.size and (int(target.min()) < 0 or int(target.max()) >= d):
         bad = int(target.min()) if int(target.min()) < 0 else int(target.max())
         raise ValueError(f"class index {bad} is out of range: classes must lie in [0, {d}) (the rows of Z have d = {d} logits)")
-    return None, np.ascontiguousarray(target, dtype=np.int64).reshape(B, L)
+    return None, _array_module(target).ascontiguousarray(target, dtype=np.int64).reshape(B, L)
 
 
 def block_forward(X: Any, params: BlockParams, *, eps: float = 0.0) -> np.ndarray:
@@ -148,6 +148,8 @@ def block_forward(X: Any, params: BlockParams, *, eps: float = 0.0) -> np.ndarra
     params = _check_params(params)
     eps = nonneg_scalar(eps, "eps")
     X3, W, dtype = _batch(X, params)
+    if _backend.on_device(X3):
+        return _gpu.block_forward(X3, W, eps).reshape(tuple(X.shape))
     out = np.empty_like(X3)
     _core.block_forward(X3, *W, eps, out)
     return out.reshape(np.shape(X))
@@ -162,6 +164,8 @@ def block_jacobian(X: Any, params: BlockParams, wrt: str, *, eps: float = 0.0) -
     L, d = X3.shape[1:]
     shape = (L * d, params.sizes[p])
     require_output_fits(shape, dtype, f"the block Jacobian with respect to {wrt}", "use loss_gradient or a smaller L")
+    if _backend.on_device(X3):
+        return _gpu.block_jacobian(X3, W, eps, p)
     out = np.empty(shape, dtype=dtype)
     _core.block_jacobian(X3, *W, eps, p, out)
     return out
@@ -180,6 +184,8 @@ def block_output_hessian(X: Any, params: BlockParams, wrt_i: str, wrt_j: str, *,
     L, d = X3.shape[1:]
     shape = (L * d * params.sizes[i], params.sizes[j])
     require_output_fits(shape, dtype, f"d2Z/d{wrt_i}d{wrt_j}", "use loss_hessian, which contracts it with the loss")
+    if _backend.on_device(X3):
+        return _gpu.block_output_hessian(X3, W, eps, i, j)
     out = np.empty(shape, dtype=dtype)
     _core.block_output_hessian(X3, *W, eps, i, j, out)
     return out
@@ -190,6 +196,7 @@ def _loss_inputs(X, target, params, loss, eps):
     loss = choice(loss, "loss", tuple(_LOSSES))
     eps = nonneg_scalar(eps, "eps")
     X3, W, dtype = _batch(X, params)
+    _backend.on_device(X3, target)  # TypeError for a target on the other side of X
     values, classes = _target(target, loss, X3, np.ndim(X) == 3, dtype)
     return params, X3, W, dtype, eps, _LOSSES[loss], values, classes
 
@@ -197,6 +204,8 @@ def _loss_inputs(X, target, params, loss, eps):
 def loss_value(X: Any, target: Any, params: BlockParams, *, loss: str = "mse", eps: float = 0.0) -> float:
     """The loss of the block output: mean over the batch of the per-sample loss."""
     params, X3, W, dtype, eps, kind, values, classes = _loss_inputs(X, target, params, loss, eps)
+    if _backend.on_device(X3):
+        return _gpu.loss_value(X3, W, eps, kind, values, classes)
     return float(_core.loss_gradient(X3, *W, eps, kind, values, classes, None))
 
 
@@ -208,6 +217,8 @@ def loss_gradient(X: Any, target: Any, params: BlockParams, *, loss: str = "mse"
     A batch X (B, L, d) gives the gradient of the batch-mean loss.
     """
     params, X3, W, dtype, eps, kind, values, classes = _loss_inputs(X, target, params, loss, eps)
+    if _backend.on_device(X3):
+        return _gpu.loss_gradient(X3, W, eps, kind, values, classes)
     out = np.empty(params.size, dtype=dtype)
     _core.loss_gradient(X3, *W, eps, kind, values, classes, out)
     return out
@@ -247,8 +258,11 @@ def loss_hessian(
         (P, P), dtype, f"the loss Hessian over {', '.join(names)} (P = {P})",
         "pass wrt=(...) with fewer parameters, e.g. wrt=('W_Q', 'W_K')",
     )
-    H = np.empty((P, P), dtype=dtype)
-    _core.loss_hessian(X3, *W, eps, kind, values, classes, part_code, selected, H)
+    if _backend.on_device(X3):
+        H = _gpu.loss_hessian(X3, W, eps, kind, values, classes, part_code, selected)
+    else:
+        H = np.empty((P, P), dtype=dtype)
+        _core.loss_hessian(X3, *W, eps, kind, values, classes, part_code, selected, H)
     if layout == "dense":
         return H
     bounds = np.cumsum((0, *(params.sizes[PARAM_NAMES.index(n)] for n in names)))

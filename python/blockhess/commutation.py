@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _backend, _core
+from . import _backend, _core, _gpu
 from ._validate import common_dtype, contiguous, float_array, require_output_fits
 
 
@@ -38,7 +38,8 @@ def _float_dtype(dtype: Any) -> np.dtype:
 def vec_r(A: Any) -> np.ndarray:
     """Row-major vectorisation of a 2-D array: ``vec_r(A)[i*n + j] = A[i, j]`` (a new 1-D array)."""
     A = float_array(A, "A", ndim=2)
-    _backend.on_device(A)
+    if _backend.on_device(A):
+        return _gpu.vec_r(A)
     return np.array(A, dtype=A.dtype, order="C").reshape(-1)
 
 
@@ -48,7 +49,8 @@ def unvec_r(v: Any, m: int, n: int) -> np.ndarray:
     v = float_array(v, "v", ndim=1)
     if v.shape != (m * n,):
         raise ValueError(f"v must have shape ({m * n},) to unstack into ({m}, {n}), got {v.shape}")
-    _backend.on_device(v)
+    if _backend.on_device(v):
+        return _gpu.unvec_r(v, m, n)
     return np.array(v, dtype=v.dtype, order="C").reshape(m, n)
 
 
@@ -60,16 +62,19 @@ def commutation_permutation(m: int, n: int) -> np.ndarray:
     return out
 
 
-def commutation_matrix(m: int, n: int, *, dtype: Any = np.float64) -> np.ndarray:
+def commutation_matrix(m: int, n: int, *, dtype: Any = np.float64, like: Any = None) -> np.ndarray:
     """The dense commutation matrix ``K_{m,n}``, shape ``(m*n, m*n)``.
 
     ``K_{m,n} @ A.reshape(-1, order="F") == A.T.reshape(-1, order="F")`` for ``A`` of shape (m, n).
-    Prefer :func:`commute`, which applies it without forming it.
+    Prefer :func:`commute`, which applies it without forming it. With ``like`` a GPU (CuPy) array,
+    the matrix is built on that array's device and returned as a CuPy array.
     """
     m, n = _dim(m, "m"), _dim(n, "n")
     dtype = _float_dtype(dtype)
     shape = (m * n, m * n)
     require_output_fits(shape, dtype, "the dense commutation matrix", "use blockhess.commute(v, m, n)")
+    if _backend.on_device(like):
+        return _gpu.commutation_matrix(m, n, dtype, float_array(like, "like"))
     out = np.empty(shape, dtype=dtype)
     _core.commutation_dense(m, n, out)
     return out
@@ -87,6 +92,8 @@ def commute(v: Any, m: int, n: int) -> np.ndarray:
         raise ValueError(f"v must have m*n = {m * n} rows for m={m}, n={n}, got shape {v.shape}")
     _backend.on_device(v)
     v = contiguous(v, v.dtype)
+    if _backend.on_device(v):
+        return _gpu.commute(v, m, n)
     out = np.empty_like(v)
     _core.commute(v, m, n, out)
     return out
@@ -113,6 +120,8 @@ def kron_apply(A: Any, B: Any, X: Any) -> np.ndarray:
     dtype = common_dtype(A, B, X)
     A, B = contiguous(A, dtype), contiguous(B, dtype)
     X = contiguous(X, dtype).reshape(m, n)
+    if _backend.on_device(A, B, X):
+        return _gpu.kron_apply(A, B, X)
     out = np.empty(p * q, dtype=dtype)
     _core.kron_apply(A, B, X, out)
     return out

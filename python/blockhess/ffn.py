@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _backend, _core
+from . import _backend, _core, _gpu
 from ._validate import choice, common_dtype, contiguous, float_array, require_output_fits
 
 _LAYOUTS = ("dense", "blocks")
@@ -40,6 +40,8 @@ def _prepare(Y: Any, W_1: Any, W_2: Any):
 def ffn(Y: Any, W_1: Any, W_2: Any) -> np.ndarray:
     """``relu(Y W_1) W_2``, shape (L, d_out)."""
     Y, W_1, W_2, dtype = _prepare(Y, W_1, W_2)
+    if _backend.on_device(Y, W_1, W_2):
+        return _gpu.ffn(Y, W_1, W_2)
     out = np.empty((Y.shape[0], W_2.shape[1]), dtype=dtype)
     _core.ffn_forward(Y, W_1, W_2, out)
     return out
@@ -67,6 +69,8 @@ def ffn_jacobian(Y: Any, W_1: Any, W_2: Any, wrt: str, *, layout: str = "dense")
     else:
         shape, kind, hint = (L, d_out, d), 3, "use fewer tokens"
     require_output_fits(shape, dtype, f"the FFN Jacobian with respect to {wrt}", hint)
+    if _backend.on_device(Y, W_1, W_2):
+        return _gpu.ffn_jacobian(Y, W_1, W_2, wrt, layout)
     out = np.empty(shape, dtype=dtype)
     _core.ffn_jacobian(Y, W_1, W_2, kind, out)
     return out
@@ -89,6 +93,8 @@ def ffn_cross_hessian(Y: Any, W_1: Any, W_2: Any, *, layout: str = "dense") -> n
     else:
         shape, kind, hint = (L, d, d_ff), 0, "use fewer tokens"
     require_output_fits(shape, dtype, f"the {layout} FFN cross second derivative", hint)
+    if _backend.on_device(Y, W_1, W_2):
+        return _gpu.ffn_cross_hessian(Y, W_1, W_2, layout)
     out = np.empty(shape, dtype=dtype)
     _core.ffn_cross_hessian(Y, W_1, W_2, kind, out)
     return out

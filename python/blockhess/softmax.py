@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _backend, _core
+from . import _backend, _core, _gpu
 from ._validate import choice, contiguous, float_array, require_output_fits
 
 _LAYOUTS = ("dense", "blocks")
@@ -36,6 +36,8 @@ def _require_fits(shape, dtype, layout: str, what: str) -> None:
 def softmax(T: Any) -> np.ndarray:
     """``softmax(T)`` over each row (the last axis); same shape and dtype as ``T``."""
     T = _prepare(T)
+    if _backend.on_device(T):
+        return _gpu.softmax(T)
     out = np.empty_like(T)
     _core.softmax_forward(T, out)
     return out
@@ -52,6 +54,8 @@ def softmax_jacobian(T: Any, *, layout: str = "dense") -> np.ndarray:
     m, n = T.shape
     shape, kind = ((m * n, m * n), 1) if layout == "dense" else ((m, n, n), 0)
     _require_fits(shape, T.dtype, layout, "Jacobian")
+    if _backend.on_device(T):
+        return _gpu.softmax_jacobian(T, layout)
     out = np.empty(shape, dtype=T.dtype)
     _core.softmax_jacobian(T, kind, out)
     return out
@@ -70,6 +74,8 @@ def softmax_hessian(T: Any, *, layout: str = "dense") -> np.ndarray:
     N = m * n
     shape, kind = ((N * N, N), 1) if layout == "dense" else ((m, n, n, n), 0)
     _require_fits(shape, T.dtype, layout, "second derivative")
+    if _backend.on_device(T):
+        return _gpu.softmax_hessian(T, layout)
     out = np.empty(shape, dtype=T.dtype)
     _core.softmax_hessian(T, kind, out)
     return out
