@@ -32,23 +32,27 @@ class FakeCuda:
         return int(a.__array_interface__["data"][0])
 
     def _view(self, addr: int, dtype, shape, strides=None):
+        """The registered memory at addr as an array of the given shape (and byte strides)."""
         if addr == 0:
             return None
         dtype = np.dtype(dtype)
-        for a in self._arrays.values():
+        if strides is None:
+            strides = tuple(int(s) * dtype.itemsize for s in _c_strides(shape))
+        extent = sum((n - 1) * s for n, s in zip(shape, strides)) + dtype.itemsize if min(shape, default=1) else 0
+        seen = False
+        for a in self._arrays.values():  # several registered views may share memory: take one that holds it all
             base = int(a.__array_interface__["data"][0])
-            if base <= addr < base + max(a.nbytes, 1):
-                assert a.dtype == dtype, f"pointer of a {a.dtype} array passed as {dtype}"
-                offset = addr - base
-                assert offset % dtype.itemsize == 0
-                flat = a.reshape(-1)[offset // dtype.itemsize:]
-                if strides is None:
-                    strides = tuple(int(s) * dtype.itemsize for s in _c_strides(shape))
-                view = np.lib.stride_tricks.as_strided(flat, shape=shape, strides=strides)
-                end = offset + sum((n - 1) * s for n, s in zip(shape, strides)) + dtype.itemsize
-                assert min(shape, default=1) == 0 or end <= a.nbytes, "kernel would write past the array"
-                return view
-        raise AssertionError(f"unknown device pointer {addr:#x}")
+            if not base <= addr < base + max(a.nbytes, 1):
+                continue
+            seen = True
+            offset = addr - base
+            if offset + extent > a.nbytes:
+                continue
+            assert a.dtype == dtype, f"pointer of a {a.dtype} array passed as {dtype}"
+            assert offset % dtype.itemsize == 0
+            flat = a.reshape(-1)[offset // dtype.itemsize:]
+            return np.lib.stride_tricks.as_strided(flat, shape=shape, strides=strides)
+        raise AssertionError("kernel would access past the array" if seen else f"unknown device pointer {addr:#x}")
 
     def __getattr__(self, name: str):
         base, _, suffix = name.rpartition("_")

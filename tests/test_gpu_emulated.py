@@ -186,3 +186,113 @@ def test_gamma_chunking_matches(fake, rng, monkeypatch):
     whole = _gpu.loss_hessian(X, params.arrays, 0.0, 0, T, None, 0, [True] * 5)
     monkeypatch.setattr(_gpu, "_GAMMA_BUDGET", 1)
     assert rel(_gpu.loss_hessian(X, params.arrays, 0.0, 0, T, None, 0, [True] * 5), whole) <= 1e-14
+
+
+# ---- the public functions, dispatched to the GPU path with "device" arrays ----------------------
+
+class DevArray(np.ndarray):
+    """A NumPy array that presents itself as a GPU array (CUDA Array Interface)."""
+
+    @property
+    def __cuda_array_interface__(self):
+        return {"shape": self.shape, "typestr": self.dtype.str, "strides": None, "version": 3,
+                "data": (self.__array_interface__["data"][0], False)}
+
+
+class FakeCupy:
+    """Stands in for the cupy module: NumPy functions returning DevArrays."""
+
+    ndarray = DevArray
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+    def asarray(self, a, dtype=None):
+        return np.asarray(a, dtype=dtype).view(DevArray)
+
+    def ascontiguousarray(self, a, dtype=None):
+        return np.ascontiguousarray(a, dtype=dtype).view(DevArray)
+
+
+@pytest.fixture
+def device(monkeypatch, fake):
+    from blockhess import _backend
+
+    monkeypatch.setattr(_backend, "cuda_available", lambda: True)
+    monkeypatch.setattr(_backend, "device_module", lambda: FakeCupy())
+    for name in [n for n in dir(_gpu) if not n.startswith("_") and callable(getattr(_gpu, n))]:
+        original = getattr(_gpu, name)
+        if getattr(original, "__module__", None) != _gpu.__name__ or isinstance(original, type):
+            continue
+
+        def spy(*args, _original=original, _name=name, **kwargs):
+            fake.calls.append("_gpu." + _name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(_gpu, name, spy)
+    return lambda a: None if a is None else np.asarray(a).view(DevArray)
+
+
+def test_public_functions_dispatch_to_the_gpu_path(device, fake, rng):
+    X, gamma, G = rng.standard_normal((4, 5)), rng.standard_normal(5), rng.standard_normal((4, 5))
+    T, Xk = rng.standard_normal((3, 4)), rng.standard_normal((4, 5))
+    D = device
+    cases = [
+        (lambda f: blockhess.layernorm(f(X), 1e-3, f(gamma), f(gamma))),
+        (lambda f: blockhess.layernorm_jacobian(f(X), gamma=f(gamma))),
+        (lambda f: blockhess.layernorm_jacobian(f(X), layout="blocks", wrt="beta")),
+        (lambda f: blockhess.layernorm_hessian(f(X), eps=1e-2, layout="blocks")),
+        (lambda f: blockhess.layernorm_hessian(f(X), gamma=f(gamma))),
+        (lambda f: blockhess.layernorm_hessian_contract(f(X), f(G), gamma=f(gamma))),
+        (lambda f: blockhess.softmax(f(T))),
+        (lambda f: blockhess.softmax_jacobian(f(T), layout="blocks")),
+        (lambda f: blockhess.softmax_hessian(f(T))),
+        (lambda f: blockhess.vec_r(f(T))),
+        (lambda f: blockhess.unvec_r(f(T.reshape(-1)), 4, 3)),
+        (lambda f: blockhess.commute(f(T.reshape(-1)), 3, 4)),
+        (lambda f: blockhess.commutation_matrix(3, 4, like=f(T))),
+        (lambda f: blockhess.kron_apply(f(T), f(X), f(Xk))),
+    ]
+    WQ, WK, WV = rng.standard_normal((5, 3)), rng.standard_normal((5, 3)), rng.standard_normal((5, 2))
+    for wrt in ("W_Q", "W_K", "W_V", "X"):
+        cases.append(lambda f, wrt=wrt: blockhess.attention_jacobian(f(X), f(WQ), f(WK), f(WV), wrt))
+    cases.append(lambda f: blockhess.attention(f(X), f(WQ), f(WK), f(WV)))
+    W1, W2 = rng.standard_normal((5, 6)), rng.standard_normal((6, 3))
+    for wrt, layout in (("W_1", "dense"), ("W_2", "dense"), ("Y", "dense"), ("Y", "blocks")):
+        cases.append(lambda f, wrt=wrt, layout=layout: blockhess.ffn_jacobian(f(X), f(W1), f(W2), wrt, layout=layout))
+    cases.append(lambda f: blockhess.ffn(f(X), f(W1), f(W2)))
+    for layout in ("dense", "blocks"):
+        cases.append(lambda f, layout=layout: blockhess.ffn_cross_hessian(f(X), f(W1), f(W2), layout=layout))
+    for k, case in enumerate(cases):
+        fake.calls.clear()
+        got, want = case(D), case(lambda a: a)
+        assert any(c.startswith("_gpu.") for c in fake.calls), f"case {k} did not reach the GPU path"
+        assert rel(got, want) <= TOL, k
+
+
+def test_block_functions_dispatch_to_the_gpu_path(device, fake, rng):
+    import reference as ref
+
+    X, W, target, classes = ref.random_block(rng, 4, 3, 2, 5, B=2)
+    params = blockhess.BlockParams(*W)
+    dparams = blockhess.BlockParams(*(device(w) for w in W))
+    Xd, Td, Cd = device(X), device(target), device(classes)
+    fake.calls.clear()
+    assert rel(blockhess.block_forward(Xd, dparams), blockhess.block_forward(X, params)) <= TOL
+    assert rel(blockhess.block_forward(Xd[0], dparams), blockhess.block_forward(X[0], params)) <= TOL
+    assert rel(blockhess.block_jacobian(Xd[1], dparams, "W_K"), blockhess.block_jacobian(X[1], params, "W_K")) <= TOL
+    assert rel(blockhess.block_output_hessian(Xd[0], dparams, "W_2", "W_Q"),
+               blockhess.block_output_hessian(X[0], params, "W_2", "W_Q")) <= TOL
+    for tgt_d, tgt, loss in ((Td, target, "mse"), (Cd, classes, "cross_entropy")):
+        assert abs(blockhess.loss_value(Xd, tgt_d, dparams, loss=loss) - blockhess.loss_value(X, tgt, params, loss=loss)) < 1e-12
+        assert rel(blockhess.loss_gradient(Xd, tgt_d, dparams, loss=loss), blockhess.loss_gradient(X, tgt, params, loss=loss)) <= TOL
+        H = blockhess.loss_hessian(Xd, tgt_d, dparams, loss=loss, part="functional")
+        assert rel(H, blockhess.loss_hessian(X, tgt, params, loss=loss, part="functional")) <= TOL
+        blocks = blockhess.loss_hessian(Xd, tgt_d, dparams, loss=loss, layout="blocks", wrt=("W_V", "W_2"))
+        want = blockhess.loss_hessian(X, tgt, params, loss=loss, layout="blocks", wrt=("W_V", "W_2"))
+        assert all(rel(blocks[k], want[k]) <= TOL for k in want)
+    assert "kron_accumulate" in fake.calls
+    with pytest.raises(TypeError, match="mix host"):
+        blockhess.loss_hessian(Xd, target, dparams)
+    with pytest.raises(ValueError, match="out of range"):
+        blockhess.loss_hessian(Xd, device(classes + 3), dparams, loss="cross_entropy")
