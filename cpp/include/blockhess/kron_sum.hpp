@@ -17,6 +17,10 @@
 
 #include "blockhess/config.hpp"
 
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
 namespace blockhess::kron {
 
 // How a parameter matrix of shape (n_first, n_second) is split into vector and matrix indices.
@@ -56,53 +60,60 @@ void accumulate(index_t tokens, const Split& si, const T* u, const Split& sj, co
   const index_t chunk = detail::chunk_tokens(tokens, gsize);
   std::vector<T> gammas(static_cast<size_t>(chunk * gsize));
 
-  // The (o_i, o_j) pairs to form, grouped so that one GEMM result stays near 32 MiB. One GEMM per
-  // group packs the large Gamma operand once instead of once per o_i.
-  std::vector<index_t> pair_oi, pair_oj;
-  for (index_t oi = 0; oi < noi; ++oi)
-    for (index_t oj = upper_only ? oi : 0; oj < noj; ++oj) pair_oi.push_back(oi), pair_oj.push_back(oj);
-  const index_t npairs = static_cast<index_t>(pair_oi.size());
-  const index_t group = std::max<index_t>(1, (index_t(1) << 22) / gsize);
-  Mat weights, R;
+  // Work is split by o_i: the rows of H that belong to one o_i are written by one thread. Each
+  // task takes a few consecutive o_i and forms all their (o_i, o_j) pairs with one GEMM, which packs
+  // the large Gamma operand once per task. One parallel region per chunk keeps the number of
+  // barriers small (they are what hurts on a busy machine).
+#if defined(_OPENMP)
+  const index_t threads = omp_get_max_threads();
+#else
+  const index_t threads = 1;
+#endif
+  const index_t oi_per_task = std::max<index_t>(
+      1, std::min<index_t>((noi + 4 * threads - 1) / (4 * threads), (index_t(1) << 22) / (gsize * noj)));
+  const index_t tasks = (noi + oi_per_task - 1) / oi_per_task;
 
   for (index_t t0 = 0; t0 < tokens; t0 += chunk) {
     const index_t nt = std::min(chunk, tokens - t0);
-#if defined(_OPENMP)
-#pragma omp parallel for schedule(static) if (nt * gsize > (1 << 14))
-#endif
-    for (index_t t = 0; t < nt; ++t) gamma(t0 + t, gammas.data() + t * gsize);
-    const Eigen::Map<const Mat> G(gammas.data(), nt, gsize);
     const bool assign = overwrite && t0 == 0;
-
-    for (index_t k0 = 0; k0 < npairs; k0 += group) {
-      const index_t m = std::min(group, npairs - k0);
-      weights.resize(m, nt);
-      for (index_t k = 0; k < m; ++k) {
-        const index_t oi = pair_oi[k0 + k], oj = pair_oj[k0 + k];
-        for (index_t t = 0; t < nt; ++t) weights(k, t) = scale * u[(t0 + t) * noi + oi] * w[(t0 + t) * noj + oj];
-      }
-      R.noalias() = weights * G;  // Eigen parallelises this product itself
+    const Eigen::Map<const Mat> G(gammas.data(), nt, gsize);
 #if defined(_OPENMP)
-#pragma omp parallel for schedule(static) if (m * gsize > (1 << 16))
+#pragma omp parallel if (noi * noj * nt * gsize > (1 << 18))
 #endif
-      for (index_t oi = pair_oi[k0]; oi <= pair_oi[k0 + m - 1]; ++oi) {  // rows of H are owned by o_i
-        for (index_t k = 0; k < m; ++k) {
-          if (pair_oi[k0 + k] != oi) continue;
-          const index_t oj = pair_oj[k0 + k];
-          for (index_t ri = 0; ri < nri; ++ri) {
-            T* row = H + si.flat(oi, ri) * ldH;
-            const T* r = R.data() + k * gsize + ri * nrj;
-            if (sj.vec_on_first) {
-              T* dst = row + oj * sj.n_second;  // contiguous run over r_j
-              if (assign) std::copy_n(r, nrj, dst);
-              else for (index_t rj = 0; rj < nrj; ++rj) dst[rj] += r[rj];
-            } else if (assign) {
-              for (index_t rj = 0; rj < nrj; ++rj) row[rj * sj.n_second + oj] = r[rj];
-            } else {
-              for (index_t rj = 0; rj < nrj; ++rj) row[rj * sj.n_second + oj] += r[rj];
+    {
+#if defined(_OPENMP)
+#pragma omp for schedule(static)
+#endif
+      for (index_t t = 0; t < nt; ++t) gamma(t0 + t, gammas.data() + t * gsize);
+
+      Mat weights, R;  // per thread
+#if defined(_OPENMP)
+#pragma omp for schedule(dynamic)
+#endif
+      for (index_t task = 0; task < tasks; ++task) {
+        const index_t oi_begin = task * oi_per_task, oi_end = std::min(noi, oi_begin + oi_per_task);
+        index_t m = 0;
+        for (index_t oi = oi_begin; oi < oi_end; ++oi) m += noj - (upper_only ? oi : 0);
+        weights.resize(m, nt);
+        for (index_t oi = oi_begin, k = 0; oi < oi_end; ++oi)
+          for (index_t oj = upper_only ? oi : 0; oj < noj; ++oj, ++k)
+            for (index_t t = 0; t < nt; ++t) weights(k, t) = scale * u[(t0 + t) * noi + oi] * w[(t0 + t) * noj + oj];
+        R.noalias() = weights * G;  // serial inside the parallel region
+        for (index_t oi = oi_begin, k = 0; oi < oi_end; ++oi)
+          for (index_t oj = upper_only ? oi : 0; oj < noj; ++oj, ++k)
+            for (index_t ri = 0; ri < nri; ++ri) {
+              T* row = H + si.flat(oi, ri) * ldH;
+              const T* r = R.data() + k * gsize + ri * nrj;
+              if (sj.vec_on_first) {
+                T* dst = row + oj * sj.n_second;  // contiguous run over r_j
+                if (assign) std::copy_n(r, nrj, dst);
+                else for (index_t rj = 0; rj < nrj; ++rj) dst[rj] += r[rj];
+              } else if (assign) {
+                for (index_t rj = 0; rj < nrj; ++rj) row[rj * sj.n_second + oj] = r[rj];
+              } else {
+                for (index_t rj = 0; rj < nrj; ++rj) row[rj * sj.n_second + oj] += r[rj];
+              }
             }
-          }
-        }
       }
     }
   }
