@@ -7,8 +7,9 @@
 Uses the same inputs and method implementations as the asv suite (``benchmarks/benchmarks/common.py``).
 Each method is called once to warm up (its output is kept to check blockhess against autograd), then
 timed timeit-style: each sample runs the call enough times to last >= 20 ms, and the median of up to
-5 samples (fewer for slow calls, within a per-method time budget) is reported. Very slow calls
-(> 4 s) are timed by their single first call. A blockhess API missing at this commit is reported as n/a.
+5 samples (at least one, fewer for slow calls, within a per-method time budget) is reported: first
+calls of torch.func transforms are several times slower than later ones. Calls slower than 12 s (the
+autograd.functional loops, which have no warm-up cost) are timed by their single first call. A blockhess API missing at this commit is reported as n/a.
 
 The ratio column is t(method) / t(blockhess of the same output layout): how many times faster blockhess
 is. For a floor, a ratio below 1 means blockhess takes longer than the floor.
@@ -49,13 +50,15 @@ QUICK = [
 ]
 # Slow baselines left out of the quick run (they only make the report longer, not more informative).
 QUICK_SKIP = {
-    ("attention_jacobian", "autograd_jacobian"): lambda p: p[0] != "W_Q",
+    ("attention_jacobian", "autograd_jacobian"): lambda p: True,
+    ("ffn_jacobian", "autograd_jacobian"): lambda p: p[0] != "W_1",
+    ("block_hessian", "autograd_hessian"): lambda p: p[0] != (49, 16, 16, 64),
 }
 
 SAMPLE_MIN_S = 0.02  # each sample lasts at least this long (timeit's autorange idea)
 MAX_SAMPLES = 5
 BUDGET_S = 1.5  # per method, after warm-up
-SLOW_S = 4.0  # a first call longer than this is the measurement
+SLOW_S = 12.0  # a first call longer than this is the measurement (autograd.functional loops only)
 
 
 @dataclass
@@ -120,18 +123,18 @@ def run(subset, log, quick: bool) -> list[Row]:
             group.append(row)
             skip = QUICK_SKIP.get((bench_name, m.name))
             if skip is not None and quick and skip(params):
-                row.note = "n/a (skipped in the quick run)"
+                row.note = "not run in the quick report (python benchmarks/report.py --full runs it)"
                 continue
             try:
                 fn = bench.build(m.name, *params)
                 row.seconds, row.samples, out = measure(fn)
             except NotImplementedError as err:
-                row.note = f"n/a ({err})"
-                log(f"  {bench_name} {params} {m.name}: {row.note}")
+                row.note = str(err)
+                log(f"  {bench_name} {params} {m.name}: n/a ({row.note})")
                 continue
             except Exception as err:  # report, never crash
-                row.note = f"n/a ({type(err).__name__}: {err})"
-                log(f"  {bench_name} {params} {m.name}: {row.note}")
+                row.note = f"{type(err).__name__}: {err}"
+                log(f"  {bench_name} {params} {m.name}: n/a ({row.note})")
                 continue
             if m.kind == "ours":
                 ours_out[m.layout] = out
@@ -167,7 +170,9 @@ def fmt_ratio(r: float | None) -> str:
         return f"{r:,.0f}x"
     if r >= 10:
         return f"{r:.1f}x"
-    return f"{r:.2f}x"
+    if r >= 0.1:
+        return f"{r:.2f}x"
+    return f"{r:.2g}x"
 
 
 def fmt_params(params) -> str:
@@ -178,55 +183,76 @@ def get(rows, bench, params, method) -> Row | None:
     return next((r for r in rows if r.bench == bench and r.params == params and r.method == method), None)
 
 
+# Issue 4's speed targets: (description, bench, params, slower method, faster method, op, required)
+# with ratio = t(slower) / t(faster).
+TARGETS = [
+    ("LN Jacobian blocks (64,128) vs torch.func.jacrev (dense)", "ln_jacobian", ((64, 128),),
+     "jacrev_dense", "blockhess_blocks", ">=", 500),
+    ("LN Jacobian blocks (64,128) vs vmap(jacrev) over rows", "ln_jacobian", ((64, 128),),
+     "vmap_jacrev_blocks", "blockhess_blocks", ">=", 4),
+    ("LN Jacobian dense (64,128): t(blockhess) / t(allocate+zero floor)", "ln_jacobian", ((64, 128),),
+     "blockhess_dense", "floor_dense", "<=", 1.5),
+    ("FFN Jacobian W_1 (16,64,256) vs autograd.functional.jacobian", "ffn_jacobian", ("W_1", (16, 64, 256)),
+     "autograd_jacobian", "blockhess", ">=", 1000),
+    ("FFN Jacobian W_1 (16,64,256) vs torch.func.jacrev", "ffn_jacobian", ("W_1", (16, 64, 256)),
+     "jacrev", "blockhess", ">=", 20),
+    ("Block Hessian (49,16,16,64) vs torch.func.hessian", "block_hessian", ((49, 16, 16, 64),),
+     "hessian", "blockhess", ">=", 20),
+    ("Block Hessian (49,16,16,64) vs numpy J^T J GEMM floor", "block_hessian", ((49, 16, 16, 64),),
+     "floor_gemm", "blockhess", ">", 1),
+    ("Block Hessian (16,32,32,64) vs torch.func.hessian", "block_hessian", ((16, 32, 32, 64),),
+     "hessian", "blockhess", ">=", 10),
+]
+_OPS = {">=": lambda v, r: v >= r, ">": lambda v, r: v > r, "<=": lambda v, r: v <= r}
+
+
+def target_ratio(rows, bench, params, slow, fast) -> float | None:
+    a, b = get(rows, bench, params, slow), get(rows, bench, params, fast)
+    if a is None or b is None or a.seconds is None or b.seconds is None:
+        return None
+    return a.seconds / b.seconds
+
+
 def targets(rows, peaks) -> list[tuple[str, str, str, str]]:
-    """(target, measured, required, verdict) for each target of issue 4 found in `rows`."""
+    """(target, measured, required, verdict) for each target of issue 4."""
     out = []
-
-    def ratio(bench, params, slow, fast):
-        a, b = get(rows, bench, params, slow), get(rows, bench, params, fast)
-        if a is None or b is None or a.seconds is None or b.seconds is None:
-            return None
-        return a.seconds / b.seconds
-
-    def add(name, value, need, ok, unit="x"):
-        if value is None:
-            out.append((name, "n/a", need, "not measured"))
+    for desc, bench, params, slow, fast, op, need in TARGETS:
+        v = target_ratio(rows, bench, params, slow, fast)
+        if v is None:
+            out.append((desc, "n/a", f"{op} {need}x", "not measured"))
         else:
-            out.append((name, f"{value:,.1f}{unit}" if value >= 10 else f"{value:.2f}{unit}", need,
-                        "met" if ok(value) else "MISSED"))
-
-    p = ((64, 128),)
-    add("LN Jacobian blocks (64,128) vs jacrev (dense)", ratio("ln_jacobian", p, "jacrev_dense", "blockhess_blocks"),
-        ">= 500x", lambda v: v >= 500)
-    add("LN Jacobian blocks (64,128) vs vmap(jacrev)", ratio("ln_jacobian", p, "vmap_jacrev_blocks", "blockhess_blocks"),
-        ">= 4x", lambda v: v >= 4)
-    add("LN Jacobian dense (64,128): time / allocate+zero floor",
-        ratio("ln_jacobian", p, "blockhess_dense", "floor_dense"), "<= 1.5x", lambda v: v <= 1.5)
-    p = ("W_1", (16, 64, 256))
-    add("FFN Jacobian W_1 (16,64,256) vs autograd.functional.jacobian",
-        ratio("ffn_jacobian", p, "autograd_jacobian", "blockhess"), ">= 1000x", lambda v: v >= 1000)
-    add("FFN Jacobian W_1 (16,64,256) vs jacrev", ratio("ffn_jacobian", p, "jacrev", "blockhess"),
-        ">= 20x", lambda v: v >= 20)
-    p = ((49, 16, 16, 64),)
-    add("Block Hessian (49,16,16,64) vs torch.func.hessian", ratio("block_hessian", p, "hessian", "blockhess"),
-        ">= 20x", lambda v: v >= 20)
-    add("Block Hessian (49,16,16,64) vs numpy J^T J GEMM floor", ratio("block_hessian", p, "floor_gemm", "blockhess"),
-        "> 1x", lambda v: v > 1)
-    p = ((16, 32, 32, 64),)
-    add("Block Hessian (16,32,32,64) vs torch.func.hessian", ratio("block_hessian", p, "hessian", "blockhess"),
-        ">= 10x", lambda v: v >= 10)
+            out.append((desc, fmt_ratio(v), f"{op} {need}x", "met" if _OPS[op](v, need) else "**missed**"))
     for shape, m in peaks.items():
+        desc = f"Block Hessian {fmt_params((shape,))} peak memory: RSS increase during the call"
         if m is None:
-            add(f"Block Hessian {fmt_params((shape,))} peak memory", None, "", None)
+            out.append((desc, "n/a", "<= 2 x output + O(L d max n_i)", "not measured"))
             continue
         L, d = shape[:2]
-        slack = 8 * L * d * max(common.BLOCK_HESSIAN.sizes(shape))  # bytes of one (L d, max n_i) array
-        excess = (m["peak"] - m["base"] - 2 * m["nbytes"]) / slack
-        add(f"Block Hessian {fmt_params((shape,))} peak RSS increase "
-            f"{(m['peak'] - m['base']) / 2**20:.1f} MiB, output {m['nbytes'] / 2**20:.1f} MiB: "
-            f"(increase - 2 x output) / (8 L d max n_i bytes)", excess, "<= 8 (O(L d max n_i))",
-            lambda v: v <= 8, unit="")
+        slack = 8 * L * d * max(common.BLOCK_HESSIAN.sizes(shape))  # one (L d, max n_i) float64 array
+        inc = m["peak"] - m["base"]
+        ok = inc <= 2 * m["nbytes"] + 8 * slack
+        out.append((desc, f"{inc / 2**20:.1f} MiB = {inc / m['nbytes']:.2f} x output ({m['nbytes'] / 2**20:.1f} MiB)",
+                    f"<= 2 x output + 8 x {slack / 2**20:.1f} MiB (L d max n_i doubles)",
+                    "met" if ok else "**missed**"))
     return out
+
+
+def cpu_busy_seconds() -> float | None:
+    """Busy CPU seconds of the whole machine so far (from /proc/stat), or None."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_seconds() -> float:
+    import resource
+
+    a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
 
 
 def machine() -> str:
@@ -263,50 +289,86 @@ def machine() -> str:
 def markdown(rows, target_rows, header: str) -> str:
     lines = [header, "", "| benchmark | size | method | time | t / t(blockhess) | rel. error vs autograd |",
              "|---|---|---|---|---|---|"]
+    notes: list[str] = []
     for r in rows:
         bench = common.BENCHES[r.bench]
         m = bench.method(r.method)
-        time_s = fmt_time(r.seconds) if r.seconds is not None else r.note
+        if r.seconds is not None:
+            time_s = fmt_time(r.seconds)
+        else:
+            if r.note not in notes:
+                notes.append(r.note)
+            time_s = f"n/a [{notes.index(r.note) + 1}]"
         err = f"{r.error:.1e}" if r.error is not None else ("" if m.kind != "ours" else "n/a")
         label = m.label if m.kind != "ours" else f"**{m.label}**"
         lines.append(f"| {bench.title} | {fmt_params(r.params)} | {label} | {time_s} | {fmt_ratio(r.ratio)} | {err} |")
+    if notes:
+        lines.append("")
+        lines += [f"[{i + 1}] n/a: {n}.  " for i, n in enumerate(notes)]
     lines += ["", "| target (issue 4) | measured | required | verdict |", "|---|---|---|---|"]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in target_rows]
     return "\n".join(lines) + "\n"
 
 
 def chart(rows, path: str) -> None:
+    """Horizontal bars of blockhess's speed-up over each autograd method (and the GEMM floor), log scale,
+    with issue 4's targets marked."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    bars = []
-    for r in rows:
-        bench = common.BENCHES[r.bench]
-        m = bench.method(r.method)
-        if m.kind == "ours" or r.ratio is None:
-            continue
-        ours = bench.method(bench.ours(m.layout)).label
-        bars.append((f"{bench.title} {fmt_params(r.params)}: {ours} vs {m.label}", r.ratio, m.kind))
+    def label(bench, params, ours, other):
+        many = sum(m.kind == "ours" for m in bench.methods) > 1
+        what = f"{bench.short} {ours.chart_label}" if many else bench.short
+        return f"{what} {fmt_params(params)} vs {other.chart_label}"
+
+    need = {(b, p, slow, fast): (op, r) for _, b, p, slow, fast, op, r in TARGETS}
+    bars = []  # (label, ratio, kind, target or None)
+    groups = list(dict.fromkeys((r.bench, r.params) for r in rows))
+    for b, p in groups:
+        bench = common.BENCHES[b]
+        for r in rows:
+            if (r.bench, r.params) != (b, p):
+                continue
+            m = bench.method(r.method)
+            if r.ratio is None or m.kind == "ours" or (m.kind == "floor" and r.method != "floor_gemm"):
+                continue
+            ours = bench.method(bench.ours(m.layout))
+            bars.append((label(bench, p, ours, m), r.ratio, m.kind, need.get((b, p, r.method, ours.name))))
+        # cross-layout targets (LN blocks vs dense jacrev) get their own bar
+        for _, tb, tp, slow, fast, op, req in TARGETS:
+            ms, mf = bench.method(slow) if tb == b else None, bench.method(fast) if tb == b else None
+            if tb == b and tp == p and mf.kind == "ours" and ms.layout != mf.layout:
+                v = target_ratio(rows, b, p, slow, fast)
+                if v is not None:
+                    bars.append((label(bench, p, mf, ms), v, ms.kind, (op, req)))
     if not bars:
         return
-    fig, ax = plt.subplots(figsize=(11, 0.32 * len(bars) + 1.4))
+    fig, ax = plt.subplots(figsize=(10, 0.3 * len(bars) + 1.6))
     y = np.arange(len(bars))[::-1]
-    colors = ["tab:blue" if kind == "torch" else "tab:gray" for _, _, kind in bars]
-    ax.barh(y, [b[1] for b in bars], color=colors)
+    colors = ["tab:blue" if kind == "torch" else "tab:gray" for _, _, kind, _ in bars]
+    ax.barh(y, [b[1] for b in bars], color=colors, height=0.7)
     ax.set_xscale("log")
     ax.axvline(1.0, color="black", lw=0.8)
-    ax.set_yticks(y, [b[0] for b in bars], fontsize=7.5)
-    for yi, (_, v, _) in zip(y, bars):
-        ax.text(v * 1.08, yi, fmt_ratio(v), va="center", fontsize=7)
-    ax.set_xlim(min(0.1, min(b[1] for b in bars) / 2), max(b[1] for b in bars) * 6)
-    ax.set_xlabel("speed-up of blockhess = t(method) / t(blockhess)  (log scale; blue: PyTorch autograd, "
-                  "gray: floors, < 1 means blockhess is slower)")
-    ax.set_title("blockhess vs PyTorch autograd (float64, 2 threads)")
+    ax.set_yticks(y, [b[0] for b in bars], fontsize=8)
+    hi = max(max(b[1] for b in bars), max((t[1] for *_, t in bars if t), default=1))
+    for yi, (_, v, _, tgt) in zip(y, bars):
+        ax.text(v * 1.1, yi, fmt_ratio(v), va="center", fontsize=7.5)
+        if tgt:
+            ax.plot([tgt[1]] * 2, [yi - 0.42, yi + 0.42], color="tab:red", lw=2)
+    ax.set_xlim(min(0.5, min(b[1] for b in bars) / 2), hi * 8)
+    ax.set_xlabel("speed-up of blockhess, t(other) / t(blockhess), log scale")
+    ax.set_title("blockhess vs PyTorch autograd, float64, 2 threads", fontsize=11)
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    ax.legend(handles=[Patch(color="tab:blue", label="PyTorch autograd"),
+                       Patch(color="tab:gray", label="numpy J^T J GEMM floor"),
+                       Line2D([], [], color="tab:red", lw=2, label="issue 4 target")],
+              loc="upper right", fontsize=8)
     ax.grid(axis="x", which="major", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 
@@ -327,6 +389,7 @@ def main(argv=None) -> int:
     if args.only:
         subset = [s for s in subset if s[0] in args.only]
     t0 = time.perf_counter()
+    busy0, own0 = cpu_busy_seconds(), own_cpu_seconds()
     rows = run(subset, log, quick=not args.full)
     peaks = {}
     if not args.no_peak and (not args.only or "block_hessian" in args.only):
@@ -337,9 +400,16 @@ def main(argv=None) -> int:
                 log(f"  peak memory {shape}: n/a ({err})")
                 peaks[shape] = None
     elapsed = time.perf_counter() - t0
+    others = ""
+    busy1 = cpu_busy_seconds()
+    if busy0 is not None and busy1 is not None:
+        share = max(0.0, (busy1 - busy0) - (own_cpu_seconds() - own0)) / (elapsed * (os.cpu_count() or 1))
+        others = f" Other processes used {100 * share:.0f}% of the CPUs meanwhile."
+        if share > 0.1:
+            log(f"warning: other processes used {100 * share:.0f}% of the CPUs during the run; timings are noisy")
     header = (f"Machine: {machine()}.  \n"
               f"`python benchmarks/report.py{' --full' if args.full else ''}`, {elapsed:.0f} s; median of up to "
-              f"{MAX_SAMPLES} timeit-style samples after a warm-up call.")
+              f"{MAX_SAMPLES} timeit-style samples after a warm-up call.{others}")
     text = markdown(rows, targets(rows, peaks), header)
     print(text)
     os.makedirs(args.out, exist_ok=True)

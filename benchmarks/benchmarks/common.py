@@ -147,11 +147,17 @@ class Method:
     label: str  # human-readable, for the report
     kind: str  # "ours" | "torch" | "floor"
     layout: str  # methods with the same layout produce the same array (up to reshape)
+    short: str = ""  # for the chart; defaults to label
+
+    @property
+    def chart_label(self) -> str:
+        return self.short or self.label
 
 
 class Bench:
     name = ""
     title = ""
+    short = ""  # for the chart
     param_names: tuple[str, ...] = ()
     params: tuple[list, ...] = ()
     methods: tuple[Method, ...] = ()
@@ -196,14 +202,15 @@ class Bench:
 class LayerNormJacobian(Bench):
     name = "ln_jacobian"
     title = "LayerNorm Jacobian"
+    short = "LN Jac"
     param_names = ("shape",)
     params = (LN_JACOBIAN_SHAPES,)
     methods = (
-        Method("blockhess_dense", "blockhess dense", "ours", "dense"),
-        Method("blockhess_blocks", "blockhess blocks", "ours", "blocks"),
-        Method("jacrev_dense", "torch.func.jacrev", "torch", "dense"),
-        Method("vmap_jacrev_blocks", "vmap(jacrev) over rows", "torch", "blocks"),
-        Method("autograd_jacobian", "autograd.functional.jacobian", "torch", "dense"),
+        Method("blockhess_dense", "blockhess dense", "ours", "dense", "dense"),
+        Method("blockhess_blocks", "blockhess blocks", "ours", "blocks", "blocks"),
+        Method("jacrev_dense", "torch.func.jacrev", "torch", "dense", "jacrev"),
+        Method("vmap_jacrev_blocks", "vmap(jacrev) over rows", "torch", "blocks", "vmap(jacrev)"),
+        Method("autograd_jacobian", "autograd.functional.jacobian", "torch", "dense", "autograd.jacobian"),
         Method("floor_dense", "floor: allocate+zero dense", "floor", "dense"),
         Method("floor_blocks", "floor: allocate+zero blocks", "floor", "blocks"),
     )
@@ -255,13 +262,14 @@ class LayerNormJacobian(Bench):
 class LayerNormHessian(Bench):
     name = "ln_hessian"
     title = "LayerNorm second derivative"
+    short = "LN Hess"
     param_names = ("shape",)
     params = (LN_HESSIAN_SHAPES,)
     methods = (
-        Method("blockhess_dense", "blockhess dense", "ours", "dense"),
-        Method("blockhess_blocks", "blockhess blocks", "ours", "blocks"),
-        Method("hessian_dense", "torch.func.hessian", "torch", "dense"),
-        Method("vmap_hessian_blocks", "vmap(hessian) over rows", "torch", "blocks"),
+        Method("blockhess_dense", "blockhess dense", "ours", "dense", "dense"),
+        Method("blockhess_blocks", "blockhess blocks", "ours", "blocks", "blocks"),
+        Method("hessian_dense", "torch.func.hessian", "torch", "dense", "hessian"),
+        Method("vmap_hessian_blocks", "vmap(hessian) over rows", "torch", "blocks", "vmap(hessian)"),
         Method("floor_dense", "floor: allocate+zero dense", "floor", "dense"),
         Method("floor_blocks", "floor: allocate+zero blocks", "floor", "blocks"),
     )
@@ -312,12 +320,13 @@ class LayerNormHessian(Bench):
 class FFNJacobian(Bench):
     name = "ffn_jacobian"
     title = "FFN Jacobian"
+    short = "FFN Jac"
     param_names = ("wrt", "shape")
     params = (["W_1", "W_2"], FFN_SHAPES)
     methods = (
-        Method("blockhess", "blockhess", "ours", "dense"),
-        Method("jacrev", "torch.func.jacrev", "torch", "dense"),
-        Method("autograd_jacobian", "autograd.functional.jacobian", "torch", "dense"),
+        Method("blockhess", "blockhess", "ours", "dense", "blockhess"),
+        Method("jacrev", "torch.func.jacrev", "torch", "dense", "jacrev"),
+        Method("autograd_jacobian", "autograd.functional.jacobian", "torch", "dense", "autograd.jacobian"),
         Method("floor", "floor: allocate+zero", "floor", "dense"),
     )
 
@@ -366,12 +375,13 @@ class FFNJacobian(Bench):
 class AttentionJacobian(Bench):
     name = "attention_jacobian"
     title = "Attention Jacobian"
+    short = "Attn Jac"
     param_names = ("wrt", "shape")
     params = (["W_Q", "W_K", "W_V"], ATTENTION_SHAPES)
     methods = (
-        Method("blockhess", "blockhess", "ours", "dense"),
-        Method("jacrev", "torch.func.jacrev", "torch", "dense"),
-        Method("autograd_jacobian", "autograd.functional.jacobian", "torch", "dense"),
+        Method("blockhess", "blockhess", "ours", "dense", "blockhess"),
+        Method("jacrev", "torch.func.jacrev", "torch", "dense", "jacrev"),
+        Method("autograd_jacobian", "autograd.functional.jacobian", "torch", "dense", "autograd.jacobian"),
         Method("floor", "floor: allocate+zero", "floor", "dense"),
     )
 
@@ -423,13 +433,14 @@ class AttentionJacobian(Bench):
 class BlockLossHessian(Bench):
     name = "block_hessian"
     title = "Full block loss Hessian (MSE)"
+    short = "Block Hess"
     param_names = ("shape",)
     params = (BLOCK_SHAPES,)
     methods = (
-        Method("blockhess", "blockhess", "ours", "dense"),
-        Method("hessian", "torch.func.hessian", "torch", "dense"),
-        Method("autograd_hessian", "autograd.functional.hessian(vectorize=True)", "torch", "dense"),
-        Method("floor_gemm", "floor: numpy J^T J GEMM", "floor", "dense"),
+        Method("blockhess", "blockhess", "ours", "dense", "blockhess"),
+        Method("hessian", "torch.func.hessian", "torch", "dense", "hessian"),
+        Method("autograd_hessian", "autograd.functional.hessian(vectorize=True)", "torch", "dense", "autograd.hessian"),
+        Method("floor_gemm", "floor: numpy J^T J GEMM", "floor", "dense", "J^T J GEMM floor"),
         Method("floor_zeros", "floor: allocate+zero", "floor", "dense"),
     )
 
