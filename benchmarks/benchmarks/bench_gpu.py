@@ -1,0 +1,367 @@
+"""GPU benchmarks: blockhess on CuPy arrays against torch.func on the same GPU.
+
+Every class raises NotImplementedError in setup (asv: skipped) without CuPy, a CUDA build of
+blockhess or a GPU. Timings synchronise the stream inside time_* (kernels are asynchronous);
+GPU memory and accuracy are track_* benchmarks. float64 unless a parameter says otherwise.
+
+The same workloads drive benchmarks/gpu_bench.py (the script of benchmarks/gpu_check.sh), which
+also measures achieved memory bandwidth against a device-to-device copy.
+
+Targets (issue 5, H200): LayerNorm Jacobian blocks at (L, d) = (128, 256) written at >= 70 % of the
+memory bandwidth; full block loss Hessian at (L, d, d_k, d_ff) = (16, 32, 32, 64) >= 20x faster
+than torch.func.hessian.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+SEED = 20251130
+LN_SHAPES = [(128, 256), (64, 128)]
+BLOCK_SHAPES = [(16, 32, 32, 64), (49, 16, 16, 64)]
+
+
+# ---- availability -------------------------------------------------------------------------------
+
+def gpu_modules():
+    """(cupy, blockhess) or NotImplementedError (asv then skips the benchmark)."""
+    try:
+        import cupy
+    except ImportError as err:
+        raise NotImplementedError("CuPy is not installed") from err
+    try:
+        import blockhess
+    except ImportError as err:  # pragma: no cover
+        raise NotImplementedError(f"blockhess does not import: {err}") from err
+    if not getattr(blockhess, "cuda_available", lambda: False)():
+        raise NotImplementedError("blockhess has no CUDA build here, or no GPU is visible")
+    return cupy, blockhess
+
+
+def torch_cuda():
+    try:
+        import torch
+    except ImportError as err:
+        raise NotImplementedError("PyTorch is not installed") from err
+    if not torch.cuda.is_available():
+        raise NotImplementedError("PyTorch has no CUDA here")
+    return torch
+
+
+def sync():
+    import cupy
+
+    cupy.cuda.get_current_stream().synchronize()
+
+
+def rng(*key):
+    return np.random.default_rng([SEED, *key])
+
+
+# ---- workloads ----------------------------------------------------------------------------------
+
+def ln_input(shape, dtype=np.float64):
+    return rng(1, *shape).standard_normal(shape).astype(dtype)
+
+
+def block_inputs(shape):
+    L, d, dk, dff = shape
+    g = rng(2, *shape)
+    X = g.standard_normal((L, d))
+    target = g.standard_normal((L, d))
+    W = [g.standard_normal(s) / math.sqrt(s[0]) for s in ((d, dk), (d, dk), (d, d), (d, dff), (dff, d))]
+    return X, target, W
+
+
+def blockhess_block_hessian(shape):
+    """Zero-argument callable: the full (P, P) MSE loss Hessian on the GPU (inputs already there)."""
+    cupy, blockhess = gpu_modules()
+    X, target, W = block_inputs(shape)
+    params = blockhess.BlockParams(*(cupy.asarray(w) for w in W))
+    Xd, Td = cupy.asarray(X), cupy.asarray(target)
+    return lambda: blockhess.loss_hessian(Xd, Td, params)
+
+
+def torch_block_hessian(shape):
+    """Zero-argument callable: torch.func.hessian of the same loss on the same GPU (float64)."""
+    torch = torch_cuda()
+    X, target, W = block_inputs(shape)
+    dev = torch.device("cuda")
+    t = lambda a: torch.as_tensor(a, dtype=torch.float64, device=dev)  # noqa: E731
+    Xt, Tt = t(X), t(target)
+    shapes = [w.shape for w in W]
+    sizes = [w.size for w in W]
+    w0 = torch.cat([t(w).reshape(-1) for w in W])
+    dk = W[0].shape[1]
+    ln = lambda x: torch.nn.functional.layer_norm(x, x.shape[-1:])  # noqa: E731
+
+    def loss(w):
+        WQ, WK, WV, W1, W2 = (p.reshape(s) for p, s in zip(w.split(sizes), shapes))
+        A = torch.softmax((Xt @ WQ) @ (Xt @ WK).T / math.sqrt(dk), dim=-1)
+        Y = ln(Xt + A @ (Xt @ WV))
+        Z = ln(Y + torch.relu(Y @ W1) @ W2)
+        return ((Z - Tt) ** 2).mean()
+
+    hess = torch.func.hessian(loss)
+    return lambda: hess(w0)
+
+
+def blockhess_ln_blocks(shape, dtype=np.float64):
+    cupy, blockhess = gpu_modules()
+    X = cupy.asarray(ln_input(shape, dtype))
+    return lambda: blockhess.layernorm_jacobian(X, layout="blocks")
+
+
+def kernel_ln_blocks(shape, dtype=np.float64, tile_elems=0):
+    """Only the LayerNorm Jacobian-blocks kernel, launched straight through the binding with a
+    preallocated output: what the bandwidth target is about. Returns (launch, bytes moved)."""
+    cupy, _ = gpu_modules()
+    from blockhess import _backend
+
+    L, d = shape
+    X = cupy.asarray(ln_input(shape, dtype))
+    out = cupy.empty((L, d, d), dtype=dtype)
+    launch = getattr(_backend._cuda, "layernorm_jacobian_blocks_" + ("f64" if np.dtype(dtype) == np.float64 else "f32"))
+    args = (X.data.ptr, L, d, 0.0, 0, 0, out.data.ptr, 0, cupy.cuda.get_current_stream().ptr, int(tile_elems))
+
+    def run(_keep=(X, out)):
+        launch(*args)
+
+    return run, out.nbytes + X.nbytes
+
+
+def torch_ln_blocks(shape):
+    torch = torch_cuda()
+    X = torch.as_tensor(ln_input(shape), device="cuda")
+    f = lambda x: torch.nn.functional.layer_norm(x, x.shape[-1:])  # noqa: E731
+    jac = torch.func.vmap(torch.func.jacrev(f))
+    return lambda: jac(X)
+
+
+def rel_error(a, b) -> float:
+    import cupy
+
+    a = cupy.asnumpy(a) if isinstance(a, cupy.ndarray) else (a.detach().cpu().numpy() if hasattr(a, "detach") else np.asarray(a))
+    b = cupy.asnumpy(b) if isinstance(b, cupy.ndarray) else (b.detach().cpu().numpy() if hasattr(b, "detach") else np.asarray(b))
+    a = a.reshape(b.shape).astype(np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
+
+
+def cupy_pool_peak(fn) -> int:
+    """Bytes the CuPy memory pool held after one call from an empty pool (= peak of that call)."""
+    import cupy
+
+    pool = cupy.get_default_memory_pool()
+    sync()
+    pool.free_all_blocks()
+    base = pool.total_bytes()
+    out = fn()
+    sync()
+    peak = pool.total_bytes() - base
+    del out
+    return int(peak)
+
+
+def torch_peak(fn) -> int:
+    torch = torch_cuda()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    return int(peak)
+
+
+# ---- asv classes --------------------------------------------------------------------------------
+
+class TimeGPULayerNormJacobianBlocks:
+    """blockhess.layernorm_jacobian(layout="blocks") on the GPU (whole call) and the kernel alone."""
+
+    params = (["blockhess", "kernel", "torch_vmap_jacrev"], LN_SHAPES)
+    param_names = ("method", "shape")
+    timeout = 300
+
+    def setup(self, method, shape):
+        if method == "blockhess":
+            self.fn = blockhess_ln_blocks(shape)
+        elif method == "kernel":
+            self.fn = kernel_ln_blocks(shape)[0]
+        else:
+            gpu_modules()
+            self.fn = torch_ln_blocks(shape)
+        self.torch = method.startswith("torch")
+        self._run()  # warm-up: module load, pools, cuBLAS handles
+
+    def _run(self):
+        out = self.fn()
+        if self.torch:
+            torch_cuda().cuda.synchronize()
+        else:
+            sync()
+        return out
+
+    def time_ln_jacobian_blocks(self, method, shape):
+        self._run()
+
+
+class TimeGPUBlockLossHessian:
+    """Full block loss Hessian (MSE, all five matrices) on the GPU: blockhess vs torch.func.hessian."""
+
+    params = (["blockhess", "torch_hessian"], BLOCK_SHAPES)
+    param_names = ("method", "shape")
+    timeout = 600
+    repeat = (2, 5, 30.0)
+
+    def setup(self, method, shape):
+        gpu_modules()
+        self.torch = method == "torch_hessian"
+        self.fn = torch_block_hessian(shape) if self.torch else blockhess_block_hessian(shape)
+        self._run()
+
+    def _run(self):
+        out = self.fn()
+        if self.torch:
+            torch_cuda().cuda.synchronize()
+        else:
+            sync()
+        return out
+
+    def time_block_loss_hessian(self, method, shape):
+        self._run()
+
+
+class TrackGPULayerNormBandwidth:
+    """Achieved write bandwidth of the Jacobian-blocks kernel, as a fraction of a device-to-device
+    copy's bandwidth (read + write bytes) on the same GPU."""
+
+    params = (LN_SHAPES,)
+    param_names = ("shape",)
+    timeout = 300
+
+    def setup(self, shape):
+        gpu_modules()
+        self.shape = shape
+
+    def track_fraction_of_copy_bandwidth(self, shape):
+        fn, nbytes = kernel_ln_blocks(shape)
+        kernel = nbytes / event_time(fn)
+        return kernel / copy_bandwidth(nbytes)
+
+    track_fraction_of_copy_bandwidth.unit = "fraction"
+
+    def track_kernel_bandwidth_GBps(self, shape):
+        fn, nbytes = kernel_ln_blocks(shape)
+        return nbytes / event_time(fn) / 1e9
+
+    track_kernel_bandwidth_GBps.unit = "GB/s"
+
+
+class TrackGPUBlockLossHessian:
+    """GPU memory and accuracy of the full block loss Hessian."""
+
+    params = (BLOCK_SHAPES,)
+    param_names = ("shape",)
+    timeout = 600
+
+    def setup(self, shape):
+        gpu_modules()
+
+    def track_blockhess_gpu_peak_over_output(self, shape):
+        P = sum(block_sizes(shape))
+        return cupy_pool_peak(blockhess_block_hessian(shape)) / (8 * P * P)
+
+    track_blockhess_gpu_peak_over_output.unit = "x output size"
+
+    def track_torch_gpu_peak_over_output(self, shape):
+        P = sum(block_sizes(shape))
+        return torch_peak(torch_block_hessian(shape)) / (8 * P * P)
+
+    track_torch_gpu_peak_over_output.unit = "x output size"
+
+    def track_rel_error_vs_torch_cuda(self, shape):
+        return rel_error(blockhess_block_hessian(shape)(), torch_block_hessian(shape)())
+
+    track_rel_error_vs_torch_cuda.unit = "relative error"
+
+    def track_rel_error_vs_cpu(self, shape):
+        import blockhess
+
+        X, target, W = block_inputs(shape)
+        return rel_error(blockhess_block_hessian(shape)(), blockhess.loss_hessian(X, target, blockhess.BlockParams(*W)))
+
+    track_rel_error_vs_cpu.unit = "relative error"
+
+
+# ---- timing helpers shared with gpu_bench.py ----------------------------------------------------
+
+def block_sizes(shape):
+    L, d, dk, dff = shape
+    return [d * dk, d * dk, d * d, d * dff, dff * d]
+
+
+def event_time(fn, reps: int = 100, warmup: int = 3) -> float:
+    """Seconds per call of an asynchronous launch: `reps` back-to-back calls between two CUDA events,
+    queued behind a ~1 ms memset so that the GPU never waits for Python between them."""
+    import cupy
+
+    for _ in range(warmup):
+        fn()
+    sync()
+    pad = cupy.empty(1 << 32, dtype=cupy.uint8)  # 4 GiB
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    pad.fill(0)
+    start.record()
+    for _ in range(reps):
+        fn()
+    stop.record()
+    stop.synchronize()
+    del pad
+    return cupy.cuda.get_elapsed_time(start, stop) / 1e3 / reps
+
+
+def copy_bandwidth(nbytes: int) -> float:
+    """Bytes/s of a device-to-device copy moving nbytes (nbytes/2 read + nbytes/2 written): the best
+    of cudaMemcpyAsync and CuPy's element-wise copy."""
+    import cupy
+
+    n = max(1, nbytes // 2 // 8)
+    src = cupy.ones(n, dtype=cupy.float64)
+    dst = cupy.empty_like(src)
+    stream = cupy.cuda.get_current_stream().ptr
+    memcpy = lambda: cupy.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, src.nbytes, 3, stream)  # noqa: E731
+    elementwise = lambda: cupy.copyto(dst, src)  # noqa: E731
+    return max(2 * src.nbytes / event_time(memcpy), 2 * src.nbytes / event_time(elementwise))
+
+
+def memset_bandwidth(nbytes: int) -> float:
+    import cupy
+
+    buf = cupy.empty(nbytes, dtype=cupy.uint8)
+    stream = cupy.cuda.get_current_stream().ptr
+    return nbytes / event_time(lambda: cupy.cuda.runtime.memsetAsync(buf.data.ptr, 0, nbytes, stream))
+
+
+def nominal_bandwidth() -> float:
+    """The GPU's nominal memory bandwidth in bytes/s (from its clock and bus width, or its name)."""
+    import cupy
+
+    dev = cupy.cuda.Device().id
+    rt = cupy.cuda.runtime
+    try:
+        clock_khz = rt.deviceGetAttribute(36, dev)  # cudaDevAttrMemoryClockRate
+        bus_bits = rt.deviceGetAttribute(37, dev)  # cudaDevAttrGlobalMemoryBusWidth
+        if clock_khz > 0 and bus_bits > 0:
+            return 2.0 * clock_khz * 1e3 * bus_bits / 8
+    except Exception:  # noqa: BLE001 - attribute missing in this CUDA version
+        pass
+    name = rt.getDeviceProperties(dev)["name"]
+    name = name.decode() if isinstance(name, bytes) else str(name)
+    for key, gbps in (("H200", 4800), ("H100", 3350), ("A100", 2039), ("L40", 864)):
+        if key in name:
+            return gbps * 1e9
+    return float("nan")
