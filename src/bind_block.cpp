@@ -88,7 +88,7 @@ void bind_for(py::module_& m) {
         T* o = mutable_ptr(out);
         py::gil_scoped_release release;
         const auto f = block::forward(p.dims, 1, X.data(), p.weights, eps);
-        block::jacobian(f, block::factorize(f, p.weights), param, o);
+        block::jacobian(f, block::factorize(f), param, o);
       },
       py::arg("X").noconvert(), py::arg("W_Q").noconvert(), py::arg("W_K").noconvert(), py::arg("W_V").noconvert(),
       py::arg("W_1").noconvert(), py::arg("W_2").noconvert(), py::arg("eps"), py::arg("param"),

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "blockhess/buffer.hpp"
 #include "blockhess/config.hpp"
 #include "blockhess/layernorm.hpp"
 #include "blockhess/parallel.hpp"
@@ -53,27 +54,30 @@ template <class T>
 struct Forward {
   Dims dims;
   index_t B = 0;
-  const T* X = nullptr;                 // (B*L, d), borrowed
-  std::vector<T> Q, K, V;               // (B*L, dk), (B*L, dk), (B*L, d)
-  std::vector<T> A;                     // (B, L, L) attention weights
-  std::vector<T> F;                     // (B*L, d) attention output
-  std::vector<T> Y, sigma1;             // first LayerNorm output and row std
-  std::vector<T> H1, R;                 // pre-activation Y W_1 and relu(H1), (B*L, dff)
-  std::vector<T> Z, sigma2;             // block output and second LayerNorm row std
+  const T* X = nullptr;                 // (B*L, d): points into X_copy
+  Buffer<T> X_copy;                     // aligned copies of the inputs (see buffer.hpp)
+  std::array<Buffer<T>, kNumParams> W_copy;
+  Buffer<T> Q, K, V;               // (B*L, dk), (B*L, dk), (B*L, d)
+  Buffer<T> A;                     // (B, L, L) attention weights
+  Buffer<T> F;                     // (B*L, d) attention output
+  Buffer<T> Y, sigma1;             // first LayerNorm output and row std
+  Buffer<T> H1, R;                 // pre-activation Y W_1 and relu(H1), (B*L, dff)
+  Buffer<T> Z, sigma2;             // block output and second LayerNorm row std
 
   index_t tokens() const { return B * dims.L; }
+  const T* weight(int p) const { return W_copy[p].data(); }
   T inv_sqrt_dk() const { return T(1) / std::sqrt(static_cast<T>(dims.dk)); }
 };
 
 // Cotangents of a scalar (a loss, or one output entry) with respect to every intermediate.
 template <class T>
 struct Reverse {
-  std::vector<T> gS;   // (B*L, d)   d/dS
-  std::vector<T> gH1;  // (B*L, dff) d/d(Y W_1)
-  std::vector<T> gY;   // (B*L, d)   d/dY, through both the FFN and its residual
-  std::vector<T> gF;   // (B*L, d)   d/dF = d/d(X + F)
-  std::vector<T> gA;   // (B, L, L)  d/dA
-  std::vector<T> gT;   // (B, L, L)  d/dT
+  Buffer<T> gS;   // (B*L, d)   d/dS
+  Buffer<T> gH1;  // (B*L, dff) d/d(Y W_1)
+  Buffer<T> gY;   // (B*L, d)   d/dY, through both the FFN and its residual
+  Buffer<T> gF;   // (B*L, d)   d/dF = d/d(X + F)
+  Buffer<T> gA;   // (B, L, L)  d/dA
+  Buffer<T> gT;   // (B, L, L)  d/dT
 };
 
 template <class T>
@@ -83,15 +87,17 @@ Forward<T> forward(const Dims& dims, index_t B, const T* X, const Weights<T>& W,
   Forward<T> f;
   f.dims = dims;
   f.B = B;
-  f.X = X;
+  f.X_copy.assign(X, X + n * d);
+  f.X = f.X_copy.data();
+  for (int p = 0; p < kNumParams; ++p) f.W_copy[p].assign(W.w[p], W.w[p] + dims.size(p));
   f.Q.resize(n * dk), f.K.resize(n * dk), f.V.resize(n * d), f.A.resize(B * L * L), f.F.resize(n * d);
   f.Y.resize(n * d), f.sigma1.resize(n), f.H1.resize(n * dff), f.R.resize(n * dff);
   f.Z.resize(n * d), f.sigma2.resize(n);
 
-  const MapC<T> Xm(X, n, d);
-  MapM<T>(f.Q.data(), n, dk).noalias() = Xm * MapC<T>(W.w[W_Q], d, dk);
-  MapM<T>(f.K.data(), n, dk).noalias() = Xm * MapC<T>(W.w[W_K], d, dk);
-  MapM<T>(f.V.data(), n, d).noalias() = Xm * MapC<T>(W.w[W_V], d, d);
+  const MapC<T> Xm(f.X, n, d);
+  MapM<T>(f.Q.data(), n, dk).noalias() = Xm * MapC<T>(f.weight(W_Q), d, dk);
+  MapM<T>(f.K.data(), n, dk).noalias() = Xm * MapC<T>(f.weight(W_K), d, dk);
+  MapM<T>(f.V.data(), n, d).noalias() = Xm * MapC<T>(f.weight(W_V), d, d);
   const T scale = f.inv_sqrt_dk();
   for (index_t b = 0; b < B; ++b) {
     MapM<T> A(f.A.data() + b * L * L, L, L);
@@ -99,12 +105,12 @@ Forward<T> forward(const Dims& dims, index_t B, const T* X, const Weights<T>& W,
     for (index_t i = 0; i < L; ++i) softmax::forward_row(A.data() + i * L, L, A.data() + i * L);
     MapM<T>(f.F.data() + b * L * d, L, d).noalias() = A * MapC<T>(f.V.data() + b * L * d, L, d);
   }
-  std::vector<T> S(n * d);
+  Buffer<T> S(n * d);
   MapM<T>(S.data(), n, d) = Xm + MapC<T>(f.F.data(), n, d);
   layernorm::normalize(S.data(), n, d, eps, f.Y.data(), f.sigma1.data());
-  MapM<T>(f.H1.data(), n, dff).noalias() = MapC<T>(f.Y.data(), n, d) * MapC<T>(W.w[W_1], d, dff);
+  MapM<T>(f.H1.data(), n, dff).noalias() = MapC<T>(f.Y.data(), n, d) * MapC<T>(f.weight(W_1), d, dff);
   MapM<T>(f.R.data(), n, dff) = MapC<T>(f.H1.data(), n, dff).cwiseMax(T(0));
-  MapM<T>(S.data(), n, d).noalias() = MapC<T>(f.R.data(), n, dff) * MapC<T>(W.w[W_2], dff, d);
+  MapM<T>(S.data(), n, d).noalias() = MapC<T>(f.R.data(), n, dff) * MapC<T>(f.weight(W_2), dff, d);
   MapM<T>(S.data(), n, d) += MapC<T>(f.Y.data(), n, d);
   layernorm::normalize(S.data(), n, d, eps, f.Z.data(), f.sigma2.data());
   return f;
@@ -122,17 +128,17 @@ void layernorm_vjp_row(const T* y, T sigma, const T* g, index_t d, T* out) {
 
 // Carry gZ (B*L, d) back through the block.
 template <class T>
-Reverse<T> reverse(const Forward<T>& f, const Weights<T>& W, const T* gZ) {
+Reverse<T> reverse(const Forward<T>& f, const T* gZ) {
   const Dims& D = f.dims;
   const index_t L = D.L, d = D.d, dff = D.dff, n = f.tokens();
   Reverse<T> r;
   r.gS.resize(n * d), r.gH1.resize(n * dff), r.gY.resize(n * d), r.gF.resize(n * d), r.gA.resize(f.B * L * L), r.gT.resize(f.B * L * L);
   for (index_t t = 0; t < n; ++t) layernorm_vjp_row(f.Z.data() + t * d, f.sigma2[t], gZ + t * d, d, r.gS.data() + t * d);
   MapM<T> gH1(r.gH1.data(), n, dff);
-  gH1.noalias() = MapC<T>(r.gS.data(), n, d) * MapC<T>(W.w[W_2], dff, d).transpose();
+  gH1.noalias() = MapC<T>(r.gS.data(), n, d) * MapC<T>(f.weight(W_2), dff, d).transpose();
   for (index_t k = 0; k < n * dff; ++k)
     if (!(f.H1[k] > T(0))) r.gH1[k] = T(0);  // relu'(0) is taken as 0
-  MapM<T>(r.gY.data(), n, d).noalias() = gH1 * MapC<T>(W.w[W_1], d, dff).transpose();
+  MapM<T>(r.gY.data(), n, d).noalias() = gH1 * MapC<T>(f.weight(W_1), d, dff).transpose();
   MapM<T>(r.gY.data(), n, d) += MapC<T>(r.gS.data(), n, d);
   for (index_t t = 0; t < n; ++t) layernorm_vjp_row(f.Y.data() + t * d, f.sigma1[t], r.gY.data() + t * d, d, r.gF.data() + t * d);
   for (index_t b = 0; b < f.B; ++b) {

@@ -38,9 +38,9 @@ using Selection = std::array<bool, kNumParams>;
 template <class T>
 struct Factors {
   std::array<kron::Split, kNumParams> split;
-  std::array<std::vector<T>, kNumParams> vec;  // (tokens, n_vec)
-  std::array<std::vector<T>, kNumParams> US;   // (tokens, d, n_mat): derivative of S
-  std::array<std::vector<T>, 3> UF, UY;        // attention only: derivatives of F and of Y
+  std::array<Buffer<T>, kNumParams> vec;  // (tokens, n_vec)
+  std::array<Buffer<T>, kNumParams> US;   // (tokens, d, n_mat): derivative of S
+  std::array<Buffer<T>, 3> UF, UY;        // attention only: derivatives of F and of Y
 };
 
 // J_Y,t (the first LayerNorm's Jacobian) for token t.
@@ -53,7 +53,7 @@ Mat<T> first_ln_jacobian(const Forward<T>& f, index_t t) {
 }
 
 template <class T>
-Factors<T> factorize(const Forward<T>& f, const Weights<T>& W) {
+Factors<T> factorize(const Forward<T>& f) {
   const Dims& D = f.dims;
   const index_t L = D.L, d = D.d, dk = D.dk, dff = D.dff, n = f.tokens();
   const T s = f.inv_sqrt_dk();
@@ -65,7 +65,7 @@ Factors<T> factorize(const Forward<T>& f, const Weights<T>& W) {
     fa.US[p].resize(n * d * fa.split[p].n_mat());
     if (p < 3) fa.UF[p].resize(n * d * fa.split[p].n_mat()), fa.UY[p].resize(n * d * fa.split[p].n_mat());
   }
-  const MapC<T> W1(W.w[W_1], d, dff), W2(W.w[W_2], dff, d);
+  const MapC<T> W1(f.weight(W_1), d, dff), W2(f.weight(W_2), dff, d);
   blockhess::detail::parallel_for(n, L * d * (d + dk) + d * d * dff, [&](index_t t) {
     const index_t b = t / L;
     const MapC<T> X(f.X + b * L * d, L, d), K(f.K.data() + b * L * dk, L, dk), V(f.V.data() + b * L * d, L, d);
@@ -123,7 +123,7 @@ namespace detail {
 
 // Gamma_t = U_t^T Om_t V_t for per-token matrices stored contiguously.
 template <class T>
-auto sandwich(const std::vector<T>& U, index_t ru, const std::vector<T>& Om, const std::vector<T>& V, index_t rv, index_t d) {
+auto sandwich(const Buffer<T>& U, index_t ru, const Buffer<T>& Om, const Buffer<T>& V, index_t rv, index_t d) {
   return [&U, &Om, &V, ru, rv, d](index_t t, T* out) {
     const MapC<T> Ut(U.data() + t * d * ru, d, ru), Vt(V.data() + t * d * rv, d, rv), O(Om.data() + t * d * d, d, d);
     MapM<T>(out, ru, rv).noalias() = Ut.transpose() * (O * Vt);
@@ -135,7 +135,7 @@ auto sandwich(const std::vector<T>& U, index_t ru, const std::vector<T>& Om, con
 // Writes the symmetric (P, P) Hessian of the scalar whose cotangents are in `r` and whose outer
 // curvature at Z is hessZ (per token d x d; null = none), restricted to the selected parameters.
 template <class T>
-void assemble_hessian(const Forward<T>& f, const Weights<T>& W, const Factors<T>& fa, const Reverse<T>& r,
+void assemble_hessian(const Forward<T>& f, const Factors<T>& fa, const Reverse<T>& r,
                       const T* gZ, const T* hessZ, Part part, const Selection& wrt, T* H) {
   const Dims& D = f.dims;
   const index_t L = D.L, d = D.d, dk = D.dk, dff = D.dff, n = f.tokens();
@@ -146,7 +146,7 @@ void assemble_hessian(const Forward<T>& f, const Weights<T>& W, const Factors<T>
   const bool functional = part != Part::outer;
 
   // Curvature at S: J_Z^T H_l J_Z (outer) + the second LayerNorm contracted with gZ (functional).
-  std::vector<T> omegaS(n * d * d, T(0)), omegaF;
+  Buffer<T> omegaS(n * d * d, T(0)), omegaF;
   blockhess::detail::parallel_for(n, d * d * d, [&](index_t t) {
     MapM<T> Om(omegaS.data() + t * d * d, d, d);
     const T* z = f.Z.data() + t * d;
@@ -187,7 +187,7 @@ void assemble_hessian(const Forward<T>& f, const Weights<T>& W, const Factors<T>
 
     // 2<gH1, dY dW_1>: (attention, W_1) with gH1 on W_1's columns.
     const kron::Split w1_by_cols{d, dff, false}, w2_by_cols{dff, d, false}, wv_by_cols{d, d, false};
-    const MapC<T> W1(W.w[W_1], d, dff);
+    const MapC<T> W1(f.weight(W_1), d, dff);
     for (int i = 0; i < 3; ++i) {
       const index_t ri = fa.split[i].n_mat();
       if (wrt[i] && wrt[W_1])
@@ -295,16 +295,16 @@ void jacobian(const Forward<T>& f, const Factors<T>& fa, int p, T* J) {
 template <class T>
 void output_hessian(const Dims& D, const T* X, const Weights<T>& W, T eps, int i, int j, T* out) {
   const Forward<T> f = forward(D, 1, X, W, eps);
-  const Factors<T> fa = factorize(f, W);
+  const Factors<T> fa = factorize(f);
   Selection wrt{};
   wrt[i] = wrt[j] = true;
   std::array<index_t, kNumParams> off{};
   const index_t P = offsets(D, wrt, off), ni = D.size(i), nj = D.size(j), m = D.L * D.d;
-  std::vector<T> gZ(m, T(0)), H(P * P);
+  Buffer<T> gZ(m, T(0)), H(P * P);
   for (index_t o = 0; o < m; ++o) {
     gZ[o] = T(1);
-    const Reverse<T> r = reverse(f, W, gZ.data());
-    assemble_hessian(f, W, fa, r, gZ.data(), static_cast<const T*>(nullptr), Part::functional, wrt, H.data());
+    const Reverse<T> r = reverse(f, gZ.data());
+    assemble_hessian(f, fa, r, gZ.data(), static_cast<const T*>(nullptr), Part::functional, wrt, H.data());
     for (index_t a = 0; a < ni; ++a)
       std::copy_n(H.data() + (off[i] + a) * P + off[j], nj, out + (o * ni + a) * nj);
     gZ[o] = T(0);

@@ -22,7 +22,7 @@ template <class T>
 T loss_gradient(const Dims& D, index_t B, const T* X, const Weights<T>& W, T eps, const Target<T>& target, T* grad) {
   const Forward<T> f = forward(D, B, X, W, eps);
   const auto ld = loss::derivatives(target.kind, B, D.L, D.d, f.Z.data(), target.values, target.classes, false);
-  if (grad) weight_gradient(f, reverse(f, W, ld.gZ.data()), grad);
+  if (grad) weight_gradient(f, reverse(f, ld.gZ.data()), grad);
   return ld.value;
 }
 
@@ -33,9 +33,9 @@ T loss_hessian(const Dims& D, index_t B, const T* X, const Weights<T>& W, T eps,
   const Forward<T> f = forward(D, B, X, W, eps);
   const auto ld = loss::derivatives(target.kind, B, D.L, D.d, f.Z.data(), target.values, target.classes,
                                     part != Part::functional);
-  const Factors<T> fa = factorize(f, W);
-  const Reverse<T> r = reverse(f, W, ld.gZ.data());
-  assemble_hessian(f, W, fa, r, ld.gZ.data(), part != Part::functional ? ld.hessZ.data() : nullptr, part, wrt, H);
+  const Factors<T> fa = factorize(f);
+  const Reverse<T> r = reverse(f, ld.gZ.data());
+  assemble_hessian(f, fa, r, ld.gZ.data(), part != Part::functional ? ld.hessZ.data() : nullptr, part, wrt, H);
   return ld.value;
 }
 

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "blockhess/buffer.hpp"
 #include "blockhess/config.hpp"
 
 #if defined(_OPENMP)
@@ -58,7 +59,7 @@ void accumulate(index_t tokens, const Split& si, const T* u, const Split& sj, co
   if (tokens <= 0 || gsize == 0) return;
   upper_only = upper_only && si.vec_on_first && sj.vec_on_first;
   const index_t chunk = detail::chunk_tokens(tokens, gsize);
-  std::vector<T> gammas(static_cast<size_t>(chunk * gsize));
+  Buffer<T> gammas(static_cast<size_t>(chunk * gsize));
 
   // Work is split by o_i: the rows of H that belong to one o_i are written by one thread. Each
   // task takes a few consecutive o_i and forms all their (o_i, o_j) pairs with one GEMM, which packs

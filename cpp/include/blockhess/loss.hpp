@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "blockhess/buffer.hpp"
 #include "blockhess/config.hpp"
 #include "blockhess/softmax.hpp"
 
@@ -20,8 +21,8 @@ enum class Kind : int { mse = 0, cross_entropy = 1 };
 template <class T>
 struct Derivatives {
   T value = 0;
-  std::vector<T> gZ;      // (B*L, d)    dl/dZ
-  std::vector<T> hessZ;   // (B*L, d, d) d2l/dZ_t^2, only when asked for
+  Buffer<T> gZ;      // (B*L, d)    dl/dZ
+  Buffer<T> hessZ;   // (B*L, d, d) d2l/dZ_t^2, only when asked for
 };
 
 // target: (B*L, d) for mse; classes: (B*L) for cross_entropy (the other may be null).
@@ -47,7 +48,7 @@ Derivatives<T> derivatives(Kind kind, index_t B, index_t L, index_t d, const T* 
   }
   if (!classes) throw std::invalid_argument("loss: cross_entropy needs integer class targets");
   const T c = T(1) / static_cast<T>(B * L);
-  std::vector<T> p(d);
+  Buffer<T> p(d);
   for (index_t t = 0; t < n; ++t) {
     const std::int64_t k = classes[t];
     if (k < 0 || k >= d)
