@@ -92,6 +92,19 @@ def test_cuda_module_imports_and_counts_devices():
             assert callable(getattr(mod, name + suffix)), name + suffix
 
 
+@pytest.mark.skipif(_backend._cuda is None, reason="blockhess was built without CUDA")
+def test_cuda_module_links_no_cuda_shared_library():
+    """Static cudart, no libcuda: the module imports on machines without a GPU or driver."""
+    import shutil
+    import subprocess
+    import sys
+
+    if not sys.platform.startswith("linux") or shutil.which("ldd") is None:
+        pytest.skip("needs ldd (Linux)")
+    deps = subprocess.run(["ldd", _backend._cuda.__file__], capture_output=True, text=True, check=True).stdout
+    assert "libcudart" not in deps and "libcuda." not in deps, deps
+
+
 @pytest.mark.skipif(_backend._cuda is None or GPU, reason="needs the CUDA module on a machine without a GPU")
 def test_without_gpu_device_count_is_zero_and_launches_fail_cleanly():
     mod = _backend._cuda

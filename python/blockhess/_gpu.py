@@ -449,10 +449,9 @@ class _Block:
             _k.kron_accumulate(_c(u[t0:t1]), si, _c(w[t0:t1]), sj, G, 1.0, H, off[i], off[j], upper)
 
     @staticmethod
-    def _sandwich(U: Any, Om: Any, V: Any) -> Any:
-        """U^T Om V per token; None stands for the identity."""
-        right = Om if V is None else Om @ V
-        return right if U is None else U.transpose(0, 2, 1) @ right
+    def _sandwich(U: Any, OmV: Any) -> Any:
+        """U^T (Om V) per token, given Om V; U None stands for the identity."""
+        return OmV if U is None else U.transpose(0, 2, 1) @ OmV
 
     def assemble(self, r: dict[str, Any], gZ: Any, omega: Any, part: str, selected: list[bool], H: Any,
                  off: list[int]) -> None:
@@ -469,13 +468,13 @@ class _Block:
         OmS = omega if outer else xp.zeros((n, d, d), dtype=self.dtype)
         if functional:
             OmS = OmS + self._ln_contract(self.S, gZ)
+        OmUS = {j: OmS if US[j] is None else OmS @ US[j] for j in sel}  # shared by every pair (i, j)
         for i in sel:
             for j in sel:
                 if j >= i:
                     self._accumulate(
                         H, off, i, j, vec[i], sp[i], vec[j], sp[j],
-                        lambda b0, b1, i=i, j=j: self._sandwich(T(US[i], b0 * L, b1 * L), OmS[b0 * L:b1 * L],
-                                                                T(US[j], b0 * L, b1 * L)),
+                        lambda b0, b1, i=i, j=j: self._sandwich(T(US[i], b0 * L, b1 * L), OmUS[j][b0 * L:b1 * L]),
                         upper=i == j,
                     )
         if not functional:
@@ -485,12 +484,12 @@ class _Block:
         gS, gH1, gY, gF, gA, gT = r["gS"], r["gH1"], r["gY"], r["gF"], r["gA"], r["gT"]
         # <gY, LN1''[dF, dF]> over the attention weights.
         OmF = self._ln_contract(self.S0, gY)
+        OmUF = {j: OmF if UF[j] is None else OmF @ UF[j] for j in _ATTN if selected[j]}
         for i in (p for p in _ATTN if selected[p]):
             for j in (p for p in _ATTN if selected[p] and p >= i):
                 self._accumulate(
                     H, off, i, j, vec[i], sp[i], vec[j], sp[j],
-                    lambda b0, b1, i=i, j=j: self._sandwich(T(UF[i], b0 * L, b1 * L), OmF[b0 * L:b1 * L],
-                                                            T(UF[j], b0 * L, b1 * L)),
+                    lambda b0, b1, i=i, j=j: self._sandwich(T(UF[i], b0 * L, b1 * L), OmUF[j][b0 * L:b1 * L]),
                     upper=i == j,
                 )
         for i in (p for p in _ATTN if selected[p]):
