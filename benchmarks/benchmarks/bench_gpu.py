@@ -21,6 +21,7 @@ import numpy as np
 SEED = 20251130
 LN_SHAPES = [(128, 256), (64, 128)]
 BLOCK_SHAPES = [(16, 32, 32, 64), (49, 16, 16, 64)]
+TORCH_DEVICE = "cuda"  # the torch baselines run here (tests of this file may point it at "cpu")
 
 
 # ---- availability -------------------------------------------------------------------------------
@@ -45,7 +46,7 @@ def torch_cuda():
         import torch
     except ImportError as err:
         raise NotImplementedError("PyTorch is not installed") from err
-    if not torch.cuda.is_available():
+    if TORCH_DEVICE == "cuda" and not torch.cuda.is_available():
         raise NotImplementedError("PyTorch has no CUDA here")
     return torch
 
@@ -88,14 +89,14 @@ def torch_block_hessian(shape):
     """Zero-argument callable: torch.func.hessian of the same loss on the same GPU (float64)."""
     torch = torch_cuda()
     X, target, W = block_inputs(shape)
-    dev = torch.device("cuda")
+    dev = torch.device(TORCH_DEVICE)
     t = lambda a: torch.as_tensor(a, dtype=torch.float64, device=dev)  # noqa: E731
     Xt, Tt = t(X), t(target)
     shapes = [w.shape for w in W]
     sizes = [w.size for w in W]
     w0 = torch.cat([t(w).reshape(-1) for w in W])
     dk = W[0].shape[1]
-    ln = lambda x: torch.nn.functional.layer_norm(x, x.shape[-1:])  # noqa: E731
+    ln = lambda x: torch.nn.functional.layer_norm(x, x.shape[-1:], eps=0.0)  # noqa: E731
 
     def loss(w):
         WQ, WK, WV, W1, W2 = (p.reshape(s) for p, s in zip(w.split(sizes), shapes))
@@ -134,8 +135,8 @@ def kernel_ln_blocks(shape, dtype=np.float64, tile_elems=0):
 
 def torch_ln_blocks(shape):
     torch = torch_cuda()
-    X = torch.as_tensor(ln_input(shape), device="cuda")
-    f = lambda x: torch.nn.functional.layer_norm(x, x.shape[-1:])  # noqa: E731
+    X = torch.as_tensor(ln_input(shape), device=TORCH_DEVICE)
+    f = lambda x: torch.nn.functional.layer_norm(x, x.shape[-1:], eps=0.0)  # noqa: E731
     jac = torch.func.vmap(torch.func.jacrev(f))
     return lambda: jac(X)
 
