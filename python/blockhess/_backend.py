@@ -14,14 +14,20 @@ except ImportError:  # pragma: no cover - depends on the build
 _REBUILD = "rebuild with CUDA on a machine with nvcc: BLOCKHESS_CUDA=ON pip install --no-build-isolation --no-deps ."
 
 
+_device_count: int | None = None
+
+
 def cuda_available() -> bool:
-    """True when blockhess was built with CUDA and a GPU is visible."""
+    """True when blockhess was built with CUDA and a GPU is visible (asked once per process)."""
+    global _device_count
     if _cuda is None:
         return False
-    try:
-        return _cuda.device_count() > 0
-    except RuntimeError:
-        return False
+    if _device_count is None:
+        try:
+            _device_count = int(_cuda.device_count())
+        except RuntimeError:
+            _device_count = 0
+    return _device_count > 0
 
 
 def is_device_array(x: Any) -> bool:
