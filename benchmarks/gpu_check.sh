@@ -134,8 +134,9 @@ if [[ "$BUILD" == ok* ]]; then
   banner "GPU tests: pytest -m cuda"
   T=$(stage_limit 180 140)
   echo "time limit ${T}s"
-  timeout "$T" "$PY" -m pytest -m cuda -q -rfEs -W default -p no:cacheprovider --junitxml="$OUT/pytest-cuda.xml" \
-    tests/test_cuda.py 2>&1 | tee "$OUT/pytest-cuda.txt"
+  # Synchronous launches: a kernel fault is reported by the launch that caused it (tests only).
+  CUDA_LAUNCH_BLOCKING=1 timeout "$T" "$PY" -m pytest -m cuda -q -rfEs -W default -p no:cacheprovider \
+    --junitxml="$OUT/pytest-cuda.xml" tests/test_cuda.py 2>&1 | tee "$OUT/pytest-cuda.txt"
   rc=${PIPESTATUS[0]}
   TESTLINE="$(grep -E " in [0-9.]+s" "$OUT/pytest-cuda.txt" | tail -1 | tr -d '=' | sed 's/^ *//;s/ *$//')"
   case $rc in
