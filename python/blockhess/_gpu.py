@@ -307,7 +307,7 @@ def _ln_vjp(y: Any, sigma: Any, g: Any) -> Any:
 
 class _Block:
     """Forward caches and per-token factors of the block for a batch X3 (B, L, d): the GPU twin of
-    block.hpp / block_hessian.hpp (same decomposition, same orders of summation where it matters)."""
+    block.hpp / block_hessian.hpp (the same per-node decomposition and per-token factors)."""
 
     def __init__(self, X3: Any, weights: tuple[Any, ...], eps: float) -> None:
         self.xp = _xp(X3)
