@@ -144,6 +144,9 @@ if [[ "$BUILD" == ok* ]]; then
     124) TESTS="TIMEOUT after ${T}s" ;;
     *) TESTS="FAILED (exit $rc)" ;;
   esac
+  if [ "$TESTS" = ok ] && ! grep -q "passed" <<<"$TESTLINE"; then
+    TESTS="NOT RUN: every GPU test skipped (no usable GPU / CuPy / CUDA build in this process)"
+  fi
   echo "GPU tests: $TESTS $TESTLINE"
 
   banner "GPU benchmark"
