@@ -166,7 +166,7 @@ def run_check(cfg: Config, progress=None) -> tuple[Report, dict[str, Any]]:
     say = progress or (lambda msg: None)
     X, target, weights = make_problem(cfg)
     Xd, *wd = _to_device([X, *weights], cfg.device)
-    target_d = _to_device([target], cfg.device)[0] if cfg.loss == "mse" else target
+    target_d = _to_device([target], cfg.device)[0]  # class indices too: no host/device mixing
     params = BlockParams(*wd)
     P = params.size
 
