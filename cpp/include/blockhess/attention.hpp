@@ -25,6 +25,7 @@
 #include <Eigen/Core>
 
 #include "blockhess/config.hpp"
+#include "blockhess/eigen.hpp"
 #include "blockhess/parallel.hpp"
 #include "blockhess/softmax.hpp"
 
@@ -63,12 +64,6 @@ struct Cache {
 };
 
 namespace detail {
-template <class T>
-using Mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-template <class T>
-using CMap = Eigen::Map<const Mat<T>>;
-template <class T>
-using MMap = Eigen::Map<Mat<T>>;
 
 inline size_t sz(index_t n) { return static_cast<size_t>(n); }
 }  // namespace detail
@@ -76,21 +71,19 @@ inline size_t sz(index_t n) { return static_cast<size_t>(n); }
 template <class T>
 Cache<T> forward_cache(const T* X, const T* WQ, const T* WK, const T* WV, const Dims& s) {
   check_dims(s);
-  using detail::CMap;
-  using detail::MMap;
   using detail::sz;
   Cache<T> f{s, T(1) / std::sqrt(static_cast<T>(s.dk)), std::vector<T>(sz(s.L * s.dk)),
              std::vector<T>(sz(s.L * s.dk)), std::vector<T>(sz(s.L * s.dv)), std::vector<T>(sz(s.L * s.L)),
              std::vector<T>(sz(s.L * s.dv))};
-  CMap<T> x(X, s.L, s.d);
-  MMap<T> q(f.Q.data(), s.L, s.dk), k(f.K.data(), s.L, s.dk), v(f.V.data(), s.L, s.dv);
-  q.noalias() = x * CMap<T>(WQ, s.d, s.dk);
-  k.noalias() = x * CMap<T>(WK, s.d, s.dk);
-  v.noalias() = x * CMap<T>(WV, s.d, s.dv);
+  MapC<T> x(X, s.L, s.d);
+  MapM<T> q(f.Q.data(), s.L, s.dk), k(f.K.data(), s.L, s.dk), v(f.V.data(), s.L, s.dv);
+  q.noalias() = x * MapC<T>(WQ, s.d, s.dk);
+  k.noalias() = x * MapC<T>(WK, s.d, s.dk);
+  v.noalias() = x * MapC<T>(WV, s.d, s.dv);
   std::vector<T> logits(sz(s.L * s.L));
-  MMap<T>(logits.data(), s.L, s.L).noalias() = f.c * (q * k.transpose());
+  MapM<T>(logits.data(), s.L, s.L).noalias() = f.c * (q * k.transpose());
   softmax::forward(logits.data(), s.L, s.L, f.A.data());
-  MMap<T>(f.F.data(), s.L, s.dv).noalias() = MMap<T>(f.A.data(), s.L, s.L) * v;
+  MapM<T>(f.F.data(), s.L, s.dv).noalias() = MapM<T>(f.A.data(), s.L, s.L) * v;
   return f;
 }
 
@@ -107,8 +100,8 @@ void jacobian_wq(const Cache<T>& f, const T* X, T* J) {
   const index_t L = f.dims.L, d = f.dims.d, dk = f.dims.dk, dv = f.dims.dv;
   const index_t n = d * dk;
   std::vector<T> Kbar(detail::sz(L * dk)), M(detail::sz(L * dv * dk));
-  detail::MMap<T>(Kbar.data(), L, dk).noalias() =
-      detail::CMap<T>(f.A.data(), L, L) * detail::CMap<T>(f.K.data(), L, dk);
+  MapM<T>(Kbar.data(), L, dk).noalias() =
+      MapC<T>(f.A.data(), L, L) * MapC<T>(f.K.data(), L, dk);
   blockhess::detail::parallel_for(L, L * dv * dk + dv * n, [&](index_t t) {
     // M_t[a,k] = sum_s A[t,s] V[s,a] (K[s,k] - Kbar_t[k])
     T* Mt = M.data() + t * dv * dk;
@@ -141,7 +134,7 @@ void jacobian_wk(const Cache<T>& f, const T* X, T* J) {
   const index_t L = f.dims.L, d = f.dims.d, dk = f.dims.dk, dv = f.dims.dv;
   const index_t n = d * dk;
   std::vector<T> Xbar(detail::sz(L * d)), N(detail::sz(L * dv * d));
-  detail::MMap<T>(Xbar.data(), L, d).noalias() = detail::CMap<T>(f.A.data(), L, L) * detail::CMap<T>(X, L, d);
+  MapM<T>(Xbar.data(), L, d).noalias() = MapC<T>(f.A.data(), L, L) * MapC<T>(X, L, d);
   blockhess::detail::parallel_for(L, L * dv * d + dv * n, [&](index_t t) {
     // N_t[a,b] = sum_s A[t,s] V[s,a] (X[s,b] - Xbar_t[b])
     T* Nt = N.data() + t * dv * d;
@@ -175,7 +168,7 @@ void jacobian_wv(const Cache<T>& f, const T* X, T* J) {
   (void)dk;
   const index_t n = d * dv;
   std::vector<T> AX(detail::sz(L * d));
-  detail::MMap<T>(AX.data(), L, d).noalias() = detail::CMap<T>(f.A.data(), L, L) * detail::CMap<T>(X, L, d);
+  MapM<T>(AX.data(), L, d).noalias() = MapC<T>(f.A.data(), L, L) * MapC<T>(X, L, d);
   blockhess::detail::parallel_for(L, dv * n, [&](index_t t) {
     T* rows = J + t * dv * n;
     std::memset(rows, 0, sizeof(T) * detail::sz(dv * n));
@@ -191,10 +184,10 @@ void jacobian_x(const Cache<T>& f, const T* WQ, const T* WK, const T* WV, T* J) 
   const index_t n = L * d;
   // Qt = Q W_K^T (row t is W_K q_t), Kt = K W_Q^T (row s is W_Q k_s); both (L, d).
   std::vector<T> Qt(detail::sz(L * d)), Kt(detail::sz(L * d));
-  detail::MMap<T>(Qt.data(), L, d).noalias() =
-      detail::CMap<T>(f.Q.data(), L, dk) * detail::CMap<T>(WK, d, dk).transpose();
-  detail::MMap<T>(Kt.data(), L, d).noalias() =
-      detail::CMap<T>(f.K.data(), L, dk) * detail::CMap<T>(WQ, d, dk).transpose();
+  MapM<T>(Qt.data(), L, d).noalias() =
+      MapC<T>(f.Q.data(), L, dk) * MapC<T>(WK, d, dk).transpose();
+  MapM<T>(Kt.data(), L, d).noalias() =
+      MapC<T>(f.K.data(), L, dk) * MapC<T>(WQ, d, dk).transpose();
   blockhess::detail::parallel_for(L, 2 * dv * n, [&](index_t t) {
     const T* at = f.A.data() + t * L;
     const T* qt = Qt.data() + t * d;

@@ -15,6 +15,7 @@
 
 #include "blockhess/buffer.hpp"
 #include "blockhess/config.hpp"
+#include "blockhess/eigen.hpp"
 #include "blockhess/layernorm.hpp"
 #include "blockhess/parallel.hpp"
 #include "blockhess/softmax.hpp"
@@ -42,12 +43,6 @@ struct Weights {
   std::array<const T*, kNumParams> w{};  // row-major, shapes Dims::rows(p) x Dims::cols(p)
 };
 
-template <class T>
-using Mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-template <class T>
-using MapC = Eigen::Map<const Mat<T>>;
-template <class T>
-using MapM = Eigen::Map<Mat<T>>;
 
 // Forward caches for B samples; every token-major array has B*L rows.
 template <class T>

@@ -21,6 +21,7 @@
 #include <Eigen/Core>
 
 #include "blockhess/config.hpp"
+#include "blockhess/eigen.hpp"
 #include "blockhess/parallel.hpp"
 
 namespace blockhess::ffn {
@@ -43,12 +44,6 @@ inline void check_dims(const Dims& s) {
 }
 
 namespace detail {
-template <class T>
-using Mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-template <class T>
-using CMap = Eigen::Map<const Mat<T>>;
-template <class T>
-using MMap = Eigen::Map<Mat<T>>;
 inline size_t sz(index_t n) { return static_cast<size_t>(n); }
 
 // H = Y W_1, (L, f).
@@ -56,7 +51,7 @@ template <class T>
 std::vector<T> preactivations(const T* Y, const T* W1, const Dims& s) {
   check_dims(s);
   std::vector<T> H(sz(s.L * s.f));
-  MMap<T>(H.data(), s.L, s.f).noalias() = CMap<T>(Y, s.L, s.d) * CMap<T>(W1, s.d, s.f);
+  MapM<T>(H.data(), s.L, s.f).noalias() = MapC<T>(Y, s.L, s.d) * MapC<T>(W1, s.d, s.f);
   return H;
 }
 }  // namespace detail
@@ -66,7 +61,7 @@ template <class T>
 void forward(const T* Y, const T* W1, const T* W2, const Dims& s, T* F) {
   auto H = detail::preactivations(Y, W1, s);
   for (T& h : H) h = h > T(0) ? h : T(0);
-  detail::MMap<T>(F, s.L, s.e).noalias() = detail::CMap<T>(H.data(), s.L, s.f) * detail::CMap<T>(W2, s.f, s.e);
+  MapM<T>(F, s.L, s.e).noalias() = MapC<T>(H.data(), s.L, s.f) * MapC<T>(W2, s.f, s.e);
 }
 
 // B_1 = dF/dW_1, (L e, d f).
