@@ -71,11 +71,14 @@ void jacobian_w1(const T* Y, const T* W1, const T* W2, const Dims& s, T* J) {
   const index_t d = s.d, f = s.f, e = s.e, n = d * f;
   blockhess::detail::parallel_for(s.L, e * n, [&](index_t t) {
     const T* ht = H.data() + t * f;
+    std::vector<T> masked(detail::sz(f));  // relu'(h_t) * W_2[:, c], so the inner loop is a contiguous scale
     for (index_t c = 0; c < e; ++c) {
+      for (index_t g = 0; g < f; ++g) masked[detail::sz(g)] = relu_grad(ht[g]) * W2[g * e + c];
       T* row = J + (t * e + c) * n;
       for (index_t b = 0; b < d; ++b) {
         const T yb = Y[t * d + b];
-        for (index_t g = 0; g < f; ++g) row[b * f + g] = relu_grad(ht[g]) * yb * W2[g * e + c];
+        T* out = row + b * f;
+        for (index_t g = 0; g < f; ++g) out[g] = yb * masked[detail::sz(g)];
       }
     }
   });
