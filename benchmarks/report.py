@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+OMP_POLICY_AT_START = os.environ.get("OMP_WAIT_POLICY")  # blockhess sets it on import when unset
 sys.path.insert(0, os.path.join(HERE, "benchmarks"))
 
 import common  # noqa: E402
@@ -283,7 +284,20 @@ def machine() -> str:
         versions.append(f"torch {common.torch().__version__} ({common.torch().get_num_threads()} threads)")
     except NotImplementedError:
         versions.append("torch not installed")
-    return f"{cpu}, {os.cpu_count()} cores{mem}; {platform.system()}; " + ", ".join(versions) + "; float64"
+    try:
+        import subprocess
+
+        git = ["git", "-C", HERE]
+        rev = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True).stdout.strip()
+        if rev:
+            versions.append(f"commit {rev}{' + local changes' if dirty else ''}")
+    except OSError:
+        pass
+    policy = OMP_POLICY_AT_START or "libgomp default (PyTorch loaded first)"
+    return (f"{cpu}, {os.cpu_count()} cores{mem}; {platform.system()}; " + ", ".join(versions)
+            + f"; float64; OMP_WAIT_POLICY {policy}")
 
 
 def markdown(rows, target_rows, header: str) -> str:
@@ -342,7 +356,7 @@ def chart(rows, path: str) -> None:
             if tb == b and tp == p and mf.kind == "ours" and ms.layout != mf.layout:
                 v = target_ratio(rows, b, p, slow, fast)
                 if v is not None:
-                    bars.append((label(bench, p, mf, ms), v, ms.kind, (op, req)))
+                    bars.append((f"{label(bench, p, mf, ms)} ({ms.layout})", v, ms.kind, (op, req)))
     if not bars:
         return
     fig, ax = plt.subplots(figsize=(10, 0.3 * len(bars) + 1.6))
