@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-OMP_POLICY_AT_START = os.environ.get("OMP_WAIT_POLICY")  # blockhess sets it on import when unset
+OMP_POLICY_AT_START = os.environ.get("OMP_WAIT_POLICY")  # libgomp reads it once, at load
 sys.path.insert(0, os.path.join(HERE, "benchmarks"))
 
 import common  # noqa: E402
@@ -295,7 +295,7 @@ def machine() -> str:
             versions.append(f"commit {rev}{' + local changes' if dirty else ''}")
     except OSError:
         pass
-    policy = OMP_POLICY_AT_START or "libgomp default (PyTorch loaded first)"
+    policy = OMP_POLICY_AT_START or "libgomp default"
     return (f"{cpu}, {os.cpu_count()} cores{mem}; {platform.system()}; " + ", ".join(versions)
             + f"; float64; OMP_WAIT_POLICY {policy}")
 

@@ -46,9 +46,8 @@ def rng(*key: int) -> np.random.Generator:
 
 
 # blockhess and PyTorch share one OpenMP runtime (libgomp), which reads OMP_WAIT_POLICY once, when
-# it is first loaded. blockhess asks for passive waits on import; PyTorch runs with libgomp's default
-# (spinning) waits. For a fair comparison the benchmarks load PyTorch first, so both run in PyTorch's
-# default configuration (blockhess is, if anything, handicapped). The peak-memory child skips this.
+# it is first loaded; neither library sets it. The benchmarks load PyTorch first so that PyTorch's
+# bundled libgomp is the one both use, as in a PyTorch user's process. The peak-memory child skips this.
 TORCH_FIRST = True
 
 

@@ -11,13 +11,7 @@ Conventions: ``vec_r(A) = A.reshape(-1)`` (row-major); Jacobians in numerator la
 
 from __future__ import annotations
 
-import os as _os
 from importlib.metadata import version as _version
-
-# OpenMP workers that busy-wait at barriers collapse when the machine is shared: the MNIST block
-# Hessian took 550 ms instead of 40 ms on 2 busy cores. libgomp reads this once, when _core loads
-# it; a value the user has set wins.
-_os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 try:
     from . import _core
