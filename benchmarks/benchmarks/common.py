@@ -328,7 +328,27 @@ class LayerNormHessian(Bench):
         return floor_zeros((L, d, d, d))
 
 
-class FFNJacobian(Bench):
+class WeightJacobian(Bench):
+    """Jacobians with respect to one weight matrix; subclasses give inputs, out_shape, _torch_fn."""
+
+    def _jacrev(self, wrt, shape):
+        t = torch()
+        fn, W = self._torch_fn(wrt, shape)
+        jac = t.func.jacrev(fn)
+        out = self.out_shape(wrt, shape)
+        return lambda: jac(W).reshape(out)
+
+    def _autograd_jacobian(self, wrt, shape):
+        t = torch()
+        fn, W = self._torch_fn(wrt, shape)
+        out = self.out_shape(wrt, shape)
+        return lambda: t.autograd.functional.jacobian(fn, W).reshape(out)
+
+    def _floor(self, wrt, shape):
+        return floor_zeros(self.out_shape(wrt, shape))
+
+
+class FFNJacobian(WeightJacobian):
     name = "ffn_jacobian"
     title = "FFN Jacobian"
     short = "FFN Jac"
@@ -366,24 +386,8 @@ class FFNJacobian(Bench):
             return (lambda W: torch_ffn(Y, W, W2)), W1
         return (lambda W: torch_ffn(Y, W1, W)), W2
 
-    def _jacrev(self, wrt, shape):
-        t = torch()
-        fn, W = self._torch_fn(wrt, shape)
-        jac = t.func.jacrev(fn)
-        out = self.out_shape(wrt, shape)
-        return lambda: jac(W).reshape(out)
 
-    def _autograd_jacobian(self, wrt, shape):
-        t = torch()
-        fn, W = self._torch_fn(wrt, shape)
-        out = self.out_shape(wrt, shape)
-        return lambda: t.autograd.functional.jacobian(fn, W).reshape(out)
-
-    def _floor(self, wrt, shape):
-        return floor_zeros(self.out_shape(wrt, shape))
-
-
-class AttentionJacobian(Bench):
+class AttentionJacobian(WeightJacobian):
     name = "attention_jacobian"
     title = "Attention Jacobian"
     short = "Attn Jac"
@@ -423,22 +427,6 @@ class AttentionJacobian(Bench):
         if wrt == "W_K":
             return (lambda W: torch_attention(X, WQ, W, WV)), WK
         return (lambda W: torch_attention(X, WQ, WK, W)), WV
-
-    def _jacrev(self, wrt, shape):
-        t = torch()
-        fn, W = self._torch_fn(wrt, shape)
-        jac = t.func.jacrev(fn)
-        out = self.out_shape(wrt, shape)
-        return lambda: jac(W).reshape(out)
-
-    def _autograd_jacobian(self, wrt, shape):
-        t = torch()
-        fn, W = self._torch_fn(wrt, shape)
-        out = self.out_shape(wrt, shape)
-        return lambda: t.autograd.functional.jacobian(fn, W).reshape(out)
-
-    def _floor(self, wrt, shape):
-        return floor_zeros(self.out_shape(wrt, shape))
 
 
 class BlockLossHessian(Bench):
