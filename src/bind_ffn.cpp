@@ -32,7 +32,8 @@ void bind_for(py::module_& m) {
       py::arg("Y").noconvert(), py::arg("W_1").noconvert(), py::arg("W_2").noconvert(),
       py::arg("out").noconvert());
 
-  // kind: 0 = W_1 (L e, d f), 1 = W_2 (L e, f e), 2 = Y dense (L e, L d), 3 = Y blocks (L, e, d)
+  // kind: 0 = W_1 (L e, d f), 1 = W_2 (L e, f e), 2 = Y dense (L e, L d), 3 = Y blocks (L, e, d),
+  //       4 = W_1 Kronecker factor (L, e, f), 5 = W_2 Kronecker factor relu(Y W_1) (L, f)
   m.def(
       "ffn_jacobian",
       [](const carray<T>& Y, const carray<T>& W1, const carray<T>& W2, int kind, carray<T>& out) {
@@ -42,6 +43,8 @@ void bind_for(py::module_& m) {
           case 1: require_shape(out, {s.L * s.e, s.f * s.e}, "out"); break;
           case 2: require_shape(out, {s.L * s.e, s.L * s.d}, "out"); break;
           case 3: require_shape(out, {s.L, s.e, s.d}, "out"); break;
+          case 4: require_shape(out, {s.L, s.e, s.f}, "out"); break;
+          case 5: require_shape(out, {s.L, s.f}, "out"); break;
           default: throw std::invalid_argument("ffn_jacobian: unknown kind");
         }
         const T *y = Y.data(), *w1 = W1.data(), *w2 = W2.data();
@@ -51,6 +54,8 @@ void bind_for(py::module_& m) {
           case 0: ffn::jacobian_w1(y, w1, w2, s, o); break;
           case 1: ffn::jacobian_w2(y, w1, s, o); break;
           case 2: ffn::jacobian_y_dense(y, w1, w2, s, o); break;
+          case 4: ffn::jacobian_w1_factor(y, w1, w2, s, o); break;
+          case 5: ffn::activations(y, w1, s, o); break;
           default: ffn::jacobian_y_blocks(y, w1, w2, s, o); break;
         }
       },

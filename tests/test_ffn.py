@@ -157,3 +157,33 @@ def test_dense_request_over_budget_is_refused(rng):
         with pytest.raises(MemoryError, match='layout="blocks"'):
             blockhess.ffn_cross_hessian(Y, W1, W2)
         assert blockhess.ffn_cross_hessian(Y, W1, W2, layout="blocks").shape == (8, 8, 8)
+
+
+@pytest.mark.parametrize("wrt", ["W_1", "W_2"])
+@pytest.mark.parametrize("L,d,d_ff,d_out", [(4, 3, 5, 3), (1, 2, 6, 4), (6, 5, 4, 2)])
+def test_kron_factors_rebuild_the_jacobian(rng, wrt, L, d, d_ff, d_out):
+    Y = rng.standard_normal((L, d))
+    W1 = rng.standard_normal((d, d_ff))
+    W2 = rng.standard_normal((d_ff, d_out))
+    U, V = blockhess.ffn_jacobian(Y, W1, W2, wrt, layout="kron")
+    n_first = d if wrt == "W_1" else d_ff
+    n_second = d_ff if wrt == "W_1" else d_out
+    assert U.shape == (L, n_first) and V.shape == (L, d_out, n_second)
+    J = np.einsum("tp,tcq->tcpq", U, V).reshape(L * d_out, n_first * n_second)
+    np.testing.assert_array_equal(J, blockhess.ffn_jacobian(Y, W1, W2, wrt))
+
+    def fn(w):
+        ws = [ref.t(W1), ref.t(W2)]
+        ws[0 if wrt == "W_1" else 1] = w
+        return ref.ffn(ref.t(Y), *ws)
+
+    assert ref.rel_err(J, ref.jacobian(fn, W1 if wrt == "W_1" else W2)) <= 1e-12
+    U32, V32 = blockhess.ffn_jacobian(Y.astype(np.float32), W1.astype(np.float32), W2.astype(np.float32), wrt,
+                                      layout="kron")
+    assert U32.dtype == V32.dtype == np.float32
+
+
+def test_kron_layout_is_for_the_weights_only(rng):
+    Y, W1, W2 = rng.standard_normal((3, 4)), rng.standard_normal((4, 5)), rng.standard_normal((5, 4))
+    with pytest.raises(ValueError, match='layout="blocks"'):
+        blockhess.ffn_jacobian(Y, W1, W2, "Y", layout="kron")

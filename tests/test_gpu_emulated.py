@@ -107,6 +107,9 @@ def test_ffn(fake, rng, L, d, f, e):
     for wrt in ("W_1", "W_2", "Y"):
         assert rel(_gpu.ffn_jacobian(Y, W1, W2, wrt, "dense"), blockhess.ffn_jacobian(Y, W1, W2, wrt)) <= TOL
     assert rel(_gpu.ffn_jacobian(Y, W1, W2, "Y", "blocks"), blockhess.ffn_jacobian(Y, W1, W2, "Y", layout="blocks")) <= TOL
+    for wrt in ("W_1", "W_2"):
+        for got, want in zip(_gpu.ffn_jacobian(Y, W1, W2, wrt, "kron"), blockhess.ffn_jacobian(Y, W1, W2, wrt, layout="kron")):
+            assert rel(got, want) <= TOL, wrt
     for layout in ("dense", "blocks"):
         np.testing.assert_array_equal(_gpu.ffn_cross_hessian(Y, W1, W2, layout),
                                       blockhess.ffn_cross_hessian(Y, W1, W2, layout=layout))

@@ -261,6 +261,10 @@ def ffn_jacobian(Y: Any, W_1: Any, W_2: Any, wrt: str, layout: str) -> Any:
     with _device(Y):
         H = Y @ W_1
         mask = (H > 0).astype(Y.dtype)
+        if layout == "kron":  # the per-token Kronecker factors (U, V) of ffn.ffn_jacobian
+            if wrt == "W_1":
+                return Y.copy(), _c(W_2.T[None, :, :] * mask[:, None, :])
+            return _c(H * mask), xp.broadcast_to(xp.eye(e, dtype=Y.dtype), (L, e, e))
         if wrt == "W_1":  # J[t e + c, b f + g] = Y[t,b] (W_2^T D_t)[c,g]
             out = xp.empty((L * e, d * f), dtype=Y.dtype)
             _k.token_kron(Y, _c(W_2.T[None, :, :] * mask[:, None, :]), (d, f, True), 1.0, out)

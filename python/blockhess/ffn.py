@@ -47,23 +47,33 @@ def ffn(Y: Any, W_1: Any, W_2: Any) -> np.ndarray:
     return out
 
 
-def ffn_jacobian(Y: Any, W_1: Any, W_2: Any, wrt: str, *, layout: str = "dense") -> np.ndarray:
+def ffn_jacobian(Y: Any, W_1: Any, W_2: Any, wrt: str, *, layout: str = "dense") -> Any:
     """Exact Jacobian of ``FFN(Y)`` (L, d_out) with respect to ``wrt``.
 
     ``wrt="W_1"`` gives the paper's B_1, ``(L*d_out, d*d_ff)``; ``wrt="W_2"`` gives B_2,
     ``(L*d_out, d_ff*d_out)``; ``wrt="Y"`` gives ``(L*d_out, L*d)``, which is block diagonal, so
     ``layout="blocks"`` returns just the blocks ``(L, d_out, d)`` (block t is W_2^T D_t W_1^T).
+
+    For the weights, ``layout="kron"`` returns the per-token Kronecker factors ``(U, V)`` instead of
+    the dense array: ``J[t*d_out + c, p*n + q] = U[t, p] * V[t, c, q]``, i.e.
+    ``J = np.einsum("tp,tcq->tcpq", U, V).reshape(J.shape)``. For W_1, ``U = Y`` (L, d) and
+    ``V[t, c, g] = relu'((Y W_1)[t, g]) W_2[g, c]`` (L, d_out, d_ff); for W_2, ``U = relu(Y W_1)``
+    (L, d_ff) and ``V[t] = I`` (a read-only view). They hold 1/d (W_1) of the dense entries.
     """
     wrt = choice(wrt, "wrt", ("W_1", "W_2", "Y"))
-    layout = choice(layout, "layout", _LAYOUTS)
+    layout = choice(layout, "layout", (*_LAYOUTS, "kron"))
     if layout == "blocks" and wrt != "Y":
         raise ValueError(f'layout="blocks" is only available for wrt="Y", got wrt={wrt!r}')
+    if layout == "kron" and wrt == "Y":
+        raise ValueError('layout="kron" is only available for wrt="W_1" or "W_2"; use layout="blocks" for "Y"')
     Y, W_1, W_2, dtype = _prepare(Y, W_1, W_2)
     (L, d), d_ff, d_out = Y.shape, W_1.shape[1], W_2.shape[1]
+    if layout == "kron":
+        return _kron_factors(Y, W_1, W_2, wrt, dtype)
     if wrt == "W_1":
-        shape, kind, hint = (L * d_out, d * d_ff), 0, "use fewer tokens"
+        shape, kind, hint = (L * d_out, d * d_ff), 0, 'use layout="kron"'
     elif wrt == "W_2":
-        shape, kind, hint = (L * d_out, d_ff * d_out), 1, "use fewer tokens"
+        shape, kind, hint = (L * d_out, d_ff * d_out), 1, 'use layout="kron"'
     elif layout == "dense":
         shape, kind, hint = (L * d_out, L * d), 2, 'use layout="blocks"'
     else:
@@ -74,6 +84,19 @@ def ffn_jacobian(Y: Any, W_1: Any, W_2: Any, wrt: str, *, layout: str = "dense")
     out = np.empty(shape, dtype=dtype)
     _core.ffn_jacobian(Y, W_1, W_2, kind, out)
     return out
+
+
+def _kron_factors(Y: Any, W_1: Any, W_2: Any, wrt: str, dtype: np.dtype):
+    (L, d), d_ff, d_out = Y.shape, W_1.shape[1], W_2.shape[1]
+    if _backend.on_device(Y, W_1, W_2):
+        return _gpu.ffn_jacobian(Y, W_1, W_2, wrt, "kron")
+    if wrt == "W_1":
+        V = np.empty((L, d_out, d_ff), dtype=dtype)
+        _core.ffn_jacobian(Y, W_1, W_2, 4, V)
+        return Y.copy(), V
+    U = np.empty((L, d_ff), dtype=dtype)
+    _core.ffn_jacobian(Y, W_1, W_2, 5, U)
+    return U, np.broadcast_to(np.eye(d_out, dtype=dtype), (L, d_out, d_out))
 
 
 def ffn_cross_hessian(Y: Any, W_1: Any, W_2: Any, *, layout: str = "dense") -> np.ndarray:

@@ -84,6 +84,25 @@ void jacobian_w1(const T* Y, const T* W1, const T* W2, const Dims& s, T* J) {
   });
 }
 
+// Kronecker factors of B_1: B_1[t e + c, b f + g] = Y[t, b] * M[t, c, g] with
+// M[t, c, g] = relu'(H[t, g]) W_2[g, c], (L, e, f): 1/d of the dense entries.
+template <class T>
+void jacobian_w1_factor(const T* Y, const T* W1, const T* W2, const Dims& s, T* M) {
+  const auto H = detail::preactivations(Y, W1, s);
+  const index_t f = s.f, e = s.e;
+  blockhess::detail::parallel_for(s.L, e * f, [&](index_t t) {
+    for (index_t c = 0; c < e; ++c)
+      for (index_t g = 0; g < f; ++g) M[(t * e + c) * f + g] = relu_grad(H[t * f + g]) * W2[g * e + c];
+  });
+}
+
+// relu(H), (L, f): the factor of B_2 = relu(H) (x) I_e.
+template <class T>
+void activations(const T* Y, const T* W1, const Dims& s, T* R) {
+  const auto H = detail::preactivations(Y, W1, s);
+  for (index_t k = 0; k < s.L * s.f; ++k) R[k] = H[detail::sz(k)] > T(0) ? H[detail::sz(k)] : T(0);
+}
+
 // B_2 = dF/dW_2 = relu(H) (x) I_e, (L e, f e).
 template <class T>
 void jacobian_w2(const T* Y, const T* W1, const Dims& s, T* J) {
