@@ -65,6 +65,16 @@ def test_console_entry_point_and_module():
     assert bad.returncode == 2 and "--L must be >= 1" in bad.stderr
 
 
+def test_cuda_device_without_a_gpu_is_a_clear_error():
+    import blockhess
+
+    if blockhess.cuda_available():
+        pytest.skip("a GPU is visible")
+    done = subprocess.run([sys.executable, "-m", "blockhess", "check", "--device", "cuda", *SMALL],
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and "--device cuda needs" in done.stderr
+
+
 def test_problem_is_seeded():
     cfg = check.Config(L=3, d=4, d_k=2, d_ff=5)
     a, b = check.make_problem(cfg), check.make_problem(cfg)

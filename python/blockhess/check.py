@@ -315,6 +315,16 @@ def main(argv: list[str]) -> int:
     for name in ("L", "d", "d_k", "d_ff", "batch"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.device == "cuda":
+        from ._backend import cuda_available
+
+        try:
+            import cupy  # noqa: F401
+        except ImportError:
+            parser.error("--device cuda needs CuPy: pip install 'blockhess[cuda]'")
+        if not cuda_available():
+            parser.error("--device cuda needs a CUDA build of blockhess and a visible GPU "
+                         "(blockhess.cuda_available() is False)")
     cfg = Config(L=args.L, d=args.d, d_k=args.d_k, d_ff=args.d_ff, batch=args.batch, loss=args.loss,
                  dtype=args.dtype, seed=args.seed, eps=args.eps, device=args.device, reference=args.reference)
     progress = None if args.quiet else (lambda msg: print(f"[blockhess] {msg}", file=sys.stderr, flush=True))
