@@ -1,0 +1,176 @@
+"""The real CUDA kernels of ``cuda/src``, compiled for the CPU, in place of ``blockhess._cuda``.
+
+``build()`` rewrites every ``cuda/src`` file into plain C++ (launch syntax and ``__shared__``
+only; the kernel bodies are untouched), compiles it with ``tests/cuda_emulator/cuda_runtime.h`` in
+place of the CUDA runtime and ``src/cuda_module.cpp`` (the real bindings) into an extension module,
+and caches it under ``build/cuda-emulator/<hash of the sources>``. ``install()`` routes
+``blockhess._gpu_launch`` to that module, with NumPy arrays standing in for device memory, so the
+GPU orchestration and the kernels run together on any machine with a C++ compiler.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIM = Path(__file__).resolve().parent / "cuda_emulator"
+FLAGS = ["-std=c++17", "-O2", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wno-unused-function",
+         "-U_FORTIFY_SOURCE"]  # fortified longjmp refuses to switch stacks
+
+_LAUNCH = re.compile(r"([A-Za-z_][\w:]*(?:<[^<>;()]*>)?)<<<(.*?)>>>\(", re.S)
+_DYNAMIC_SHARED = re.compile(r"extern\s+__shared__\s+__align__\(\d+\)\s+unsigned char\s+(\w+)\[\];")
+
+
+def translate(source: str) -> str:
+    """CUDA C++ → C++ for the emulator: launches, shared memory and the __CUDACC__ guard."""
+    out = _LAUNCH.sub(r"::blockhess_emu::launch(\1, \2)(", source)
+    out = _DYNAMIC_SHARED.sub(r"unsigned char* \1 = ::blockhess_emu::dynamic_shared();", out)
+    if re.search(r"extern\s+__shared__", out):
+        raise RuntimeError("kernel_emulation.translate: cannot translate a dynamic shared array other than "
+                           "`extern __shared__ __align__(N) unsigned char name[];`")
+    out = out.replace("__shared__", "static thread_local").replace("defined(__CUDACC__)", "1")
+    out = out.replace("#ifdef __CUDACC__", "#if 1").replace("#ifndef __CUDACC__", "#if 0")
+    leftover = [token for token in ("<<<", "__shared__", "if __CUDACC__", "def __CUDACC__") if token in out]
+    if leftover:
+        raise RuntimeError(f"kernel_emulation.translate: cannot translate {leftover}")
+    return out
+
+
+def _inputs_hash(compiler: str, files: list[Path], edits: dict[str, str]) -> str:
+    h = hashlib.sha256(" ".join([compiler, *FLAGS, *(f"{a}>{b}" for a, b in edits.items())]).encode())
+    headers = sorted((ROOT / "cpp" / "include").rglob("*.hpp")) + sorted((ROOT / "cuda" / "include").rglob("*.hpp"))
+    for path in [*files, *headers, SHIM / "cuda_runtime.h", Path(__file__)]:
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _build(name: str, cuda_dir: Path, cuda_files: list[Path], cpp_files: list[Path], extra_includes: list[Path],
+           edits: dict[str, str] | None = None) -> Path:
+    """Translates ``cuda_files`` (and the .cuh headers beside them), applies ``edits`` (each must
+    match once), compiles them with ``cpp_files`` into the shared library ``name`` under
+    build/cuda-emulator/<hash>/, unless it is there already."""
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"no C++ compiler {compiler!r} to build the CPU kernel emulator")
+    edits = edits or {}
+    headers = sorted(cuda_dir.glob("*.cuh"))
+    out_dir = ROOT / "build" / "cuda-emulator" / _inputs_hash(compiler, [*cuda_files, *headers, *cpp_files], edits)
+    library = out_dir / name
+    if library.exists():
+        return library
+    work = out_dir / ("work-" + name)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    translated = {path: translate(path.read_text()) for path in [*headers, *cuda_files]}
+    for old, new in edits.items():
+        hits = [path for path, text in translated.items() if old in text]
+        if len(hits) != 1 or translated[hits[0]].count(old) != 1:
+            raise RuntimeError(f"kernel_emulation: the edit {old!r} matches {len(hits)} files, not exactly once")
+        translated[hits[0]] = translated[hits[0]].replace(old, new)
+    for header in headers:
+        (work / header.name).write_text(translated[header])
+    units = []
+    for path in cuda_files:
+        units.append(work / (path.stem + ".cpp"))
+        units[-1].write_text(translated[path])
+    units += cpp_files
+    includes = [SHIM, ROOT / "cuda" / "include", ROOT / "cpp" / "include", *extra_includes]
+    include_flags = [f"-I{p}" for p in includes]
+
+    def compile_unit(unit: Path) -> Path:
+        obj = work / (unit.stem + ".o")
+        done = subprocess.run([compiler, *FLAGS, *include_flags, "-c", str(unit), "-o", str(obj)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"compiling {unit.name} for the CPU kernel emulator failed:\n{done.stderr}")
+        return obj
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        objects = list(pool.map(compile_unit, units))
+    partial = work / (name + ".partial")
+    done = subprocess.run([compiler, "-shared", *map(str, objects), "-o", str(partial)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"linking the CPU kernel emulator failed:\n{done.stderr}")
+    partial.replace(library)  # atomic: a concurrent run never sees half a library
+    return library
+
+
+def build(max_grid_x: int | None = None) -> Path:
+    """The emulated ``_cuda`` extension module: cuda/src with the real bindings (src/cuda_module.cpp).
+
+    ``max_grid_x`` lowers the launchers' grid limit (2**20 blocks) so that the kernels' grid-stride
+    loops go round several times at test sizes, as they do on the GPU only beyond a million rows.
+    """
+    import pybind11
+
+    cuda_dir = ROOT / "cuda" / "src"
+    edits = {"kMaxGridX = 1u << 20;": f"kMaxGridX = {int(max_grid_x)}u;"} if max_grid_x else None
+    return _build("_cuda" + sysconfig.get_config_var("EXT_SUFFIX"), cuda_dir, sorted(cuda_dir.glob("*.cu")),
+                  [ROOT / "src" / "cuda_module.cpp"],
+                  [ROOT / "src", Path(pybind11.get_include()), Path(sysconfig.get_paths()["include"])], edits)
+
+
+def build_selftest() -> Path:
+    """tests/cuda_emulator/selftest.cu (kernels with known defects) as a plain shared library."""
+    return _build("selftest.so", SHIM, [SHIM / "selftest.cu"], [], [])
+
+
+def load(max_grid_x: int | None = None):
+    """The emulated module (built if needed), named ``_cuda`` like the real one."""
+    path = build(max_grid_x)
+    spec = importlib.util.spec_from_file_location("_cuda", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class EmulatedKernels:
+    """The launch hooks of ``blockhess._gpu_launch`` pointed at the emulated module."""
+
+    def __init__(self, module) -> None:
+        self.module = module
+        self.calls: list[str] = []
+
+    @staticmethod
+    def pointer(a) -> int:
+        if a is None:
+            return 0
+        assert isinstance(a, np.ndarray) and a.flags.c_contiguous, "kernels only ever see C-contiguous arrays"
+        return int(a.__array_interface__["data"][0])
+
+    def function(self, name: str, dtype):
+        kernel = getattr(self.module, name + {4: "_f32", 8: "_f64"}[np.dtype(dtype).itemsize])
+
+        def call(*args, **kwargs):
+            self.calls.append(name)
+            return kernel(*args, **kwargs)
+
+        return call
+
+
+def install(monkeypatch, module) -> EmulatedKernels:
+    """Route blockhess._gpu_launch to the emulated kernels; returns the hooks (``.calls`` lists launches)."""
+    from blockhess import _gpu_launch
+
+    hooks = EmulatedKernels(module)
+    monkeypatch.setattr(_gpu_launch, "_ptr", hooks.pointer)
+    monkeypatch.setattr(_gpu_launch, "_stream", lambda: 0)
+    monkeypatch.setattr(_gpu_launch, "_fn", hooks.function)
+    return hooks
+
+
+if __name__ == "__main__":  # python tests/kernel_emulation.py: build and print the module path
+    print(build())
+    sys.exit(0)
