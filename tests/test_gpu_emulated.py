@@ -1,13 +1,22 @@
-"""The GPU code path (blockhess._gpu + blockhess._gpu_launch) run on NumPy arrays, with the CUDA
-kernels replaced by the NumPy emulation of tests/gpu_emulation.py, against the CPU core.
+"""The GPU code path (blockhess._gpu + blockhess._gpu_launch) run on NumPy arrays, against the CPU core.
 
-This checks, on any machine, everything of the GPU path except the kernel bodies: the orchestration
-(cuBLAS-side products, per-token factors, which kernel gets which array), the launcher contracts
-(shapes, dtypes, layouts, pointer offsets) and the error paths. tests/test_cuda.py runs the real
-kernels where a GPU exists.
+Each test runs four times, with the kernel launches going to
+- ``numpy-model``: tests/gpu_emulation.py, NumPy written from the launcher contracts, which checks
+  the orchestration (cuBLAS-side products, per-token factors, which kernel gets which array), the
+  launcher contracts (shapes, dtypes, layouts, pointer offsets) and the error paths;
+- ``cpu-kernels``: the real kernels of cuda/src compiled for the CPU (tests/kernel_emulation.py),
+  every CUDA thread a fiber, barriers and warp shuffles emulated and checked, launch geometry as
+  on the GPU;
+- ``cpu-kernels-reverse`` and ``cpu-kernels-warp-ahead``: the same kernels with at most 3 blocks
+  per grid row (every grid-stride loop goes round) and threads run in other orders between
+  barriers, so that a missing barrier or a race changes the result (tests/test_kernel_emulator.py
+  shows each mode catching a planted defect).
+What only a GPU can show (the compiled device code, timings, streams) is left to tests/test_cuda.py.
 """
 
+import cupy_emulation
 import gpu_emulation
+import kernel_emulation
 import numpy as np
 import pytest
 
@@ -15,9 +24,14 @@ import blockhess
 from blockhess import _gpu
 
 
-@pytest.fixture
-def fake(monkeypatch):
-    return gpu_emulation.install(monkeypatch)
+@pytest.fixture(params=["numpy-model", "cpu-kernels", "cpu-kernels-reverse", "cpu-kernels-warp-ahead"])
+def kernels(request, monkeypatch):
+    if request.param == "numpy-model":
+        return gpu_emulation.install(monkeypatch)
+    if request.param == "cpu-kernels":
+        return kernel_emulation.install(monkeypatch, request.getfixturevalue("cpu_kernels"))  # tests/conftest.py
+    monkeypatch.setenv("BLOCKHESS_EMULATOR_SCHEDULE", request.param.removeprefix("cpu-kernels-"))
+    return kernel_emulation.install(monkeypatch, request.getfixturevalue("cpu_kernels_small_grid"))
 
 
 def rel(a, b):
@@ -32,7 +46,7 @@ TOL = 1e-12
 @pytest.mark.parametrize("L,d", [(1, 2), (3, 5), (6, 4)])
 @pytest.mark.parametrize("eps", [0.0, 1e-3])
 @pytest.mark.parametrize("affine", [False, True])
-def test_layernorm(fake, rng, L, d, eps, affine):
+def test_layernorm(kernels, rng, L, d, eps, affine):
     X = rng.standard_normal((L, d)) + 0.2
     gamma = rng.standard_normal(d) if affine else None
     beta = rng.standard_normal(d) if affine else None
@@ -46,15 +60,15 @@ def test_layernorm(fake, rng, L, d, eps, affine):
         assert r(_gpu.layernorm_hessian(X, eps, gamma, layout),
                  blockhess.layernorm_hessian(X, eps=eps, gamma=gamma, layout=layout)) <= TOL
     for wrt in ("gamma", "beta"):
-        got = _gpu.layernorm_jacobian(X, eps, gamma, "dense", wrt)
-        np.testing.assert_array_equal(got, blockhess.layernorm_jacobian(X, eps=eps, gamma=gamma, wrt=wrt))
+        got = _gpu.layernorm_jacobian(X, eps, gamma, "dense", wrt)  # block reductions: equal up to rounding
+        assert r(got, blockhess.layernorm_jacobian(X, eps=eps, gamma=gamma, wrt=wrt)) <= TOL
     assert r(_gpu.layernorm_hessian_contract(X, G, eps, gamma),
              blockhess.layernorm_hessian_contract(X, G, eps=eps, gamma=gamma)) <= TOL
     assert {"layernorm_forward", "layernorm_jacobian_dense", "layernorm_jacobian_blocks", "layernorm_hessian_dense",
-            "layernorm_hessian_blocks", "layernorm_hessian_contract"} <= set(fake.calls)
+            "layernorm_hessian_blocks", "layernorm_hessian_contract"} <= set(kernels.calls)
 
 
-def test_layernorm_zero_variance_message_matches_cpu(fake):
+def test_layernorm_zero_variance_message_matches_cpu(kernels):
     X = np.array([[1.0, 2.0, 3.0], [2.0, 2.0, 2.0]])
     with pytest.raises(ValueError) as cpu:
         blockhess.layernorm_jacobian(X)
@@ -69,7 +83,7 @@ def test_layernorm_zero_variance_message_matches_cpu(fake):
 
 
 @pytest.mark.parametrize("m,n", [(1, 1), (3, 3), (2, 5), (4, 3)])
-def test_softmax(fake, rng, m, n):
+def test_softmax(kernels, rng, m, n):
     T = rng.standard_normal((m, n)) * 2
     assert rel(_gpu.softmax(T), blockhess.softmax(T)) <= TOL
     for layout in ("dense", "blocks"):
@@ -77,7 +91,36 @@ def test_softmax(fake, rng, m, n):
         assert rel(_gpu.softmax_hessian(T, layout), blockhess.softmax_hessian(T, layout=layout)) <= TOL
 
 
-def test_commutation(fake, rng):
+@pytest.mark.parametrize("rows,n", [(4, 70), (2, 300)])
+def test_rows_longer_than_a_warp(kernels, rng, rows, n):
+    """Row kernels whose rows span several warps (block reductions across warps) or more than one
+    block of threads (strided loops), LayerNorm and softmax, against the CPU core and NumPy."""
+    from blockhess import _gpu_launch
+
+    X = rng.standard_normal((rows, n)) * 1.5 + 0.3
+    gamma, G = rng.standard_normal(n), rng.standard_normal((rows, n))
+    assert rel(_gpu.layernorm(X, 1e-3, gamma, gamma), blockhess.layernorm(X, 1e-3, gamma, gamma)) <= TOL
+    assert rel(_gpu.layernorm_jacobian(X, 1e-3, gamma, "blocks", "X"),
+               blockhess.layernorm_jacobian(X, eps=1e-3, gamma=gamma, layout="blocks")) <= TOL
+    assert rel(_gpu.layernorm_hessian_contract(X, G, 1e-3, gamma),
+               blockhess.layernorm_hessian_contract(X, G, eps=1e-3, gamma=gamma)) <= TOL
+    A = _gpu.softmax(X)
+    assert rel(A, blockhess.softmax(X)) <= TOL
+    assert rel(_gpu.softmax_jacobian(X, "blocks"), blockhess.softmax_jacobian(X, layout="blocks")) <= TOL
+    if n <= 70:
+        assert rel(_gpu.layernorm_hessian(X, 1e-3, gamma, "blocks"),
+                   blockhess.layernorm_hessian(X, eps=1e-3, gamma=gamma, layout="blocks")) <= TOL
+        assert rel(_gpu.softmax_hessian(X, "blocks"), blockhess.softmax_hessian(X, layout="blocks")) <= TOL
+    w = A * (G - (A * G).sum(axis=1, keepdims=True))
+    vjp, contract = np.empty_like(A), np.empty((rows, n, n))
+    _gpu_launch.softmax_vjp(A, G, vjp)
+    _gpu_launch.softmax_hessian_contract(A, G, contract)
+    assert rel(vjp, w) <= TOL
+    want = np.eye(n) * w[:, None, :] - A[:, :, None] * w[:, None, :] - w[:, :, None] * A[:, None, :]
+    assert rel(contract, want) <= TOL
+
+
+def test_commutation(kernels, rng):
     A = rng.standard_normal((3, 5))
     v = blockhess.vec_r(A)
     np.testing.assert_array_equal(_gpu.vec_r(A), v)
@@ -91,7 +134,7 @@ def test_commutation(fake, rng):
 
 
 @pytest.mark.parametrize("L,d,dk,dv", [(1, 2, 3, 2), (4, 3, 2, 5), (5, 4, 4, 4)])
-def test_attention(fake, rng, L, d, dk, dv):
+def test_attention(kernels, rng, L, d, dk, dv):
     X, WQ, WK, WV = (rng.standard_normal(s) for s in ((L, d), (d, dk), (d, dk), (d, dv)))
     assert rel(_gpu.attention(X, WQ, WK, WV), blockhess.attention(X, WQ, WK, WV)) <= TOL
     for wrt in ("W_Q", "W_K", "W_V", "X"):
@@ -101,7 +144,7 @@ def test_attention(fake, rng, L, d, dk, dv):
 
 
 @pytest.mark.parametrize("L,d,f,e", [(1, 2, 3, 2), (4, 3, 5, 2), (3, 4, 4, 4)])
-def test_ffn(fake, rng, L, d, f, e):
+def test_ffn(kernels, rng, L, d, f, e):
     Y, W1, W2 = rng.standard_normal((L, d)), rng.standard_normal((d, f)), rng.standard_normal((f, e))
     assert rel(_gpu.ffn(Y, W1, W2), blockhess.ffn(Y, W1, W2)) <= TOL
     for wrt in ("W_1", "W_2", "Y"):
@@ -127,7 +170,7 @@ BLOCK_SHAPES = [(1, 3, 4, 2, 5), (2, 4, 3, 3, 6), (1, 5, 6, 4, 3)]
 
 @pytest.mark.parametrize("B,L,d,dk,dff", BLOCK_SHAPES)
 @pytest.mark.parametrize("eps", [0.0, 1e-3])
-def test_block_forward_jacobian_gradient(fake, rng, B, L, d, dk, dff, eps):
+def test_block_forward_jacobian_gradient(kernels, rng, B, L, d, dk, dff, eps):
     X, params = _block(rng, B, L, d, dk, dff)
     W = params.arrays
     assert rel(_gpu.block_forward(X, W, eps), blockhess.block_forward(X, params, eps=eps)) <= TOL
@@ -145,7 +188,7 @@ def test_block_forward_jacobian_gradient(fake, rng, B, L, d, dk, dff, eps):
 @pytest.mark.parametrize("B,L,d,dk,dff", BLOCK_SHAPES)
 @pytest.mark.parametrize("loss", ["mse", "cross_entropy"])
 @pytest.mark.parametrize("part", ["full", "outer", "functional"])
-def test_block_loss_hessian(fake, rng, B, L, d, dk, dff, loss, part):
+def test_block_loss_hessian(kernels, rng, B, L, d, dk, dff, loss, part):
     X, params = _block(rng, B, L, d, dk, dff)
     target = rng.standard_normal(X.shape) if loss == "mse" else rng.integers(0, d, size=(B, L))
     kind = 0 if loss == "mse" else 1
@@ -158,7 +201,7 @@ def test_block_loss_hessian(fake, rng, B, L, d, dk, dff, loss, part):
 
 
 @pytest.mark.parametrize("wrt", [("W_Q",), ("W_K", "W_2"), ("W_Q", "W_K", "W_V"), ("W_V", "W_1")])
-def test_block_loss_hessian_subsets(fake, rng, wrt):
+def test_block_loss_hessian_subsets(kernels, rng, wrt):
     X, params = _block(rng, 2, 4, 3, 2, 5)
     T = rng.standard_normal(X.shape)
     selected = [n in wrt for n in params.names]
@@ -166,7 +209,7 @@ def test_block_loss_hessian_subsets(fake, rng, wrt):
     assert rel(H, blockhess.loss_hessian(X, T, params, wrt=wrt)) <= TOL
 
 
-def test_block_output_hessian(fake, rng):
+def test_block_output_hessian(kernels, rng):
     X, params = _block(rng, 1, 3, 4, 2, 3)
     for i, j in ((0, 0), (0, 1), (4, 0), (3, 4), (2, 2), (1, 3)):
         got = _gpu.block_output_hessian(X, params.arrays, 1e-3, i, j)
@@ -174,7 +217,7 @@ def test_block_output_hessian(fake, rng):
         assert rel(got, want) <= TOL, (i, j)
 
 
-def test_block_float32(fake, rng):
+def test_block_float32(kernels, rng):
     X, params = _block(rng, 2, 4, 3, 3, 4, dtype=np.float32)
     T = rng.standard_normal(X.shape).astype(np.float32)
     H = _gpu.loss_hessian(X, params.arrays, 1e-3, 0, T, None, 0, [True] * 5)
@@ -182,7 +225,7 @@ def test_block_float32(fake, rng):
     assert rel(H, blockhess.loss_hessian(X, T, params, eps=1e-3)) <= 1e-4
 
 
-def test_gamma_chunking_matches(fake, rng, monkeypatch):
+def test_gamma_chunking_matches(kernels, rng, monkeypatch):
     """Gamma formed one sample at a time gives the same Hessian."""
     X, params = _block(rng, 3, 4, 3, 2, 4)
     T = rng.standard_normal(X.shape)
@@ -193,50 +236,23 @@ def test_gamma_chunking_matches(fake, rng, monkeypatch):
 
 # ---- the public functions, dispatched to the GPU path with "device" arrays ----------------------
 
-class DevArray(np.ndarray):
-    """A NumPy array that presents itself as a GPU array (CUDA Array Interface)."""
-
-    @property
-    def __cuda_array_interface__(self):
-        return {"shape": self.shape, "typestr": self.dtype.str, "strides": None, "version": 3,
-                "data": (self.__array_interface__["data"][0], False)}
-
-
-class FakeCupy:
-    """Stands in for the cupy module: NumPy functions returning DevArrays."""
-
-    ndarray = DevArray
-
-    def __getattr__(self, name):
-        return getattr(np, name)
-
-    def asarray(self, a, dtype=None):
-        return np.asarray(a, dtype=dtype).view(DevArray)
-
-    def ascontiguousarray(self, a, dtype=None):
-        return np.ascontiguousarray(a, dtype=dtype).view(DevArray)
-
-
 @pytest.fixture
-def device(monkeypatch, fake):
-    from blockhess import _backend
-
-    monkeypatch.setattr(_backend, "cuda_available", lambda: True)
-    monkeypatch.setattr(_backend, "device_module", lambda: FakeCupy())
+def device(monkeypatch, kernels):
+    cupy_emulation.install(monkeypatch)
     for name in [n for n in dir(_gpu) if not n.startswith("_") and callable(getattr(_gpu, n))]:
         original = getattr(_gpu, name)
         if getattr(original, "__module__", None) != _gpu.__name__ or isinstance(original, type):
             continue
 
         def spy(*args, _original=original, _name=name, **kwargs):
-            fake.calls.append("_gpu." + _name)
+            kernels.calls.append("_gpu." + _name)
             return _original(*args, **kwargs)
 
         monkeypatch.setattr(_gpu, name, spy)
-    return lambda a: None if a is None else np.asarray(a).view(DevArray)
+    return lambda a: None if a is None else cupy_emulation.to_device(np.asarray(a))
 
 
-def test_public_functions_dispatch_to_the_gpu_path(device, fake, rng):
+def test_public_functions_dispatch_to_the_gpu_path(device, kernels, rng):
     X, gamma, G = rng.standard_normal((4, 5)), rng.standard_normal(5), rng.standard_normal((4, 5))
     T, Xk = rng.standard_normal((3, 4)), rng.standard_normal((4, 5))
     D = device
@@ -267,20 +283,20 @@ def test_public_functions_dispatch_to_the_gpu_path(device, fake, rng):
     for layout in ("dense", "blocks"):
         cases.append(lambda f, layout=layout: blockhess.ffn_cross_hessian(f(X), f(W1), f(W2), layout=layout))
     for k, case in enumerate(cases):
-        fake.calls.clear()
+        kernels.calls.clear()
         got, want = case(D), case(lambda a: a)
-        assert any(c.startswith("_gpu.") for c in fake.calls), f"case {k} did not reach the GPU path"
+        assert any(c.startswith("_gpu.") for c in kernels.calls), f"case {k} did not reach the GPU path"
         assert rel(got, want) <= TOL, k
 
 
-def test_block_functions_dispatch_to_the_gpu_path(device, fake, rng):
+def test_block_functions_dispatch_to_the_gpu_path(device, kernels, rng):
     import reference as ref
 
     X, W, target, classes = ref.random_block(rng, 4, 3, 2, 5, B=2)
     params = blockhess.BlockParams(*W)
     dparams = blockhess.BlockParams(*(device(w) for w in W))
     Xd, Td, Cd = device(X), device(target), device(classes)
-    fake.calls.clear()
+    kernels.calls.clear()
     assert rel(blockhess.block_forward(Xd, dparams), blockhess.block_forward(X, params)) <= TOL
     assert rel(blockhess.block_forward(Xd[0], dparams), blockhess.block_forward(X[0], params)) <= TOL
     assert rel(blockhess.block_jacobian(Xd[1], dparams, "W_K"), blockhess.block_jacobian(X[1], params, "W_K")) <= TOL
@@ -294,7 +310,7 @@ def test_block_functions_dispatch_to_the_gpu_path(device, fake, rng):
         blocks = blockhess.loss_hessian(Xd, tgt_d, dparams, loss=loss, layout="blocks", wrt=("W_V", "W_2"))
         want = blockhess.loss_hessian(X, tgt, params, loss=loss, layout="blocks", wrt=("W_V", "W_2"))
         assert all(rel(blocks[k], want[k]) <= TOL for k in want)
-    assert "kron_accumulate" in fake.calls
+    assert "kron_accumulate" in kernels.calls
     with pytest.raises(TypeError, match="mix host"):
         blockhess.loss_hessian(Xd, target, dparams)
     with pytest.raises(ValueError, match="out of range"):

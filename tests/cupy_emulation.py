@@ -1,0 +1,76 @@
+"""A NumPy stand-in for CuPy, so the public API's GPU path runs on machines without a GPU.
+
+``DevArray`` is a NumPy array that presents the CUDA Array Interface, so blockhess dispatches it to
+the GPU path; ``NumpyCupy`` is the ``cupy`` module as the tests use it (array creation returns
+DevArrays, ``cuda.Stream`` is a no-op context). ``install`` makes blockhess believe a GPU is
+there; the kernel launches are routed separately (tests/gpu_emulation.py's NumPy model or
+tests/kernel_emulation.py's real kernels compiled for the CPU).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class DevArray(np.ndarray):
+    """A NumPy array that presents itself as a GPU array (CUDA Array Interface)."""
+
+    @property
+    def __cuda_array_interface__(self):
+        strides = None if self.flags.c_contiguous else self.strides
+        return {"shape": self.shape, "typestr": self.dtype.str, "strides": strides, "version": 3,
+                "data": (self.__array_interface__["data"][0], False)}
+
+
+def to_device(x):
+    return x.view(DevArray) if isinstance(x, np.ndarray) and not isinstance(x, DevArray) else x
+
+
+class _Stream:
+    def __init__(self, non_blocking: bool = False) -> None:
+        self.ptr = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _Cuda:
+    Stream = _Stream
+
+    @staticmethod
+    def get_current_stream() -> _Stream:
+        return _Stream()
+
+
+class NumpyCupy:
+    """Stands in for the cupy module: NumPy functions whose array results are DevArrays."""
+
+    ndarray = np.ndarray  # blockhess's GPU path allocates with NumPy here: its outputs are plain arrays
+    cuda = _Cuda()
+    emulated = True
+
+    def __getattr__(self, name):
+        attr = getattr(np, name)
+        if not callable(attr) or isinstance(attr, type):
+            return attr
+        return lambda *args, **kwargs: to_device(attr(*args, **kwargs))
+
+    @staticmethod
+    def asnumpy(a):
+        return np.array(a)
+
+
+def install(monkeypatch) -> NumpyCupy:
+    """A GPU for blockhess: DevArrays take the GPU path; returns the cupy stand-in."""
+    from blockhess import _backend
+
+    cupy = NumpyCupy()
+    monkeypatch.setattr(_backend, "cuda_available", lambda: True)
+    monkeypatch.setattr(_backend, "device_module", lambda: cupy)
+    return cupy
