@@ -4,7 +4,6 @@ Hessian (full / outer / functional) against PyTorch autograd in float64 and fini
 import numpy as np
 import pytest
 import reference as ref
-import torch
 from torch.func import hessian, jacrev
 
 import blockhess

@@ -87,7 +87,7 @@ def ffn_jacobian(Y: Any, W_1: Any, W_2: Any, wrt: str, *, layout: str = "dense")
 
 
 def _kron_factors(Y: Any, W_1: Any, W_2: Any, wrt: str, dtype: np.dtype):
-    (L, d), d_ff, d_out = Y.shape, W_1.shape[1], W_2.shape[1]
+    L, d_ff, d_out = Y.shape[0], W_1.shape[1], W_2.shape[1]
     if _backend.on_device(Y, W_1, W_2):
         return _gpu.ffn_jacobian(Y, W_1, W_2, wrt, "kron")
     if wrt == "W_1":
