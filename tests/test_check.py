@@ -75,6 +75,22 @@ def test_cuda_device_without_a_gpu_is_a_clear_error():
     assert done.returncode == 2 and "--device cuda needs" in done.stderr
 
 
+@pytest.mark.parametrize("loss", ["mse", "cross_entropy"])
+def test_check_on_the_emulated_gpu(monkeypatch, tmp_path, cpu_kernels, loss):
+    """--device cuda end to end, the kernels emulated on the CPU (tests/kernel_emulation.py)."""
+    import cupy_emulation
+    import kernel_emulation
+
+    kernels = kernel_emulation.install(monkeypatch, cpu_kernels)
+    monkeypatch.setitem(sys.modules, "cupy", cupy_emulation.install(monkeypatch))
+    out = tmp_path / "report.json"
+    assert check.main([*SMALL, "--device", "cuda", "--batch", "2", "--loss", loss, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["ok"] and report["config"]["device"] == "cuda"
+    assert report["rel_error"] <= 1e-10 and report["max_asymmetry"] == 0.0
+    assert {"kron_accumulate", "mirror_upper", "layernorm_forward"} <= set(kernels.calls)
+
+
 def test_problem_is_seeded():
     cfg = check.Config(L=3, d=4, d_k=2, d_ff=5)
     a, b = check.make_problem(cfg), check.make_problem(cfg)
