@@ -1,6 +1,7 @@
 """One-shot GPU benchmark for benchmarks/gpu_check.sh: prints a log and writes a markdown table.
 
-    python3 benchmarks/gpu_bench.py --out OUTDIR [--quick]
+    python3 benchmarks/gpu_bench.py --out OUTDIR [--quick] [--ln-shape L,d] [--block-shape L,d,dk,dff ...]
+                                     [--torch-device cuda|cpu]
 
 Measures, on the visible GPU (synchronised timings; CUDA events for single kernels):
 1. LayerNorm Jacobian blocks at (L, d) = (128, 256): the kernel's achieved bandwidth (bytes
@@ -57,11 +58,16 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="output folder")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
+    ap.add_argument("--ln-shape", type=_shape(2), default=(128, 256), help="LayerNorm (L, d), default 128,256")
+    ap.add_argument("--block-shape", type=_shape(4), action="append", dest="block_shapes",
+                    help="block (L, d, d_k, d_ff), repeatable; default 16,32,32,64 and 49,16,16,64")
+    ap.add_argument("--torch-device", choices=("cuda", "cpu"), default="cuda", help="where the torch baselines run")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
     bg = load_bench_gpu()
+    bg.TORCH_DEVICE = args.torch_device
     try:
         cupy, blockhess = bg.gpu_modules()
     except NotImplementedError as err:
@@ -84,17 +90,17 @@ def main(argv=None) -> int:
     env = {
         "gpu": name, "compute_capability": f"{props['major']}.{props['minor']}", "memory_GiB": props["totalGlobalMem"] / 2**30,
         "nominal_bandwidth_GBps": peak_bw / 1e9, "python": platform.python_version(), "cupy": cupy.__version__,
-        "torch": getattr(torch, "__version__", None), "blockhess": blockhess.__version__,
+        "torch": getattr(torch, "__version__", None), "torch_device": args.torch_device, "blockhess": blockhess.__version__,
         "cuda_runtime": cupy.cuda.runtime.runtimeGetVersion(), "driver": cupy.cuda.runtime.driverGetVersion(),
     }
     log("environment:", json.dumps(env))
     results: dict = {"env": env, "ln": {}, "block": {}, "errors": []}
     reps = 3 if args.quick else 10
-    tsync = (lambda: torch.cuda.synchronize()) if torch is not None else (lambda: None)
+    tsync = bg.torch_sync
 
     # ---- 1. LayerNorm Jacobian blocks bandwidth ----
     try:
-        shape = (128, 256)
+        shape = args.ln_shape
         X = bg.ln_input(shape)
         nbytes_out = shape[0] * shape[1] ** 2 * 8
         copy_bw = bg.copy_bandwidth(nbytes_out + X.nbytes)
@@ -126,7 +132,7 @@ def main(argv=None) -> int:
         log(traceback.format_exc())
 
     # ---- 2. Full block loss Hessian ----
-    for shape in bg.BLOCK_SHAPES:
+    for shape in args.block_shapes or bg.BLOCK_SHAPES:
         key = "x".join(map(str, shape))
         try:
             ours = bg.blockhess_block_hessian(shape)
@@ -159,8 +165,19 @@ def main(argv=None) -> int:
     return 1 if results["errors"] else 0
 
 
+def _shape(n: int):
+    def parse(text: str) -> tuple[int, ...]:
+        dims = tuple(int(v) for v in text.split(","))
+        if len(dims) != n or min(dims) < 1:
+            raise argparse.ArgumentTypeError(f"expected {n} positive integers separated by commas, got {text!r}")
+        return dims
+
+    return parse
+
+
 def render(r) -> str:
     env = r["env"]
+    torch_where = "GPU" if env.get("torch_device", "cuda") == "cuda" else "CPU"
     lines = [f"# blockhess GPU results on {env['gpu']} (sm_{env['compute_capability'].replace('.', '')})", "",
              f"CuPy {env['cupy']}, torch {env['torch']}, blockhess {env['blockhess']}, CUDA runtime {env['cuda_runtime']}, "
              f"driver {env['driver']}, Python {env['python']}.", ""]
@@ -169,7 +186,7 @@ def render(r) -> str:
         frac = ln["default_GBps"] / ln["copy_GBps"]
         best = ln["best_GBps"] / ln["copy_GBps"]
         nominal = env["nominal_bandwidth_GBps"]
-        lines += ["## LayerNorm Jacobian blocks, (L, d) = (128, 256), float64", "",
+        lines += [f"## LayerNorm Jacobian blocks, (L, d) = {tuple(ln['shape'])}, float64", "",
                   "| measure | value |", "|---|---|",
                   f"| device-to-device copy (read + write) | {ln['copy_GBps']:.0f} GB/s |",
                   f"| memset (write) | {ln['memset_GBps']:.0f} GB/s |",
@@ -179,7 +196,7 @@ def render(r) -> str:
                   f"| blocks kernel, float32 | {ln['float32_GBps']:.0f} GB/s |",
                   f"| public call (validation, allocation, kernel, zero-variance check) | {ln['public_call_seconds'] * 1e6:.0f} us |"]
         if "torch_vmap_jacrev_seconds" in ln:
-            lines.append(f"| torch vmap(jacrev(layer_norm)) on the GPU | {ln['torch_vmap_jacrev_seconds'] * 1e6:.0f} us "
+            lines.append(f"| torch vmap(jacrev(layer_norm)) on the {torch_where} | {ln['torch_vmap_jacrev_seconds'] * 1e6:.0f} us "
                          f"({ln['torch_vmap_jacrev_seconds'] / ln['public_call_seconds']:.1f}x the public call) |")
         lines += [f"| relative error vs CPU / vs torch | {ln['rel_error_vs_cpu']:.1e} / {ln.get('rel_error_vs_torch', float('nan')):.1e} |",
                   "", f"Target >= 70 % of the memory bandwidth: **{'met' if frac >= 0.7 else 'missed'}** "
@@ -188,7 +205,7 @@ def render(r) -> str:
                       f"{k or 'default'}: {v['GBps']:.0f} GB/s" for k, v in ln["tiles"].items()), ""]
     if r.get("block"):
         lines += ["## Full block loss Hessian (MSE, all five matrices), float64", "",
-                  "| (L, d, d_k, d_ff) | P | blockhess GPU | torch.func.hessian GPU | speed-up | blockhess CPU | rel. err vs torch | vs CPU | symmetric | GPU peak / output (ours, torch) |",
+                  f"| (L, d, d_k, d_ff) | P | blockhess GPU | torch.func.hessian {torch_where} | speed-up | blockhess CPU | rel. err vs torch | vs CPU | symmetric | GPU peak / output (ours, torch) |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for e in r["block"].values():
             lines.append(

@@ -9,11 +9,19 @@ tests/kernel_emulation.py's real kernels compiled for the CPU).
 
 from __future__ import annotations
 
+import ctypes
+import time
+from types import SimpleNamespace
+
 import numpy as np
 
 
 class DevArray(np.ndarray):
-    """A NumPy array that presents itself as a GPU array (CUDA Array Interface)."""
+    """A NumPy array that presents itself as a GPU array (CUDA Array Interface, ``.data.ptr``)."""
+
+    @property
+    def data(self):
+        return SimpleNamespace(ptr=self.__array_interface__["data"][0])
 
     @property
     def __cuda_array_interface__(self):
@@ -40,12 +48,66 @@ class _Stream:
         pass
 
 
+class _Event:
+    def record(self, stream=None) -> None:
+        self.seconds = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _Runtime:
+    """What the GPU benchmark asks of cupy.cuda.runtime, on host memory."""
+
+    @staticmethod
+    def getDeviceProperties(device: int) -> dict:
+        return {"name": b"CPU kernel emulator", "major": 0, "minor": 0, "totalGlobalMem": 0}
+
+    @staticmethod
+    def deviceGetAttribute(attribute: int, device: int) -> int:
+        return 0
+
+    @staticmethod
+    def runtimeGetVersion() -> int:
+        return 0
+
+    @staticmethod
+    def driverGetVersion() -> int:
+        return 0
+
+    @staticmethod
+    def memcpyAsync(dst: int, src: int, nbytes: int, kind: int, stream: int) -> None:
+        ctypes.memmove(dst, src, nbytes)
+
+    @staticmethod
+    def memsetAsync(ptr: int, value: int, nbytes: int, stream: int) -> None:
+        ctypes.memset(ptr, value, nbytes)
+
+
+class _MemoryPool:
+    def free_all_blocks(self) -> None:
+        pass
+
+    def total_bytes(self) -> int:
+        return 0
+
+
 class _Cuda:
     Stream = _Stream
+    Event = _Event
+    runtime = _Runtime()
+
+    @staticmethod
+    def Device(device: int = 0):  # noqa: N802 - CuPy's name
+        return SimpleNamespace(id=device)
 
     @staticmethod
     def get_current_stream() -> _Stream:
         return _Stream()
+
+    @staticmethod
+    def get_elapsed_time(start: _Event, stop: _Event) -> float:
+        return (stop.seconds - start.seconds) * 1e3
 
 
 class NumpyCupy:
@@ -65,12 +127,18 @@ class NumpyCupy:
     def asnumpy(a):
         return np.array(a)
 
+    @staticmethod
+    def get_default_memory_pool() -> _MemoryPool:
+        return _MemoryPool()
+
 
 def install(monkeypatch) -> NumpyCupy:
     """A GPU for blockhess: DevArrays take the GPU path; returns the cupy stand-in."""
+    import blockhess
     from blockhess import _backend
 
     cupy = NumpyCupy()
     monkeypatch.setattr(_backend, "cuda_available", lambda: True)
+    monkeypatch.setattr(blockhess, "cuda_available", lambda: True)
     monkeypatch.setattr(_backend, "device_module", lambda: cupy)
     return cupy

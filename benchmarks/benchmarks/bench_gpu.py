@@ -21,7 +21,8 @@ import numpy as np
 SEED = 20251130
 LN_SHAPES = [(128, 256), (64, 128)]
 BLOCK_SHAPES = [(16, 32, 32, 64), (49, 16, 16, 64)]
-TORCH_DEVICE = "cuda"  # the torch baselines run here (tests of this file may point it at "cpu")
+TORCH_DEVICE = "cuda"  # the torch baselines run here (gpu_bench.py --torch-device cpu points it at the CPU)
+EVENT_PAD_BYTES = 1 << 32  # event_time queues its launches behind a memset of this many bytes
 
 
 # ---- availability -------------------------------------------------------------------------------
@@ -55,6 +56,11 @@ def sync():
     import cupy
 
     cupy.cuda.get_current_stream().synchronize()
+
+
+def torch_sync():
+    if TORCH_DEVICE == "cuda":
+        torch_cuda().cuda.synchronize()
 
 
 def rng(*key):
@@ -165,8 +171,11 @@ def cupy_pool_peak(fn) -> int:
     return int(peak)
 
 
-def torch_peak(fn) -> int:
+def torch_peak(fn) -> float:
+    """Bytes torch allocated on the GPU at the peak of one call (NaN when its baseline runs on the CPU)."""
     torch = torch_cuda()
+    if TORCH_DEVICE != "cuda":
+        return float("nan")
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -200,10 +209,7 @@ class TimeGPULayerNormJacobianBlocks:
 
     def _run(self):
         out = self.fn()
-        if self.torch:
-            torch_cuda().cuda.synchronize()
-        else:
-            sync()
+        torch_sync() if self.torch else sync()
         return out
 
     def time_ln_jacobian_blocks(self, method, shape):
@@ -226,10 +232,7 @@ class TimeGPUBlockLossHessian:
 
     def _run(self):
         out = self.fn()
-        if self.torch:
-            torch_cuda().cuda.synchronize()
-        else:
-            sync()
+        torch_sync() if self.torch else sync()
         return out
 
     def time_block_loss_hessian(self, method, shape):
@@ -313,7 +316,7 @@ def event_time(fn, reps: int = 100, warmup: int = 3) -> float:
     for _ in range(warmup):
         fn()
     sync()
-    pad = cupy.empty(1 << 32, dtype=cupy.uint8)  # 4 GiB
+    pad = cupy.empty(EVENT_PAD_BYTES, dtype=cupy.uint8)
     start, stop = cupy.cuda.Event(), cupy.cuda.Event()
     pad.fill(0)
     start.record()
