@@ -142,3 +142,15 @@ def install(monkeypatch) -> NumpyCupy:
     monkeypatch.setattr(blockhess, "cuda_available", lambda: True)
     monkeypatch.setattr(_backend, "device_module", lambda: cupy)
     return cupy
+
+
+def install_as_module(monkeypatch, cupy: NumpyCupy) -> None:
+    """``import cupy`` gives the stand-in. torch loads its compiler (torch._dynamo) lazily and then
+    inspects any module named cupy, so it is loaded first, while cupy is what it is."""
+    import sys
+
+    try:
+        import torch._dynamo  # noqa: F401
+    except ImportError:
+        pass
+    monkeypatch.setitem(sys.modules, "cupy", cupy)

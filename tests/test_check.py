@@ -82,7 +82,7 @@ def test_check_on_the_emulated_gpu(monkeypatch, tmp_path, cpu_kernels, loss):
     import kernel_emulation
 
     kernels = kernel_emulation.install(monkeypatch, cpu_kernels)
-    monkeypatch.setitem(sys.modules, "cupy", cupy_emulation.install(monkeypatch))
+    cupy_emulation.install_as_module(monkeypatch, cupy_emulation.install(monkeypatch))
     out = tmp_path / "report.json"
     assert check.main([*SMALL, "--device", "cuda", "--batch", "2", "--loss", loss, "--json", str(out)]) == 0
     report = json.loads(out.read_text())

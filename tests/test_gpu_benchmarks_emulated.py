@@ -5,7 +5,6 @@ session spends its minutes measuring, not debugging the scripts."""
 
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import cupy_emulation
@@ -31,7 +30,7 @@ def emulated_gpu(monkeypatch, cpu_kernels):
     kernel_emulation.install(monkeypatch, cpu_kernels)
     monkeypatch.setattr(_backend, "_cuda", cpu_kernels)  # the benchmark launches one kernel through it directly
     cupy = cupy_emulation.install(monkeypatch)
-    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    cupy_emulation.install_as_module(monkeypatch, cupy)
     return cupy
 
 
