@@ -234,3 +234,43 @@ def test_dense_request_over_budget_is_refused(rng):
         with pytest.raises(MemoryError, match="wrt="):
             blockhess.loss_hessian(X, target, params)
         assert blockhess.loss_hessian(X, target, params, wrt=("W_Q",)).shape == (64, 64)
+
+
+@pytest.mark.parametrize("part", ["full", "outer", "functional"])
+def test_loss_hessian_into_out(rng, part):
+    X, W, target, _ = ref.random_block(rng, 4, 3, 2, 5, B=2)
+    params = _params(W)
+    want = blockhess.loss_hessian(X, target, params, part=part, eps=1e-3)
+    out = np.full(want.shape, np.nan)  # every entry must be written
+    got = blockhess.loss_hessian(X, target, params, part=part, eps=1e-3, out=out)
+    assert got is out
+    np.testing.assert_array_equal(out, want)
+    blocks = blockhess.loss_hessian(X, target, params, part=part, eps=1e-3, layout="blocks", out=out)
+    assert all(np.shares_memory(b, out) for b in blocks.values())
+    sub = np.empty((12, 12))
+    blockhess.loss_hessian(X, target, params, wrt=("W_Q", "W_K"), part=part, eps=1e-3, out=sub)
+    np.testing.assert_array_equal(sub, blockhess.loss_hessian(X, target, params, wrt=("W_Q", "W_K"), part=part, eps=1e-3))
+
+
+def test_loss_hessian_out_skips_the_budget_but_not_the_checks(rng):
+    X, W, target, _ = ref.random_block(rng, 3, 4, 2, 5)
+    params = _params(W)
+    P = params.size
+    with blockhess.memory_budget(1024):  # the caller owns out: nothing large is allocated for the result
+        H = blockhess.loss_hessian(X, target, params, out=np.empty((P, P)))
+    np.testing.assert_array_equal(H, blockhess.loss_hessian(X, target, params))
+    cases = [
+        (TypeError, "out must be an array", [[0.0] * P] * P),
+        (TypeError, "dtype float64", np.empty((P, P), dtype=np.float32)),
+        (ValueError, rf"shape \({P}, {P}\)", np.empty((P, P + 1))),
+        (ValueError, "C-contiguous", np.empty((P, P), order="F")),
+        (ValueError, "read-only", np.lib.stride_tricks.as_strided(np.empty((P, P)), writeable=False)),
+    ]
+    for error, message, out in cases:
+        with pytest.raises(error, match=message):
+            blockhess.loss_hessian(X, target, params, out=out)
+    out = np.empty((P, P))
+    X_inside_out = out.reshape(-1)[:X.size].reshape(X.shape)
+    X_inside_out[...] = X
+    with pytest.raises(ValueError, match="shares memory"):
+        blockhess.loss_hessian(X_inside_out, target, params, out=out)

@@ -421,6 +421,23 @@ def test_block_output_hessian_and_float32_gpu(cp, rng):
     _compare(H32, blockhess.loss_hessian(X, target, params), np.float32)
 
 
+def test_loss_hessian_into_out_gpu(cp, rng):
+    X, W, target, _ = ref.random_block(rng, 4, 3, 2, 5, B=2)
+    params = blockhess.BlockParams(*W)
+    dparams = blockhess.BlockParams(*(cp.asarray(w) for w in W))
+    Xd, Td = cp.asarray(X), cp.asarray(target)
+    P = params.size
+    out = cp.full((P, P), np.nan)  # every entry must be written
+    H = blockhess.loss_hessian(Xd, Td, dparams, part="functional", out=out)
+    assert H is out
+    _compare(H, blockhess.loss_hessian(X, target, params, part="functional"), np.float64)
+    _compare(blockhess.loss_hessian(Xd, Td, dparams, out=out), blockhess.loss_hessian(X, target, params), np.float64)
+    with pytest.raises(TypeError, match="mix host"):
+        blockhess.loss_hessian(Xd, Td, dparams, out=np.empty((P, P)))
+    with pytest.raises(TypeError, match="dtype float64"):
+        blockhess.loss_hessian(Xd, Td, dparams, out=cp.empty((P, P), dtype=np.float32))
+
+
 def test_gpu_inputs_any_layout_and_stream(cp, rng):
     X = rng.standard_normal((6, 9))
     want = blockhess.layernorm_hessian(X, layout="blocks")

@@ -626,15 +626,20 @@ def loss_gradient(X3: Any, weights: tuple[Any, ...], eps: float, kind: int, valu
 
 
 def loss_hessian(X3: Any, weights: tuple[Any, ...], eps: float, kind: int, values: Any, classes: Any, part: int,
-                 selected: list[bool]) -> Any:
-    """The (P, P) symmetric loss Hessian over the selected parameters; part 0 full, 1 outer, 2 functional."""
+                 selected: list[bool], out: Any = None) -> Any:
+    """The (P, P) symmetric loss Hessian over the selected parameters; part 0 full, 1 outer, 2 functional.
+    Written into ``out`` (checked by the caller) when given."""
     xp = _xp(X3)
     part_name = ("full", "outer", "functional")[part]
     with _device(X3):
         blk = _Block(X3, weights, eps)
         _, gZ, omega = blk.loss(kind, values, classes, part_name != "functional")
         off, P = _offsets(_sizes(blk), selected)
-        H = xp.zeros((P, P), dtype=blk.dtype)
+        if out is None:
+            H = xp.zeros((P, P), dtype=blk.dtype)
+        else:
+            H = out
+            H.fill(0)  # the assembly accumulates
         r = blk.reverse(gZ) if part_name != "outer" else {}
         blk.assemble(r, gZ, omega, part_name, selected, H, off)
         _k.mirror_upper(H)

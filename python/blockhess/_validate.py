@@ -91,6 +91,25 @@ def contiguous(x: Any, dtype: np.dtype) -> Any:
     return _xp(x).ascontiguousarray(x, dtype=dtype)
 
 
+def output_array(out: Any, shape: tuple[int, ...], dtype: np.dtype, inputs: tuple[Any, ...]) -> Any:
+    """``out`` checked as the destination of a result: exactly ``shape`` and ``dtype``, C-contiguous,
+    writeable and sharing no memory with ``inputs`` (results are written in place, never cast)."""
+    if not (hasattr(out, "shape") and hasattr(out, "dtype") and hasattr(out, "flags")):
+        raise TypeError(f"out must be an array, got {type(out).__name__}")
+    if np.dtype(out.dtype) != dtype:
+        raise TypeError(f"out must have dtype {dtype}, the dtype of the result, got {np.dtype(out.dtype)}")
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"out must have shape {tuple(shape)}, got {tuple(out.shape)}")
+    if not out.flags.c_contiguous:
+        raise ValueError("out must be C-contiguous")
+    if not getattr(out.flags, "writeable", True):  # CuPy arrays are always writeable
+        raise ValueError("out is read-only")
+    xp = _xp(out)
+    if any(a is not None and xp.may_share_memory(out, a) for a in inputs):
+        raise ValueError("out shares memory with an input; pass a separate array")
+    return out
+
+
 def nonneg_scalar(value: Any, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")

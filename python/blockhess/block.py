@@ -15,7 +15,7 @@ import numpy as np
 
 from . import _backend, _core, _gpu
 from ._validate import _xp as _array_module
-from ._validate import choice, common_dtype, contiguous, float_array, nonneg_scalar, require_output_fits
+from ._validate import choice, common_dtype, contiguous, float_array, nonneg_scalar, output_array, require_output_fits
 
 PARAM_NAMES = ("W_Q", "W_K", "W_V", "W_1", "W_2")
 _LOSSES = {"mse": 0, "cross_entropy": 1}
@@ -234,6 +234,7 @@ def loss_hessian(
     layout: str = "dense",
     eps: float = 0.0,
     wrt: tuple[str, ...] | None = None,
+    out: Any = None,
 ) -> Any:
     """Exact Hessian of the loss with respect to the block's weight matrices.
 
@@ -242,6 +243,9 @@ def loss_hessian(
     W_2 (or those named in ``wrt``), each vec_r'd. layout="blocks": a dict keyed by name pairs,
     ``H["W_Q", "W_V"]`` of shape (n_Q, n_V), views into one symmetric array. A batch X (B, L, d)
     gives the Hessian of the batch-mean loss, the paper's H^(k). Exactly symmetric, bit for bit.
+    out: a C-contiguous (P, P) array of the result's dtype, on the same side as X, to write the
+    Hessian into (and to return, or view for layout="blocks") instead of allocating one; reusing
+    it across calls saves the allocation and first-touch cost of a large result.
     """
     params, X3, W, dtype, eps, kind, values, classes = _loss_inputs(X, target, params, loss, eps)
     part_code = _PARTS[choice(part, "part", tuple(_PARTS))]
@@ -254,14 +258,18 @@ def loss_hessian(
         _param_index(n)
     names = tuple(n for n in PARAM_NAMES if n in names)  # the Hessian follows the canonical order
     P = sum(s for s, keep in zip(params.sizes, selected) if keep)
-    require_output_fits(
-        (P, P), dtype, f"the loss Hessian over {', '.join(names)} (P = {P})",
-        "pass wrt=(...) with fewer parameters, e.g. wrt=('W_Q', 'W_K')",
-    )
-    if _backend.on_device(X3):
-        H = _gpu.loss_hessian(X3, W, eps, kind, values, classes, part_code, selected)
+    if out is None:
+        require_output_fits(
+            (P, P), dtype, f"the loss Hessian over {', '.join(names)} (P = {P})",
+            "pass wrt=(...) with fewer parameters, e.g. wrt=('W_Q', 'W_K'), or a preallocated out=",
+        )
     else:
-        H = np.empty((P, P), dtype=dtype)
+        _backend.on_device(X3, out)  # TypeError for an out on the other side of X
+        out = output_array(out, (P, P), dtype, (X3, *W, values, classes))
+    if _backend.on_device(X3):
+        H = _gpu.loss_hessian(X3, W, eps, kind, values, classes, part_code, selected, out)
+    else:
+        H = np.empty((P, P), dtype=dtype) if out is None else out
         _core.loss_hessian(X3, *W, eps, kind, values, classes, part_code, selected, H)
     if layout == "dense":
         return H
