@@ -133,7 +133,7 @@ def test_commutation(kernels, rng):
     assert rel(_gpu.kron_apply(A, B, X), blockhess.kron_apply(A, B, X)) <= TOL
 
 
-@pytest.mark.parametrize("L,d,dk,dv", [(1, 2, 3, 2), (4, 3, 2, 5), (5, 4, 4, 4)])
+@pytest.mark.parametrize("L,d,dk,dv", [(1, 2, 3, 2), (4, 3, 2, 5), (5, 4, 4, 4), (9, 40, 3, 5)])  # L d > 256: column tiles
 def test_attention(kernels, rng, L, d, dk, dv):
     X, WQ, WK, WV = (rng.standard_normal(s) for s in ((L, d), (d, dk), (d, dk), (d, dv)))
     assert rel(_gpu.attention(X, WQ, WK, WV), blockhess.attention(X, WQ, WK, WV)) <= TOL
@@ -197,6 +197,15 @@ def test_block_loss_hessian(kernels, rng, B, L, d, dk, dff, loss, part):
     H = _gpu.loss_hessian(X, params.arrays, 1e-3, kind, values, classes, code, [True] * 5)
     want = blockhess.loss_hessian(X, target, params, loss=loss, part=part, eps=1e-3)
     assert rel(H, want) <= TOL
+    np.testing.assert_array_equal(H, H.T)
+
+
+def test_block_loss_hessian_with_blocks_wider_than_a_thread_block(kernels, rng):
+    """W_1 and W_2 of 8 x 40 = 320 entries: the assembly kernels tile their columns over gridDim.y."""
+    X, params = _block(rng, 2, 4, 8, 8, 40)
+    T = rng.standard_normal(X.shape)
+    H = _gpu.loss_hessian(X, params.arrays, 1e-3, 0, T, None, 0, [True] * 5)
+    assert rel(H, blockhess.loss_hessian(X, T, params, eps=1e-3)) <= TOL
     np.testing.assert_array_equal(H, H.T)
 
 
