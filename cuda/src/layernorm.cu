@@ -1,13 +1,18 @@
-// LayerNorm kernels. The entry formulas are those of cpp/include/blockhess/layernorm.hpp
-// (jacobian_row, hessian_row, hessian_contract_row), evaluated per entry with the same operation
-// order, so GPU and CPU agree to rounding; the row statistics come from block_normalize_row.
+// LayerNorm kernels. Every entry comes from the BLOCKHESS_HD entry functions of
+// cpp/include/blockhess/layernorm.hpp (jacobian_entry, hessian_entry, hessian_contract_entry) that
+// the CPU rows call too, so GPU and CPU agree to rounding; the row statistics (block reductions,
+// another summation order) come from block_normalize_row.
 #include "blockhess/cuda/layernorm.hpp"
 
+#include "blockhess/layernorm.hpp"
 #include "common.cuh"
 
 namespace blockhess::cuda::layernorm {
 namespace {
 
+using blockhess::layernorm::hessian_contract_entry;
+using blockhess::layernorm::hessian_entry;
+using blockhess::layernorm::jacobian_entry;
 using detail::block_normalize_row;
 using detail::block_sum;
 using detail::shared_array;
@@ -15,22 +20,6 @@ using detail::shared_array;
 template <class T>
 __device__ __forceinline__ T gamma_at(const T* gamma, index_t a) {
   return gamma ? gamma[a] : T(1);
-}
-
-// layernorm::jacobian_row's entry.
-template <class T>
-__device__ __forceinline__ T jacobian_entry(const T* y, T scale, T inv_d, index_t a, index_t b) {
-  const T centring = (a == b ? T(1) : T(0)) - inv_d;
-  return scale * (centring - y[a] * y[b] * inv_d);
-}
-
-// layernorm::hessian_row's entry for (a, lo, hi), lo <= hi; ga = gamma_a * (-1 / (d sigma^2)).
-template <class T>
-__device__ __forceinline__ T hessian_entry(const T* y, T ga, T inv_d, index_t a, index_t lo, index_t hi) {
-  const T pab = (a == lo ? T(1) : T(0)) - inv_d;
-  const T pac = (a == hi ? T(1) : T(0)) - inv_d;
-  const T pbc = (lo == hi ? T(1) : T(0)) - inv_d;
-  return ga * (pab * y[hi] + pac * y[lo] + pbc * y[a] - T(3) * inv_d * y[a] * y[lo] * y[hi]);
 }
 
 template <class T>
@@ -191,9 +180,7 @@ __global__ void hessian_contract_kernel(const T* X, index_t L, index_t d, T eps,
       T* row = C + (i * d + b) * d;
       for (index_t c = threadIdx.x; c < d; c += blockDim.x) {
         const index_t lo = b < c ? b : c, hi = b < c ? c : b;
-        const T plo = gp[lo] - gmean, phi = gp[hi] - gmean;
-        const T pbc = (lo == hi ? T(1) : T(0)) - inv_d;
-        row[c] = pref * (plo * y[hi] + y[lo] * phi + s * pbc - T(3) * inv_d * s * y[lo] * y[hi]);
+        row[c] = hessian_contract_entry(y, gp[lo] - gmean, gp[hi] - gmean, s, pref, inv_d, lo, hi);
       }
     }
     __syncthreads();

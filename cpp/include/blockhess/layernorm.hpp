@@ -35,16 +35,39 @@ BLOCKHESS_HD T normalize_row(const T* x, index_t d, T eps, T* y) {
   return sigma;
 }
 
-// J_i[a,b] for one row, given y and sigma. gamma may be null (all ones).
+// J_i[a,b] with scale = gamma_a / sigma_i. One entry, so that the CUDA kernels evaluate exactly
+// the CPU's expression.
+template <class T>
+BLOCKHESS_HD T jacobian_entry(const T* y, T scale, T inv_d, index_t a, index_t b) {
+  const T centring = (a == b ? T(1) : T(0)) - inv_d;
+  return scale * (centring - y[a] * y[b] * inv_d);
+}
+
+// H_i[a,lo,hi] for lo <= hi, with ga = gamma_a * (-1 / (d sigma_i^2)). Callers order (b, c) into
+// (lo, hi), which makes H symmetric in (b, c) bit for bit.
+template <class T>
+BLOCKHESS_HD T hessian_entry(const T* y, T ga, T inv_d, index_t a, index_t lo, index_t hi) {
+  const T pab = (a == lo ? T(1) : T(0)) - inv_d;
+  const T pac = (a == hi ? T(1) : T(0)) - inv_d;
+  const T pbc = (lo == hi ? T(1) : T(0)) - inv_d;
+  return ga * (pab * y[hi] + pac * y[lo] + pbc * y[a] - T(3) * inv_d * y[a] * y[lo] * y[hi]);
+}
+
+// C_i[lo,hi] = sum_a g_a H_i[a,lo,hi] for lo <= hi, from p = Pc (g * gamma) at lo and hi,
+// s = (g * gamma) . y and pref = -1 / (d sigma_i^2).
+template <class T>
+BLOCKHESS_HD T hessian_contract_entry(const T* y, T p_lo, T p_hi, T s, T pref, T inv_d, index_t lo, index_t hi) {
+  const T pbc = (lo == hi ? T(1) : T(0)) - inv_d;
+  return pref * (p_lo * y[hi] + y[lo] * p_hi + s * pbc - T(3) * inv_d * s * y[lo] * y[hi]);
+}
+
+// J_i for one row (d^2 entries), given y and sigma. gamma may be null (all ones).
 template <class T>
 BLOCKHESS_HD void jacobian_row(const T* y, T sigma, const T* gamma, index_t d, T* J) {
   const T inv_d = T(1) / static_cast<T>(d);
   for (index_t a = 0; a < d; ++a) {
     const T scale = (gamma ? gamma[a] : T(1)) / sigma;
-    for (index_t b = 0; b < d; ++b) {
-      const T centring = (a == b ? T(1) : T(0)) - inv_d;
-      J[a * d + b] = scale * (centring - y[a] * y[b] * inv_d);
-    }
+    for (index_t b = 0; b < d; ++b) J[a * d + b] = jacobian_entry(y, scale, inv_d, a, b);
   }
 }
 
@@ -56,13 +79,10 @@ BLOCKHESS_HD void hessian_row(const T* y, T sigma, const T* gamma, index_t d, T*
   for (index_t a = 0; a < d; ++a) {
     const T ga = (gamma ? gamma[a] : T(1)) * pref;
     for (index_t b = 0; b < d; ++b) {
-      const T pab = (a == b ? T(1) : T(0)) - inv_d;
       for (index_t c = b; c < d; ++c) {
-        const T pac = (a == c ? T(1) : T(0)) - inv_d;
-        const T pbc = (b == c ? T(1) : T(0)) - inv_d;
-        const T v = ga * (pab * y[c] + pac * y[b] + pbc * y[a] - T(3) * inv_d * y[a] * y[b] * y[c]);
+        const T v = hessian_entry(y, ga, inv_d, a, b, c);
         H[(a * d + b) * d + c] = v;
-        H[(a * d + c) * d + b] = v;  // symmetric in (b, c) by construction
+        H[(a * d + c) * d + b] = v;
       }
     }
   }
@@ -85,8 +105,7 @@ BLOCKHESS_HD void hessian_contract_row(const T* y, T sigma, const T* gamma, cons
     const T pb = g[b] * (gamma ? gamma[b] : T(1)) - gmean;
     for (index_t c = b; c < d; ++c) {
       const T pc = g[c] * (gamma ? gamma[c] : T(1)) - gmean;
-      const T pbc = (b == c ? T(1) : T(0)) - inv_d;
-      const T v = pref * (pb * y[c] + y[b] * pc + s * pbc - T(3) * inv_d * s * y[b] * y[c]);
+      const T v = hessian_contract_entry(y, pb, pc, s, pref, inv_d, b, c);
       C[b * d + c] = v;
       C[c * d + b] = v;
     }
