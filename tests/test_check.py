@@ -76,13 +76,12 @@ def test_cuda_device_without_a_gpu_is_a_clear_error():
 
 
 @pytest.mark.parametrize("loss", ["mse", "cross_entropy"])
-def test_check_on_the_emulated_gpu(monkeypatch, tmp_path, cpu_kernels, loss):
+def test_check_on_the_emulated_gpu(monkeypatch, tmp_path, emulated_gpu, loss):
     """--device cuda end to end, the kernels emulated on the CPU (tests/kernel_emulation.py)."""
     import cupy_emulation
-    import kernel_emulation
 
-    kernels = kernel_emulation.install(monkeypatch, cpu_kernels)
-    cupy_emulation.install_as_module(monkeypatch, cupy_emulation.install(monkeypatch))
+    cupy, kernels = emulated_gpu
+    cupy_emulation.install_as_module(monkeypatch, cupy)
     out = tmp_path / "report.json"
     assert check.main([*SMALL, "--device", "cuda", "--batch", "2", "--loss", loss, "--json", str(out)]) == 0
     report = json.loads(out.read_text())

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import math
 
-import cupy_emulation
-import kernel_emulation
 import numpy as np
 import pytest
 import reference as ref
@@ -35,16 +33,15 @@ NO_GPU_REASON = "needs CuPy, a CUDA build of blockhess and a visible GPU"
 _GPU_MARKS = [pytest.mark.cuda, pytest.mark.skipif(not GPU, reason=NO_GPU_REASON)]
 
 
-def _emulated_gpu(request, monkeypatch):
-    """The GPU path on NumPy arrays, its kernels the real ones compiled for the CPU (tests/kernel_emulation.py)."""
-    kernel_emulation.install(monkeypatch, request.getfixturevalue("cpu_kernels"))
-    return cupy_emulation.install(monkeypatch)
+def _emulated_gpu(request):
+    """CuPy's NumPy stand-in, its kernels the real ones compiled for the CPU (tests/conftest.py)."""
+    return request.getfixturevalue("emulated_gpu")[0]
 
 
 @pytest.fixture(params=[pytest.param("cupy", marks=_GPU_MARKS), pytest.param("emulated")])
-def cp(request, monkeypatch):
+def cp(request):
     """CuPy on a GPU, or (everywhere) its NumPy stand-in with the kernels emulated on the CPU."""
-    return _cupy if request.param == "cupy" else _emulated_gpu(request, monkeypatch)
+    return _cupy if request.param == "cupy" else _emulated_gpu(request)
 
 
 @pytest.fixture
@@ -55,9 +52,9 @@ def real_cp():
 
 
 @pytest.fixture(params=[pytest.param("numpy"), pytest.param("cupy", marks=_GPU_MARKS), pytest.param("emulated")])
-def xp(request, monkeypatch):
+def xp(request):
     """The array module of the inputs: numpy, cupy where the GPU path can run, and the emulated GPU."""
-    return {"numpy": np, "cupy": _cupy}.get(request.param) or _emulated_gpu(request, monkeypatch)
+    return {"numpy": np, "cupy": _cupy}.get(request.param) or _emulated_gpu(request)
 
 
 def emulated(cp) -> bool:

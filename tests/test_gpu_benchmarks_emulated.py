@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import cupy_emulation
-import kernel_emulation
 import numpy as np
 import pytest
 
@@ -23,18 +22,15 @@ def load(path: Path):
 
 
 @pytest.fixture
-def emulated_gpu(monkeypatch, cpu_kernels):
+def gpu_for_benchmarks(monkeypatch, emulated_gpu, cpu_kernels):
     from blockhess import _backend
 
     pytest.importorskip("torch")
-    kernel_emulation.install(monkeypatch, cpu_kernels)
     monkeypatch.setattr(_backend, "_cuda", cpu_kernels)  # the benchmark launches one kernel through it directly
-    cupy = cupy_emulation.install(monkeypatch)
-    cupy_emulation.install_as_module(monkeypatch, cupy)
-    return cupy
+    cupy_emulation.install_as_module(monkeypatch, emulated_gpu[0])
 
 
-def test_gpu_bench_script_runs_and_reports(emulated_gpu, tmp_path, monkeypatch):
+def test_gpu_bench_script_runs_and_reports(gpu_for_benchmarks, tmp_path, monkeypatch):
     gpu_bench = load(BENCHMARKS / "gpu_bench.py")
     real_loader = gpu_bench.load_bench_gpu
 
@@ -66,7 +62,7 @@ def test_gpu_bench_rejects_bad_shapes(capsys):
     assert "expected 2 positive integers" in capsys.readouterr().err
 
 
-def test_asv_gpu_benchmarks_run(emulated_gpu, monkeypatch):
+def test_asv_gpu_benchmarks_run(gpu_for_benchmarks, monkeypatch):
     bench = load(BENCHMARKS / "benchmarks" / "bench_gpu.py")
     monkeypatch.setattr(bench, "TORCH_DEVICE", "cpu")
     monkeypatch.setattr(bench, "EVENT_PAD_BYTES", 1 << 10)
