@@ -5,10 +5,14 @@
 #
 #  1. builds and installs blockhess with the CUDA kernels:
 #       python3 -m pip install --no-build-isolation --no-deps .   (BLOCKHESS_CUDA=ON)
-#     The C++ core needs Eigen 3.4 headers at build time. The GPU machine has no cmeel-eigen, so the
-#     cmeel-eigen wheel carried in benchmarks/wheels/ is unpacked (it is a zip; nothing is installed)
-#     and handed to CMake as Eigen3_DIR. Without that wheel, an installed cmeel-eigen or a system
-#     Eigen 3.4 is used if CMake finds one.
+#     The C++ core needs Eigen 3.4 headers at build time. The GPU machine has no network and no
+#     cmeel-eigen, so a session prepares the wheel beforehand, on a machine with network:
+#         bash benchmarks/prepare_gpu_wheels.sh
+#     (pip download --no-deps -d benchmarks/wheels cmeel-eigen cmeel). benchmarks/wheels/ is ignored
+#     by git, so the device tool must be told to carry it (carry: ["benchmarks/wheels"]). The
+#     cmeel-eigen wheel found there is unpacked (it is a zip; nothing is installed) and handed to
+#     CMake as Eigen3_DIR. Without it, an installed cmeel-eigen or a system Eigen 3.4 is used if
+#     CMake finds one.
 #  2. runs the GPU tests: pytest -m cuda (tests/test_cuda.py: every GPU result against the CPU
 #     core and torch CUDA autograd, the bad-input tests on device arrays);
 #  3. runs the GPU benchmark (benchmarks/gpu_bench.py): LayerNorm Jacobian-blocks bandwidth vs a
@@ -88,7 +92,8 @@ if [ -n "$EIGEN_WHEEL" ]; then
     echo "warning: $EIGEN_WHEEL has no share/eigen3/cmake/Eigen3Config.cmake; relying on an installed Eigen"
   fi
 else
-  echo "no carried Eigen wheel in benchmarks/wheels/; relying on cmeel-eigen or a system Eigen 3.4"
+  echo "no Eigen wheel in benchmarks/wheels/ (prepare it with benchmarks/prepare_gpu_wheels.sh and carry that"
+  echo "ignored folder to this machine); relying on an installed cmeel-eigen or a system Eigen 3.4"
 fi
 # Build for this GPU only (faster than the portable default).
 CC_GPU="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d ' .')"

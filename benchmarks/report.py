@@ -1,8 +1,12 @@
 """Quick benchmark report without asv: blockhess vs PyTorch autograd vs the physical floors.
 
-    python benchmarks/report.py                 # quick subset (< 2 minutes on 2 cores)
+    python benchmarks/report.py                 # quick subset (< 2 minutes on 2 cores) -> build/report/
     python benchmarks/report.py --full          # every size of the asv suite (several minutes)
     python benchmarks/report.py --out DIR       # where report.md and speedups.png go
+
+By default the report goes to build/report/ (ignored by git), so a run never changes tracked files.
+The copy the README shows lives in docs/performance/ and is regenerated on purpose with
+``python benchmarks/report.py --out docs/performance``.
 
 Uses the same inputs and method implementations as the asv suite (``benchmarks/benchmarks/common.py``).
 Each method is called once to warm up (its output is kept to check blockhess against autograd), then
@@ -28,13 +32,14 @@ import time
 from dataclasses import dataclass, field
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_OUT = os.path.join(os.path.dirname(HERE), "build", "report")  # untracked (.gitignore: build/)
 OMP_POLICY_AT_START = os.environ.get("OMP_WAIT_POLICY")  # libgomp reads it once, at load
 sys.path.insert(0, os.path.join(HERE, "benchmarks"))
 
 import common  # noqa: E402
 import numpy as np  # noqa: E402
 
-# (bench, params) of the quick subset: every target of issue 4 plus one size of each benchmark.
+# (bench, params) of the quick subset: every performance target plus one size of each benchmark.
 QUICK = [
     ("ln_jacobian", ((16, 64),)),
     ("ln_jacobian", ((64, 128),)),
@@ -189,7 +194,7 @@ def get(rows, bench, params, method) -> Row | None:
     return next((r for r in rows if r.bench == bench and r.params == params and r.method == method), None)
 
 
-# Issue 4's speed targets: (description, bench, params, slower method, faster method, op, required)
+# The speed targets: (description, bench, params, slower method, faster method, op, required)
 # with ratio = t(slower) / t(faster).
 TARGETS = [
     ("LN Jacobian blocks (64,128) vs torch.func.jacrev (dense)", "ln_jacobian", ((64, 128),),
@@ -224,7 +229,7 @@ def target_ratio(rows, bench, params, slow, fast) -> float | None:
 
 
 def targets(rows, peaks) -> list[tuple[str, str, str, str]]:
-    """(target, measured, required, verdict) for each target of issue 4."""
+    """(target, measured, required, verdict) for each performance target."""
     out = []
     for desc, bench, params, slow, fast, op, need in TARGETS:
         v = target_ratio(rows, bench, params, slow, fast)
@@ -328,14 +333,14 @@ def markdown(rows, target_rows, header: str) -> str:
     if notes:
         lines.append("")
         lines += [f"[{i + 1}] n/a: {n}.  " for i, n in enumerate(notes)]
-    lines += ["", "| target (issue 4) | measured | required | verdict |", "|---|---|---|---|"]
+    lines += ["", "| target | measured | required | verdict |", "|---|---|---|---|"]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in target_rows]
     return "\n".join(lines) + "\n"
 
 
 def chart(rows, path: str) -> None:
     """Horizontal bars of blockhess's speed-up over each autograd method (and the GEMM floor), log scale,
-    with issue 4's targets marked."""
+    with the performance targets marked."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -388,7 +393,7 @@ def chart(rows, path: str) -> None:
 
     ax.legend(handles=[Patch(color="tab:blue", label="PyTorch autograd"),
                        Patch(color="tab:gray", label="numpy J^T J GEMM floor"),
-                       Line2D([], [], color="tab:red", lw=2, label="issue 4 target")],
+                       Line2D([], [], color="tab:red", lw=2, label="target")],
               loc="upper right", fontsize=8)
     ax.grid(axis="x", which="major", alpha=0.3)
     fig.savefig(path, dpi=120, bbox_inches="tight")
@@ -398,7 +403,9 @@ def chart(rows, path: str) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true", help="every size of the asv suite (slow)")
-    parser.add_argument("--out", default=os.path.join(HERE, "report"), help="output folder")
+    parser.add_argument("--out", default=DEFAULT_OUT,
+                        help="output folder (default: build/report/ in the repository, untracked; "
+                             "docs/performance is the copy the README shows)")
     parser.add_argument("--only", nargs="*", choices=sorted(common.BENCHES), help="restrict to these benchmarks")
     parser.add_argument("--no-peak", action="store_true", help="skip the peak-memory subprocess measurement")
     args = parser.parse_args(argv)

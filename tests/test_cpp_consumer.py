@@ -1,10 +1,19 @@
-"""The "embed in C++" promise, against the installed package: a CMake project that finds blockhess
-with find_package(blockhess CONFIG REQUIRED), computes a LayerNorm Jacobian with the core and checks
-it against central finite differences computed in the C++ program itself."""
+"""The "embed in C++" promise, against the installed package: CMake projects that find blockhess with
+find_package(blockhess CONFIG REQUIRED) and build with it.
 
+- The README's example ("Using the C++ core": its ```cmake and ```cpp blocks, taken verbatim from the
+  README of this source tree) must configure, compile and run as written.
+- A consumer that computes a LayerNorm Jacobian with the core and checks it against central finite
+  differences computed in the C++ program itself."""
+
+from __future__ import annotations
+
+import os
+import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +21,8 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake is not installed"),
 ]
+
+README = Path(__file__).resolve().parent.parent / "README.md"
 
 CMAKELISTS = """\
 cmake_minimum_required(VERSION 3.24)
@@ -67,26 +78,66 @@ int main() {
 """
 
 
-def test_find_package_consumer_builds_and_checks_layernorm_jacobian(tmp_path):
-    cmake_dir = subprocess.run(
+def readme_block(lang: str) -> str:
+    """The text of the README's only ```lang fenced block (its section "Using the C++ core")."""
+    if not README.is_file():
+        pytest.skip(f"no README.md next to the tests ({README}): not a source tree")
+    blocks = re.findall(rf"^```{lang}[ \t]*\n(.*?)^```[ \t]*$", README.read_text(encoding="utf-8"), re.M | re.S)
+    assert len(blocks) == 1, f"README.md should have exactly one ```{lang} block, found {len(blocks)}"
+    return blocks[0]
+
+
+def cmake_dir() -> str:
+    return subprocess.run(
         [sys.executable, "-m", "blockhess", "--cmakedir"], check=True, capture_output=True, text=True
     ).stdout.strip()
+
+
+def run(cmd, **kwargs) -> str:
+    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, **kwargs)
+    assert proc.returncode == 0, f"{cmd} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
+def build_consumer(tmp_path: Path, cmakelists: str, main_cpp: str) -> Path:
+    """Configures and builds a consumer project against the installed package; returns its build dir."""
     src, build = tmp_path / "src", tmp_path / "build"
     src.mkdir()
-    (src / "CMakeLists.txt").write_text(CMAKELISTS)
-    (src / "main.cpp").write_text(MAIN_CPP)
-    configure = ["cmake", "-S", str(src), "-B", str(build), f"-Dblockhess_DIR={cmake_dir}",
-                 "-DCMAKE_BUILD_TYPE=Release"]
+    (src / "CMakeLists.txt").write_text(cmakelists)
+    (src / "main.cpp").write_text(main_cpp)
+    configure = ["cmake", "-S", src, "-B", build, f"-Dblockhess_DIR={cmake_dir()}", "-DCMAKE_BUILD_TYPE=Release"]
     if shutil.which("ninja"):
         configure += ["-G", "Ninja"]
-
-    def run(cmd):
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout}\n{proc.stderr}"
-        return proc.stdout
-
     run(configure)
-    run(["cmake", "--build", str(build)])
-    exe = build / "consumer"
-    out = run([str(exe)])
+    run(["cmake", "--build", build])
+    return build
+
+
+def executable(build: Path, name: str) -> Path:
+    exe = build / name
+    assert exe.is_file() and os.access(exe, os.X_OK), f"no executable {name} in {build}"
+    return exe
+
+
+def test_readme_cpp_example_builds_and_runs_as_written(tmp_path):
+    cmakelists, program = readme_block("cmake"), readme_block("cpp")
+    assert "find_package(blockhess CONFIG REQUIRED)" in cmakelists
+    assert "int main(" in program, "the README's C++ example must be a complete program"
+    names = re.findall(r"add_executable\((\w+)", cmakelists)
+    assert len(names) == 1, "the README's CMake example should build exactly one program"
+    build = build_consumer(tmp_path, cmakelists, program)
+    out = run([executable(build, names[0])])
+    # It prints the (d, d) Jacobian block of every token: 2 tokens x 3 rows, each row sums to 0
+    # (LayerNorm is invariant to adding a constant to a row).
+    rows = [line for line in out.splitlines() if line.startswith("dZ[")]
+    assert len(rows) == 6, out
+    for line in rows:
+        values = [float(v) for v in line.split("=")[1].split()]
+        assert len(values) == 3 and abs(sum(values)) < 1e-3, line
+        assert max(abs(v) for v in values) > 0.01, line
+
+
+def test_find_package_consumer_builds_and_checks_layernorm_jacobian(tmp_path):
+    build = build_consumer(tmp_path, CMAKELISTS, MAIN_CPP)
+    out = run([executable(build, "consumer")])
     assert "max |J - J_fd|" in out

@@ -1,8 +1,9 @@
-"""Command line.
+"""The blockhess command line (``blockhess`` or ``python -m blockhess``).
 
     blockhess check [options]        compute, verify and report a block's loss Hessian (the main job)
     blockhess --cmakedir             print the directory holding blockhessConfig.cmake
     blockhess --includedir           print the C++ include directory
+    blockhess --version              print the version
 """
 
 from __future__ import annotations
@@ -10,18 +11,62 @@ from __future__ import annotations
 import argparse
 import sys
 
+DESCRIPTION = """\
+blockhess: exact, closed-form Jacobians and Hessians of full (post-LN) Transformer blocks,
+computed by a C++ core (optional CUDA kernels) behind a NumPy/CuPy API.
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] == "check":
-        from .check import main as check_main
+From the command line it runs its main job, `blockhess check`: the exact loss Hessian of a
+Transformer block (the paper's MNIST block by default), verified against PyTorch autograd or
+finite differences, with a per-block report. --cmakedir and --includedir serve C++ programs
+built against the installed package (find_package(blockhess) in CMake)."""
 
-        return check_main(argv[1:])
-    parser = argparse.ArgumentParser(prog="blockhess", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+EPILOG = """\
+examples:
+  blockhess check                          the MNIST block (L=49, d=16, d_k=16, d_ff=64) vs torch
+  blockhess check --L 8 --d 8 --batch 2    a smaller block, a batch of two
+  blockhess check --help                   every option of the check
+  cmake -Dblockhess_DIR="$(blockhess --cmakedir)" ...
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="blockhess",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--cmakedir", action="store_true", help="print the directory of blockhessConfig.cmake")
     parser.add_argument("--includedir", action="store_true", help="print the C++ include directory")
     parser.add_argument("--version", action="store_true", help="print the version")
+    commands = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND")
+    # The check has its own parser (blockhess.check.main); this entry only lists it and hands over.
+    check = commands.add_parser(
+        "check",
+        add_help=False,
+        help="compute, verify and report a block's loss Hessian (the main job); "
+        "`blockhess check --help` lists its options",
+    )
+    del check
+    return parser
+
+
+def _run_check(argv: list[str]) -> int:
+    from .check import main as check_main
+
+    return check_main(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "check":  # everything after it belongs to the check's own parser
+        return _run_check(argv[1:])
+    parser = build_parser()
+    # The global options take no values, so the first word that is not an option is the command.
+    first = next((i for i, word in enumerate(argv) if not word.startswith("-")), None)
+    if first is not None and argv[first] == "check":
+        parser.parse_args(argv[:first])  # rejects unknown global options (and answers --help)
+        return _run_check(argv[first + 1:])
     args = parser.parse_args(argv)
     from . import __version__, get_cmake_dir, get_include
 

@@ -1,0 +1,668 @@
+// The checks of core_sanitize (see core_sanitize.cpp): templates over the scalar type, compiled in
+// one translation unit per type (core_sanitize_double.cpp, core_sanitize_float.cpp) so that the two
+// halves of the sanitizer build run in parallel.
+#pragma once
+
+#include <blockhess/attention.hpp>
+#include <blockhess/block_loss.hpp>
+#include <blockhess/commutation.hpp>
+#include <blockhess/ffn.hpp>
+#include <blockhess/kron_sum.hpp>
+#include <blockhess/layernorm.hpp>
+#include <blockhess/parallel.hpp>
+#include <blockhess/softmax.hpp>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "core_sanitize.hpp"
+
+namespace sanitize {
+
+using blockhess::index_t;
+namespace bh = blockhess;
+
+inline void report(bool ok, const char* file, int line, const char* what, const std::string& context) {
+  ++g_checks;
+  if (ok) return;
+  ++g_failures;
+  std::fprintf(stderr, "FAIL %s:%d: %s [%s]\n", file, line, what, context.c_str());
+}
+#define CHECK(cond, ctx) report(static_cast<bool>(cond), __FILE__, __LINE__, #cond, ctx)
+
+template <class T>
+const char* type_name() {
+  return std::is_same_v<T, double> ? "double" : "float";
+}
+
+inline std::string shape(std::initializer_list<index_t> dims) {
+  std::string s = "(";
+  for (index_t v : dims) s += (s.size() > 1 ? "," : "") + std::to_string(v);
+  return s + ")";
+}
+
+template <class T>
+std::vector<T> randn(std::mt19937_64& rng, index_t n, double scale = 1.0) {
+  std::normal_distribution<double> dist(0.0, scale);
+  std::vector<T> v(static_cast<size_t>(n));
+  for (T& x : v) x = static_cast<T>(dist(rng));
+  return v;
+}
+
+template <class T>
+bool all_finite(const std::vector<T>& v) {
+  return std::all_of(v.begin(), v.end(), [](T x) { return std::isfinite(x); });
+}
+
+template <class T>
+double max_abs(const std::vector<T>& v) {
+  double m = 0;
+  for (T x : v) m = std::max(m, std::abs(static_cast<double>(x)));
+  return m;
+}
+
+// max |a - b| / max(max |b|, floor).
+template <class T>
+double rel_diff(const std::vector<T>& a, const std::vector<T>& b, double floor = 1e-300) {
+  if (a.size() != b.size()) return std::numeric_limits<double>::infinity();
+  double num = 0;
+  for (size_t k = 0; k < a.size(); ++k) num = std::max(num, std::abs(static_cast<double>(a[k]) - b[k]));
+  return num / std::max(max_abs(b), floor);
+}
+
+// Loose tolerance of the "same quantity, different order of operations" comparisons.
+template <class T>
+double tol() {
+  return std::is_same_v<T, double> ? 1e-11 : 2e-4;
+}
+
+// Expects fn() to throw E.
+template <class E, class Fn>
+bool throws(Fn&& fn) {
+  try {
+    fn();
+  } catch (const E&) {
+    return true;
+  } catch (...) {
+    return false;
+  }
+  return false;
+}
+
+// Runs fn at 1 and at 3 threads (3 > the CI's 2 cores: the pool must cope with descheduled workers).
+template <class Fn>
+void with_thread_counts(Fn&& fn) {
+  for (int threads : {1, 3}) {
+    bh::parallel::set_num_threads(threads);
+    fn(threads);
+  }
+  bh::parallel::set_num_threads(2);
+}
+
+// ---------------------------------------------------------------------------------------------
+// LayerNorm
+
+template <class T>
+void check_layernorm(std::mt19937_64& rng, index_t L, index_t d, T eps, bool with_gamma) {
+  namespace ln = bh::layernorm;
+  const std::string ctx = std::string("layernorm ") + type_name<T>() + " " + shape({L, d}) +
+                          " eps=" + std::to_string(static_cast<double>(eps)) + (with_gamma ? " gamma" : "");
+  const auto X = randn<T>(rng, L * d);
+  const auto gv = randn<T>(rng, d), bv = randn<T>(rng, d);
+  const T* gamma = with_gamma ? gv.data() : nullptr;
+  const T* beta = with_gamma ? bv.data() : nullptr;
+  std::vector<T> Z(L * d), sigma(L), y(L * d);
+  if (d == 1 && eps == T(0)) {  // a one-feature row is constant: LayerNorm is not differentiable there
+    CHECK(throws<std::domain_error>([&] { ln::forward(X.data(), L, d, eps, gamma, beta, Z.data(), sigma.data()); }),
+          ctx);
+    return;
+  }
+  ln::forward(X.data(), L, d, eps, gamma, beta, Z.data(), sigma.data());
+  ln::normalize(X.data(), L, d, eps, y.data(), sigma.data());
+  CHECK(all_finite(Z) && all_finite(y) && all_finite(sigma), ctx);
+  for (index_t i = 0; i < L; ++i) {
+    double mean = 0;
+    for (index_t a = 0; a < d; ++a) mean += y[i * d + a];
+    CHECK(std::abs(mean / d) < 50 * tol<T>(), ctx + " row mean of y");
+  }
+
+  std::vector<T> J(L * d * d), Jd(L * d * L * d), H(L * d * d * d), C(L * d * d);
+  ln::jacobian_blocks(y.data(), sigma.data(), gamma, L, d, J.data());
+  ln::jacobian_dense(y.data(), sigma.data(), gamma, L, d, Jd.data());
+  ln::hessian_blocks(y.data(), sigma.data(), gamma, L, d, H.data());
+  CHECK(all_finite(J) && all_finite(H), ctx);
+  const index_t n = L * d;
+  bool dense_ok = true, sym_ok = true;
+  for (index_t o = 0; o < n; ++o)
+    for (index_t p = 0; p < n; ++p) {
+      const index_t i = o / d, a = o % d, u = p / d, b = p % d;
+      const T want = i == u ? J[(i * d + a) * d + b] : T(0);
+      dense_ok &= Jd[o * n + p] == want;
+    }
+  for (index_t i = 0; i < L; ++i)
+    for (index_t a = 0; a < d; ++a)
+      for (index_t b = 0; b < d; ++b)
+        for (index_t c = 0; c < d; ++c)
+          sym_ok &= H[((i * d + a) * d + b) * d + c] == H[((i * d + a) * d + c) * d + b];
+  CHECK(dense_ok, ctx + " dense Jacobian = blocks");
+  CHECK(sym_ok, ctx + " Hessian blocks symmetric");
+
+  // Contraction with a cotangent G equals the explicit sum over the blocks.
+  const auto G = randn<T>(rng, L * d);
+  ln::hessian_contract(y.data(), sigma.data(), gamma, G.data(), L, d, C.data());
+  std::vector<T> Cref(L * d * d, T(0));
+  for (index_t i = 0; i < L; ++i)
+    for (index_t a = 0; a < d; ++a)
+      for (index_t bc = 0; bc < d * d; ++bc) Cref[i * d * d + bc] += G[i * d + a] * H[(i * d + a) * d * d + bc];
+  CHECK(rel_diff(C, Cref) < 100 * tol<T>(), ctx + " hessian_contract");
+
+  if (n <= 30) {  // the dense second derivative is (L d)^3
+    std::vector<T> Hd(n * n * n), scratch(d * d * d);
+    ln::hessian_dense(y.data(), sigma.data(), gamma, L, d, Hd.data(), scratch.data());
+    bool ok = true;
+    for (index_t i = 0; i < L; ++i)
+      for (index_t a = 0; a < d; ++a)
+        for (index_t b = 0; b < d; ++b)
+          for (index_t c = 0; c < d; ++c)
+            ok &= Hd[((i * d + a) * n + i * d + b) * n + i * d + c] == H[((i * d + a) * d + b) * d + c];
+    CHECK(ok, ctx + " dense Hessian = blocks");
+  }
+  std::vector<T> Jg(L * d * d), Jb(L * d * d);
+  ln::jacobian_gamma(y.data(), L, d, Jg.data());
+  ln::jacobian_beta(L, d, Jb.data());
+  CHECK(all_finite(Jg) && all_finite(Jb), ctx);
+
+  if constexpr (std::is_same_v<T, double>) {  // central differences of row i = L - 1
+    const index_t i = L - 1;
+    const double h = 1e-6;
+    double worst = 0;
+    std::vector<T> Xp = X, Zp(L * d), Zm(L * d), s(L);
+    for (index_t b = 0; b < d; ++b) {
+      Xp[i * d + b] = X[i * d + b] + h;
+      ln::forward(Xp.data(), L, d, eps, gamma, beta, Zp.data(), s.data());
+      Xp[i * d + b] = X[i * d + b] - h;
+      ln::forward(Xp.data(), L, d, eps, gamma, beta, Zm.data(), s.data());
+      Xp[i * d + b] = X[i * d + b];
+      for (index_t a = 0; a < d; ++a)
+        worst = std::max(worst, std::abs((Zp[i * d + a] - Zm[i * d + a]) / (2 * h) - J[(i * d + a) * d + b]));
+    }
+    CHECK(worst < 1e-6 * std::max(1.0, max_abs(J)), ctx + " finite differences of the Jacobian");
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Softmax
+
+template <class T>
+void check_softmax(std::mt19937_64& rng, index_t m, index_t n) {
+  namespace sm = bh::softmax;
+  const std::string ctx = std::string("softmax ") + type_name<T>() + " " + shape({m, n});
+  const auto Tm = randn<T>(rng, m * n, 2.0);
+  std::vector<T> A(m * n), J(m * n * n), H(m * n * n * n);
+  sm::forward(Tm.data(), m, n, A.data());
+  sm::jacobian_blocks(A.data(), m, n, J.data());
+  sm::hessian_blocks(A.data(), m, n, H.data());
+  CHECK(all_finite(A) && all_finite(J) && all_finite(H), ctx);
+  bool rows_ok = true, sym_ok = true;
+  for (index_t i = 0; i < m; ++i) {
+    double s = 0;
+    for (index_t k = 0; k < n; ++k) s += A[i * n + k];
+    rows_ok &= std::abs(s - 1) < 10 * tol<T>();
+    for (index_t j = 0; j < n; ++j)
+      for (index_t k = 0; k < n; ++k)
+        for (index_t l = 0; l < n; ++l)
+          sym_ok &= H[((i * n + j) * n + k) * n + l] == H[((i * n + j) * n + l) * n + k];
+  }
+  CHECK(rows_ok, ctx + " rows sum to 1");
+  CHECK(sym_ok, ctx + " Hessian blocks symmetric");
+
+  const index_t N = m * n;
+  std::vector<T> Jd(N * N);
+  sm::jacobian_dense(A.data(), m, n, Jd.data());
+  bool dense_ok = true;
+  for (index_t o = 0; o < N; ++o)
+    for (index_t p = 0; p < N; ++p)
+      dense_ok &= Jd[o * N + p] == (o / n == p / n ? J[(o / n * n + o % n) * n + p % n] : T(0));
+  CHECK(dense_ok, ctx + " dense Jacobian = blocks");
+  if (N <= 30) {
+    std::vector<T> Hd(N * N * N);
+    sm::hessian_dense(A.data(), m, n, Hd.data());
+    bool ok = true;
+    for (index_t i = 0; i < m; ++i)
+      for (index_t j = 0; j < n; ++j)
+        for (index_t k = 0; k < n; ++k)
+          for (index_t l = 0; l < n; ++l)
+            ok &= Hd[((i * n + j) * N + i * n + k) * N + i * n + l] == H[((i * n + j) * n + k) * n + l];
+    CHECK(ok, ctx + " dense Hessian = blocks");
+  }
+  // Row helpers: contraction and vector-Jacobian product against the blocks.
+  const auto g = randn<T>(rng, n);
+  std::vector<T> Cm(n * n), Cref(n * n, T(0)), gt(n), gtref(n, T(0));
+  sm::hessian_contract_row(A.data(), g.data(), n, Cm.data());
+  sm::vjp_row(A.data(), g.data(), n, gt.data());
+  for (index_t j = 0; j < n; ++j) {
+    for (index_t kl = 0; kl < n * n; ++kl) Cref[kl] += g[j] * H[j * n * n + kl];
+    for (index_t k = 0; k < n; ++k) gtref[k] += g[j] * J[j * n + k];
+  }
+  CHECK(rel_diff(Cm, Cref) < 100 * tol<T>(), ctx + " hessian_contract_row");
+  CHECK(rel_diff(gt, gtref) < 100 * tol<T>(), ctx + " vjp_row");
+
+  if constexpr (std::is_same_v<T, double>) {
+    const double h = 1e-6;
+    double worst = 0;
+    std::vector<T> tp(Tm.begin(), Tm.begin() + n), ap(n), am(n);
+    for (index_t k = 0; k < n; ++k) {
+      tp[k] = Tm[k] + h;
+      sm::forward_row(tp.data(), n, ap.data());
+      tp[k] = Tm[k] - h;
+      sm::forward_row(tp.data(), n, am.data());
+      tp[k] = Tm[k];
+      for (index_t j = 0; j < n; ++j) worst = std::max(worst, std::abs((ap[j] - am[j]) / (2 * h) - J[j * n + k]));
+    }
+    CHECK(worst < 1e-8, ctx + " finite differences of the Jacobian");
+  }
+  CHECK(throws<std::invalid_argument>([&] { sm::forward(Tm.data(), 0, n, A.data()); }), ctx + " m = 0");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Commutation and Kronecker products
+
+template <class T>
+void check_commutation(std::mt19937_64& rng, index_t m, index_t n) {
+  namespace cm = bh::commutation;
+  const std::string ctx = std::string("commutation ") + type_name<T>() + " " + shape({m, n});
+  const index_t N = m * n, cols = 3;
+  std::vector<std::int64_t> perm(N);
+  cm::permutation(m, n, perm.data());
+  std::vector<T> K(N * N);
+  cm::dense(m, n, K.data());
+  const auto v = randn<T>(rng, N * cols);
+  std::vector<T> Kv(N * cols), back(N * cols), Kdense(N * cols, T(0));
+  cm::apply(v.data(), m, n, cols, Kv.data());
+  cm::apply(Kv.data(), n, m, cols, back.data());  // K_{n,m} K_{m,n} = I
+  for (index_t r = 0; r < N; ++r)
+    for (index_t c = 0; c < N; ++c)
+      for (index_t j = 0; j < cols; ++j) Kdense[r * cols + j] += K[r * N + c] * v[c * cols + j];
+  CHECK(back == v, ctx + " K_{n,m} K_{m,n} = I");
+  CHECK(Kv == Kdense, ctx + " apply = dense K");
+  bool perm_ok = true;
+  for (index_t r = 0; r < N; ++r) perm_ok &= Kv[r * cols] == v[perm[r] * cols];
+  CHECK(perm_ok, ctx + " permutation");
+
+  // (A (x) B) vec_r(X) with A (p, m), B (q, n), against the explicit Kronecker product.
+  const index_t p = m + 2, q = n + 1;
+  const auto A = randn<T>(rng, p * m), B = randn<T>(rng, q * n), X = randn<T>(rng, m * n);
+  std::vector<T> out(p * q), ref(p * q, T(0));
+  cm::kron_apply(A.data(), p, m, B.data(), q, n, X.data(), out.data());
+  for (index_t i = 0; i < p; ++i)
+    for (index_t k = 0; k < q; ++k)
+      for (index_t j = 0; j < m; ++j)
+        for (index_t l = 0; l < n; ++l) ref[i * q + k] += A[i * m + j] * B[k * n + l] * X[j * n + l];
+  CHECK(rel_diff(out, ref) < 100 * tol<T>(), ctx + " kron_apply");
+  CHECK(throws<std::invalid_argument>([&] { cm::dense(0, n, K.data()); }), ctx + " m = 0");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attention
+
+template <class T>
+void check_attention(std::mt19937_64& rng, index_t L, index_t d, index_t dk, index_t dv) {
+  namespace at = bh::attention;
+  const std::string ctx = std::string("attention ") + type_name<T>() + " " + shape({L, d, dk, dv});
+  const at::Dims s{L, d, dk, dv};
+  const auto X = randn<T>(rng, L * d);
+  const auto WQ = randn<T>(rng, d * dk, 1.0 / std::sqrt(double(d))), WK = randn<T>(rng, d * dk, 1.0 / std::sqrt(double(d)));
+  const auto WV = randn<T>(rng, d * dv, 1.0 / std::sqrt(double(d)));
+  std::vector<T> F(L * dv);
+  at::forward(X.data(), WQ.data(), WK.data(), WV.data(), s, F.data());
+  CHECK(all_finite(F), ctx);
+  std::array<std::vector<T>, 4> J;
+  for (at::Wrt wrt : {at::Wrt::W_Q, at::Wrt::W_K, at::Wrt::W_V, at::Wrt::X}) {
+    auto& Jw = J[static_cast<int>(wrt)];
+    Jw.assign(L * dv * s.n_wrt(wrt), T(0));
+    at::jacobian(X.data(), WQ.data(), WK.data(), WV.data(), s, wrt, Jw.data());
+    CHECK(all_finite(Jw), ctx + " wrt " + std::to_string(static_cast<int>(wrt)));
+  }
+  if constexpr (std::is_same_v<T, double>) {  // central differences with respect to W_Q and to X
+    const double h = 1e-6;
+    std::vector<T> Fp(L * dv), Fm(L * dv);
+    for (int which : {0, 3}) {
+      auto Wq = WQ;
+      auto Xv = X;
+      std::vector<T>& var = which == 0 ? Wq : Xv;
+      const index_t nvar = static_cast<index_t>(var.size());
+      double worst = 0;
+      for (index_t k = 0; k < nvar; ++k) {
+        const T keep = var[k];
+        var[k] = keep + h;
+        at::forward(Xv.data(), Wq.data(), WK.data(), WV.data(), s, Fp.data());
+        var[k] = keep - h;
+        at::forward(Xv.data(), Wq.data(), WK.data(), WV.data(), s, Fm.data());
+        var[k] = keep;
+        for (index_t o = 0; o < L * dv; ++o)
+          worst = std::max(worst, std::abs((Fp[o] - Fm[o]) / (2 * h) - J[which][o * nvar + k]));
+      }
+      CHECK(worst < 1e-7 * std::max(1.0, max_abs(J[which])),
+            ctx + " finite differences wrt " + (which == 0 ? "W_Q" : "X"));
+    }
+  }
+  CHECK(throws<std::invalid_argument>([&] {
+          at::forward(X.data(), WQ.data(), WK.data(), WV.data(), at::Dims{L, d, 0, dv}, F.data());
+        }),
+        ctx + " d_k = 0");
+}
+
+// ---------------------------------------------------------------------------------------------
+// FFN
+
+template <class T>
+void check_ffn(std::mt19937_64& rng, index_t L, index_t d, index_t f, index_t e) {
+  namespace ff = bh::ffn;
+  const std::string ctx = std::string("ffn ") + type_name<T>() + " " + shape({L, d, f, e});
+  const ff::Dims s{L, d, f, e};
+  const auto Y = randn<T>(rng, L * d), W1 = randn<T>(rng, d * f), W2 = randn<T>(rng, f * e);
+  std::vector<T> F(L * e), J1(L * e * d * f), M(L * e * f), R(L * f), J2(L * e * f * e);
+  std::vector<T> JYb(L * e * d), JYd(L * e * L * d), Cb(L * d * f), Cd(L * e * d * f * f * e);
+  ff::forward(Y.data(), W1.data(), W2.data(), s, F.data());
+  ff::jacobian_w1(Y.data(), W1.data(), W2.data(), s, J1.data());
+  ff::jacobian_w1_factor(Y.data(), W1.data(), W2.data(), s, M.data());
+  ff::activations(Y.data(), W1.data(), s, R.data());
+  ff::jacobian_w2(Y.data(), W1.data(), s, J2.data());
+  ff::jacobian_y_blocks(Y.data(), W1.data(), W2.data(), s, JYb.data());
+  ff::jacobian_y_dense(Y.data(), W1.data(), W2.data(), s, JYd.data());
+  ff::cross_hessian_blocks(Y.data(), W1.data(), s, Cb.data());
+  ff::cross_hessian_dense(Y.data(), W1.data(), s, Cd.data());
+  CHECK(all_finite(F) && all_finite(J1) && all_finite(J2) && all_finite(JYd) && all_finite(Cd), ctx);
+
+  bool kron_ok = true, y_ok = true, cross_ok = true, w2_ok = true;
+  for (index_t t = 0; t < L; ++t)
+    for (index_t c = 0; c < e; ++c) {
+      for (index_t b = 0; b < d; ++b)
+        for (index_t g = 0; g < f; ++g)
+          kron_ok &= std::abs(J1[(t * e + c) * d * f + b * f + g] - Y[t * d + b] * M[(t * e + c) * f + g]) <=
+                     tol<T>() * (1 + std::abs(J1[(t * e + c) * d * f + b * f + g]));
+      for (index_t u = 0; u < L; ++u)
+        for (index_t b = 0; b < d; ++b)
+          y_ok &= JYd[(t * e + c) * L * d + u * d + b] == (u == t ? JYb[(t * e + c) * d + b] : T(0));
+      for (index_t g = 0; g < f; ++g)
+        for (index_t c2 = 0; c2 < e; ++c2)
+          w2_ok &= J2[(t * e + c) * f * e + g * e + c2] == (c2 == c ? R[t * f + g] : T(0));
+      for (index_t b = 0; b < d; ++b)
+        for (index_t g = 0; g < f; ++g)
+          cross_ok &= Cd[((t * e + c) * d * f + b * f + g) * f * e + g * e + c] == Cb[(t * d + b) * f + g];
+    }
+  CHECK(kron_ok, ctx + " W_1 Jacobian = Kronecker factors");
+  CHECK(y_ok, ctx + " dense Y Jacobian = blocks");
+  CHECK(w2_ok, ctx + " W_2 Jacobian = relu(H) (x) I");
+  CHECK(cross_ok, ctx + " dense cross Hessian = blocks");
+
+  if constexpr (std::is_same_v<T, double>) {  // central differences with respect to W_1
+    const double h = 1e-7;
+    auto W = W1;
+    std::vector<T> Fp(L * e), Fm(L * e);
+    double worst = 0;
+    for (index_t k = 0; k < d * f; ++k) {
+      const T keep = W[k];
+      W[k] = keep + h;
+      ff::forward(Y.data(), W.data(), W2.data(), s, Fp.data());
+      W[k] = keep - h;
+      ff::forward(Y.data(), W.data(), W2.data(), s, Fm.data());
+      W[k] = keep;
+      for (index_t o = 0; o < L * e; ++o)
+        worst = std::max(worst, std::abs((Fp[o] - Fm[o]) / (2 * h) - J1[o * d * f + k]));
+    }
+    // A pre-activation within h of the ReLU kink would spoil a difference; random data stays clear.
+    CHECK(worst < 1e-6 * std::max(1.0, max_abs(J1)), ctx + " finite differences wrt W_1");
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The whole block: loss value, gradient, Hessian (kron_sum's assembly), Jacobians
+
+template <class T>
+struct BlockCase {
+  bh::block::Dims D;
+  index_t B;
+  bh::loss::Kind kind;
+  T eps;
+};
+
+template <class T>
+struct BlockData {
+  std::vector<T> X, target;
+  std::vector<std::int64_t> classes;
+  std::array<std::vector<T>, bh::block::kNumParams> W;
+
+  bh::block::Weights<T> weights() const {
+    bh::block::Weights<T> w;
+    for (int p = 0; p < bh::block::kNumParams; ++p) w.w[p] = W[p].data();
+    return w;
+  }
+  bh::block::Target<T> tgt(bh::loss::Kind kind) const {
+    bh::block::Target<T> t;
+    t.kind = kind;
+    t.values = kind == bh::loss::Kind::mse ? target.data() : nullptr;
+    t.classes = kind == bh::loss::Kind::cross_entropy ? classes.data() : nullptr;
+    return t;
+  }
+};
+
+template <class T>
+BlockData<T> block_data(std::mt19937_64& rng, const bh::block::Dims& D, index_t B) {
+  BlockData<T> data;
+  data.X = randn<T>(rng, B * D.L * D.d);
+  data.target = randn<T>(rng, B * D.L * D.d);
+  std::uniform_int_distribution<std::int64_t> cls(0, D.d - 1);
+  for (index_t t = 0; t < B * D.L; ++t) data.classes.push_back(cls(rng));
+  for (int p = 0; p < bh::block::kNumParams; ++p)
+    data.W[p] = randn<T>(rng, D.size(p), 1.0 / std::sqrt(static_cast<double>(D.rows(p))));
+  return data;
+}
+
+template <class T>
+void check_block(std::mt19937_64& rng, const BlockCase<T>& bc) {
+  namespace blk = bh::block;
+  const blk::Dims& D = bc.D;
+  const std::string ctx = std::string("block ") + type_name<T>() + " " + shape({D.L, D.d, D.dk, D.dff}) + " B=" +
+                          std::to_string(bc.B) + (bc.kind == bh::loss::Kind::mse ? " mse" : " cross_entropy") +
+                          " eps=" + std::to_string(static_cast<double>(bc.eps));
+  const BlockData<T> data = block_data<T>(rng, D, bc.B);
+  const auto W = data.weights();
+  const auto target = data.tgt(bc.kind);
+  index_t P = 0;
+  for (int p = 0; p < blk::kNumParams; ++p) P += D.size(p);
+  const blk::Selection all{true, true, true, true, true};
+
+  std::vector<T> grad(P), H(P * P), H1(P * P), Ho(P * P), Hf(P * P);
+  const T value = blk::loss_gradient(D, bc.B, data.X.data(), W, bc.eps, target, grad.data());
+  CHECK(std::isfinite(value) && all_finite(grad), ctx);
+  with_thread_counts([&](int threads) {
+    std::vector<T>& out = threads == 1 ? H1 : H;
+    blk::loss_hessian(D, bc.B, data.X.data(), W, bc.eps, target, blk::Part::full, all, out.data());
+  });
+  CHECK(H == H1, ctx + " Hessian independent of the thread count (bit for bit)");
+  blk::loss_hessian(D, bc.B, data.X.data(), W, bc.eps, target, blk::Part::outer, all, Ho.data());
+  blk::loss_hessian(D, bc.B, data.X.data(), W, bc.eps, target, blk::Part::functional, all, Hf.data());
+  CHECK(all_finite(H) && all_finite(Ho) && all_finite(Hf), ctx);
+  bool sym = true;
+  for (index_t i = 0; i < P; ++i)
+    for (index_t j = 0; j < i; ++j) sym &= H[i * P + j] == H[j * P + i] && Ho[i * P + j] == Ho[j * P + i];
+  CHECK(sym, ctx + " Hessian symmetric (bit for bit)");
+  std::vector<T> sum(P * P);
+  for (index_t k = 0; k < P * P; ++k) sum[k] = Ho[k] + Hf[k];
+  CHECK(rel_diff(sum, H) < 100 * tol<T>(), ctx + " outer + functional = full");
+
+  // A selection (W_V and W_2) is the matching sub-block of the full Hessian.
+  {
+    const blk::Selection sel{false, false, true, false, true};
+    std::array<index_t, blk::kNumParams> off{}, full_off{};
+    const index_t Ps = blk::offsets(D, sel, off);
+    blk::offsets(D, all, full_off);
+    std::vector<T> Hs(Ps * Ps), ref(Ps * Ps);
+    blk::loss_hessian(D, bc.B, data.X.data(), W, bc.eps, target, blk::Part::full, sel, Hs.data());
+    for (int p : {blk::W_V, blk::W_2})
+      for (int q : {blk::W_V, blk::W_2})
+        for (index_t a = 0; a < D.size(p); ++a)
+          for (index_t b = 0; b < D.size(q); ++b)
+            ref[(off[p] + a) * Ps + off[q] + b] = H[(full_off[p] + a) * P + full_off[q] + b];
+    CHECK(Ps == D.size(blk::W_V) + D.size(blk::W_2) && rel_diff(Hs, ref) < 100 * tol<T>(),
+          ctx + " selected parameters = sub-block");
+  }
+
+  if constexpr (std::is_same_v<T, double>) {
+    // Central differences along a random direction v of all weights: of the loss (against the
+    // gradient) and of the gradient (against H v).
+    const auto v = randn<T>(rng, P);
+    const double h = 1e-5;
+    auto shifted = [&](double step, std::vector<T>* g) {
+      BlockData<T> moved = data;
+      index_t k = 0;
+      for (int p = 0; p < blk::kNumParams; ++p)
+        for (T& w : moved.W[p]) w += step * v[k++];
+      return blk::loss_gradient(D, bc.B, moved.X.data(), moved.weights(), bc.eps, moved.tgt(bc.kind),
+                                g ? g->data() : static_cast<T*>(nullptr));
+    };
+    std::vector<T> gp(P), gm(P), Hv(P, T(0)), fd(P);
+    const double lp = shifted(h, &gp), lm = shifted(-h, &gm);
+    double gv = 0;
+    for (index_t k = 0; k < P; ++k) gv += grad[k] * v[k];
+    CHECK(std::abs((lp - lm) / (2 * h) - gv) < 1e-6 * std::max(1.0, std::abs(gv)),
+          ctx + " finite differences of the loss = gradient . v");
+    for (index_t i = 0; i < P; ++i) {
+      for (index_t j = 0; j < P; ++j) Hv[i] += H[i * P + j] * v[j];
+      fd[i] = (gp[i] - gm[i]) / (2 * h);
+    }
+    CHECK(rel_diff(fd, Hv, 1e-9) < 1e-5, ctx + " finite differences of the gradient = H v");
+  }
+}
+
+// dZ/dW_p and d2Z/dW_i dW_j of one sample (small: output_hessian assembles one Hessian per entry).
+inline void check_block_output_derivatives(std::mt19937_64& rng) {
+  namespace blk = bh::block;
+  const blk::Dims D{3, 2, 3, 4};
+  const std::string ctx = "block output derivatives double " + shape({D.L, D.d, D.dk, D.dff});
+  const BlockData<double> data = block_data<double>(rng, D, 1);
+  const auto W = data.weights();
+  const double eps = 1e-5;
+  const blk::Forward<double> f = blk::forward(D, 1, data.X.data(), W, eps);
+  const blk::Factors<double> fa = blk::factorize(f);
+  const index_t m = D.L * D.d;
+  for (int p = 0; p < blk::kNumParams; ++p) {
+    std::vector<double> J(m * D.size(p));
+    blk::jacobian(f, fa, p, J.data());
+    const double h = 1e-6;
+    double worst = 0;
+    for (index_t k = 0; k < D.size(p); ++k) {
+      BlockData<double> moved = data;
+      moved.W[p][k] += h;
+      const auto Zp = blk::forward(D, 1, moved.X.data(), moved.weights(), eps).Z;
+      moved.W[p][k] -= 2 * h;
+      const auto Zm = blk::forward(D, 1, moved.X.data(), moved.weights(), eps).Z;
+      for (index_t o = 0; o < m; ++o) worst = std::max(worst, std::abs((Zp[o] - Zm[o]) / (2 * h) - J[o * D.size(p) + k]));
+    }
+    CHECK(all_finite(J) && worst < 1e-6 * std::max(1.0, max_abs(J)),
+          ctx + " finite differences of dZ/dW_" + std::to_string(p));
+  }
+  for (auto [i, j] : {std::pair<int, int>{blk::W_Q, blk::W_Q}, {blk::W_K, blk::W_1}, {blk::W_2, blk::W_2}}) {
+    const index_t ni = D.size(i), nj = D.size(j);
+    std::vector<double> out(m * ni * nj);
+    blk::output_hessian(D, data.X.data(), W, eps, i, j, out.data());
+    bool sym = true;
+    if (i == j)
+      for (index_t o = 0; o < m; ++o)
+        for (index_t a = 0; a < ni; ++a)
+          for (index_t b = 0; b < a; ++b) sym &= out[(o * ni + a) * nj + b] == out[(o * ni + b) * nj + a];
+    CHECK(all_finite(out) && sym, ctx + " output Hessian " + std::to_string(i) + "," + std::to_string(j));
+  }
+}
+
+// Bad input must end in the documented exceptions, without leaking what was allocated before.
+inline void check_block_errors(std::mt19937_64& rng) {
+  namespace blk = bh::block;
+  const blk::Dims D{4, 3, 2, 5};
+  BlockData<double> data = block_data<double>(rng, D, 2);
+  std::vector<double> grad(200 * 200);
+  const blk::Selection all{true, true, true, true, true};
+  CHECK(throws<std::invalid_argument>([&] {
+          blk::loss_gradient(blk::Dims{4, 0, 2, 5}, 1, data.X.data(), data.weights(), 0.0,
+                             data.tgt(bh::loss::Kind::mse), grad.data());
+        }),
+        "block d = 0");
+  data.classes[3] = D.d;  // out of range
+  CHECK(throws<std::invalid_argument>([&] {
+          blk::loss_hessian(D, 2, data.X.data(), data.weights(), 0.0, data.tgt(bh::loss::Kind::cross_entropy),
+                            blk::Part::full, all, grad.data());
+        }),
+        "block class index out of range");
+  data.classes[3] = 0;
+  for (int p : {blk::W_Q, blk::W_K})  // X W_Q W_K^T X^T overflows: the attention logits are infinite
+    for (double& w : data.W[p]) w *= 1e160;
+  CHECK(throws<bh::non_finite_error>([&] {
+          blk::loss_gradient(D, 2, data.X.data(), data.weights(), 0.0, data.tgt(bh::loss::Kind::mse), grad.data());
+        }),
+        "block overflowing logits");
+  // d = 1 without eps: every row of X + F is constant, LayerNorm is not differentiable.
+  const blk::Dims D1{3, 1, 2, 2};
+  const BlockData<double> one = block_data<double>(rng, D1, 1);
+  CHECK(throws<std::domain_error>([&] {
+          blk::loss_gradient(D1, 1, one.X.data(), one.weights(), 0.0, one.tgt(bh::loss::Kind::mse), grad.data());
+        }),
+        "block d = 1 without eps");
+}
+
+template <class T>
+void run_all(std::mt19937_64& rng) {
+  for (int threads : {1, 3}) {
+    bh::parallel::set_num_threads(threads);
+    // LayerNorm: L = 1, d = 1 (needs eps), odd sizes, and rows enough for the parallel loops.
+    check_layernorm<T>(rng, 1, 1, T(0), false);
+    check_layernorm<T>(rng, 1, 1, T(1e-3), true);
+    check_layernorm<T>(rng, 1, 5, T(0), false);
+    check_layernorm<T>(rng, 3, 7, T(1e-5), true);
+    check_layernorm<T>(rng, 65, 16, T(0), true);
+    // Softmax: a single entry, odd sizes, and many rows.
+    check_softmax<T>(rng, 1, 1);
+    check_softmax<T>(rng, 3, 5);
+    check_softmax<T>(rng, 70, 9);
+    // The standalone attention, FFN and commutation headers in double only: in float they would
+    // add half a minute to the build for code the float block below mostly shares.
+    if constexpr (std::is_same_v<T, double>) {
+      check_commutation<T>(rng, 1, 1);
+      check_commutation<T>(rng, 3, 5);
+      check_commutation<T>(rng, 40, 33);
+      // Attention: L = 1, d = 1, d_k != d, d_v != d, and a size with parallel loops.
+      check_attention<T>(rng, 1, 1, 1, 1);
+      check_attention<T>(rng, 1, 3, 2, 3);
+      check_attention<T>(rng, 5, 3, 4, 2);
+      check_attention<T>(rng, 24, 8, 5, 8);
+      // FFN: L = 1, d = 1, e != d, and a size with parallel loops.
+      check_ffn<T>(rng, 1, 1, 1, 1);
+      check_ffn<T>(rng, 3, 2, 5, 3);
+      check_ffn<T>(rng, 80, 6, 11, 7);
+    }
+  }
+  bh::parallel::set_num_threads(2);
+  using K = bh::loss::Kind;
+  // The block: L = 1, d = 1 (with eps), d_k != d, odd sizes, batches, both losses; the last two are
+  // large enough for the parallel assembly (P = 544 and 225).
+  check_block<T>(rng, {{1, 3, 2, 4}, 1, K::mse, T(0)});
+  check_block<T>(rng, {{1, 1, 1, 1}, 2, K::mse, T(1e-3)});
+  check_block<T>(rng, {{3, 1, 2, 3}, 1, K::cross_entropy, T(1e-2)});
+  check_block<T>(rng, {{5, 3, 4, 7}, 3, K::cross_entropy, T(0)});
+  check_block<T>(rng, {{16, 8, 6, 24}, 2, K::mse, T(1e-5)});
+  check_block<T>(rng, {{9, 5, 7, 13}, 2, K::cross_entropy, T(0)});
+}
+
+}  // namespace sanitize
+
