@@ -13,14 +13,13 @@
 
 #include <Eigen/Core>
 #include <algorithm>
+#include <atomic>
 #include <vector>
 
 #include "blockhess/buffer.hpp"
 #include "blockhess/config.hpp"
-
-#if defined(_OPENMP)
-#include <omp.h>
-#endif
+#include "blockhess/finite.hpp"
+#include "blockhess/parallel.hpp"
 
 namespace blockhess::kron {
 
@@ -37,6 +36,10 @@ struct Split {
 };
 
 namespace detail {
+// Tasks an accumulate is split into (fewer when the rows run out). Fixed, never the thread count:
+// the split decides the GEMM shapes and with them the rounding of every entry.
+constexpr index_t kTasks = 8;
+
 // Tokens per chunk so that one chunk of Gamma stays near 32 MiB.
 inline index_t chunk_tokens(index_t tokens, index_t gamma_size) {
   const index_t budget = index_t(1) << 22;
@@ -61,77 +64,88 @@ void accumulate(index_t tokens, const Split& si, const T* u, const Split& sj, co
   const index_t chunk = detail::chunk_tokens(tokens, gsize);
   Buffer<T> gammas(static_cast<size_t>(chunk * gsize));
 
-  // Work is split by o_i: the rows of H that belong to one o_i are written by one thread. Each
-  // task takes a few consecutive o_i and forms all their (o_i, o_j) pairs with one GEMM, which packs
-  // the large Gamma operand once per task. One parallel region per chunk keeps the number of
-  // barriers small (they are what hurts on a busy machine).
-#if defined(_OPENMP)
-  const index_t threads = omp_get_max_threads();
-#else
-  const index_t threads = 1;
-#endif
+  // Work is split by o_i: the rows of H that belong to one o_i are written by one task. Each task
+  // takes a few consecutive o_i and forms all their (o_i, o_j) pairs with one GEMM, which packs the
+  // large Gamma operand once per task. The split depends on the sizes only, never on the thread
+  // count, so every entry of H comes out of the same GEMM shape, bit for bit, however many threads
+  // run and whichever thread runs a task.
   const index_t oi_per_task = std::max<index_t>(
-      1, std::min<index_t>((noi + 4 * threads - 1) / (4 * threads), (index_t(1) << 22) / (gsize * noj)));
+      1, std::min<index_t>((noi + detail::kTasks - 1) / detail::kTasks, (index_t(1) << 22) / (gsize * noj)));
   const index_t tasks = (noi + oi_per_task - 1) / oi_per_task;
+  const int slots = parallel::num_threads();
+  struct Scratch {
+    Buffer<T> weights, R;  // grow only: no allocation per task
+  };
+  std::vector<Scratch> scratch;
 
   for (index_t t0 = 0; t0 < tokens; t0 += chunk) {
     const index_t nt = std::min(chunk, tokens - t0);
     const bool assign = overwrite && t0 == 0;
+    const bool parallel = noi * noj * nt * gsize > (1 << 18);  // else everything runs on the caller
+    if (scratch.empty()) scratch.resize(parallel ? static_cast<size_t>(slots) : 1);
+    const int n_slots = static_cast<int>(scratch.size());
     const Eigen::Map<const Mat> G(gammas.data(), nt, gsize);
-#if defined(_OPENMP)
-#pragma omp parallel if (noi * noj * nt * gsize > (1 << 18))
-#endif
-    {
-#if defined(_OPENMP)
-#pragma omp for schedule(static)
-#endif
-      for (index_t t = 0; t < nt; ++t) gamma(t0 + t, gammas.data() + t * gsize);
 
-      Mat weights, R;  // per thread
-#if defined(_OPENMP)
-#pragma omp for schedule(dynamic)
-#endif
-      for (index_t task = 0; task < tasks; ++task) {
-        const index_t oi_begin = task * oi_per_task, oi_end = std::min(noi, oi_begin + oi_per_task);
-        index_t m = 0;
-        for (index_t oi = oi_begin; oi < oi_end; ++oi) m += noj - (upper_only ? oi : 0);
-        weights.resize(m, nt);
-        for (index_t oi = oi_begin, k = 0; oi < oi_end; ++oi)
-          for (index_t oj = upper_only ? oi : 0; oj < noj; ++oj, ++k)
-            for (index_t t = 0; t < nt; ++t) weights(k, t) = scale * u[(t0 + t) * noi + oi] * w[(t0 + t) * noj + oj];
-        R.noalias() = weights * G;  // serial inside the parallel region
-        for (index_t oi = oi_begin, k = 0; oi < oi_end; ++oi)
-          for (index_t oj = upper_only ? oi : 0; oj < noj; ++oj, ++k)
-            for (index_t ri = 0; ri < nri; ++ri) {
-              T* row = H + si.flat(oi, ri) * ldH;
-              const T* r = R.data() + k * gsize + ri * nrj;
-              if (sj.vec_on_first) {
-                T* dst = row + oj * sj.n_second;  // contiguous run over r_j
-                if (assign) std::copy_n(r, nrj, dst);
-                else for (index_t rj = 0; rj < nrj; ++rj) dst[rj] += r[rj];
-              } else if (assign) {
-                for (index_t rj = 0; rj < nrj; ++rj) row[rj * sj.n_second + oj] = r[rj];
-              } else {
-                for (index_t rj = 0; rj < nrj; ++rj) row[rj * sj.n_second + oj] += r[rj];
-              }
+    // One token at a time: a Gamma is small work, and the caller then never waits long for the
+    // last one another thread is computing.
+    blockhess::detail::parallel_for_slots(nt, parallel, 1, n_slots,
+                                          [&](index_t t) { gamma(t0 + t, gammas.data() + t * gsize); });
+
+    blockhess::detail::parallel_for_slots(tasks, parallel, 1, n_slots, [&](index_t task, int slot) {
+      Scratch& sc = scratch[static_cast<size_t>(slot)];
+      const index_t oi_begin = task * oi_per_task, oi_end = std::min(noi, oi_begin + oi_per_task);
+      index_t m = 0;
+      for (index_t oi = oi_begin; oi < oi_end; ++oi) m += noj - (upper_only ? oi : 0);
+      if (static_cast<index_t>(sc.weights.size()) < m * nt) sc.weights.resize(static_cast<size_t>(m * nt));
+      if (static_cast<index_t>(sc.R.size()) < m * gsize) sc.R.resize(static_cast<size_t>(m * gsize));
+      Eigen::Map<Mat> weights(sc.weights.data(), m, nt), R(sc.R.data(), m, gsize);
+      for (index_t oi = oi_begin, k = 0; oi < oi_end; ++oi)
+        for (index_t oj = upper_only ? oi : 0; oj < noj; ++oj, ++k)
+          for (index_t t = 0; t < nt; ++t) weights(k, t) = scale * u[(t0 + t) * noi + oi] * w[(t0 + t) * noj + oj];
+      R.noalias() = weights * G;  // serial: the parallelism is over tasks
+      for (index_t oi = oi_begin, k = 0; oi < oi_end; ++oi)
+        for (index_t oj = upper_only ? oi : 0; oj < noj; ++oj, ++k)
+          for (index_t ri = 0; ri < nri; ++ri) {
+            T* row = H + si.flat(oi, ri) * ldH;
+            const T* r = R.data() + k * gsize + ri * nrj;
+            if (sj.vec_on_first) {
+              T* dst = row + oj * sj.n_second;  // contiguous run over r_j
+              if (assign) std::copy_n(r, nrj, dst);
+              else for (index_t rj = 0; rj < nrj; ++rj) dst[rj] += r[rj];
+            } else if (assign) {
+              for (index_t rj = 0; rj < nrj; ++rj) row[rj * sj.n_second + oj] = r[rj];
+            } else {
+              for (index_t rj = 0; rj < nrj; ++rj) row[rj * sj.n_second + oj] += r[rj];
             }
-      }
-    }
+          }
+    });
   }
 }
 
-// Copy the upper triangle of the n x n matrix H onto its lower triangle, so that H is symmetric
-// bit for bit (every pair is computed once, then mirrored).
+// Copies the upper triangle of the n x n matrix H onto its lower triangle, so that H is symmetric
+// bit for bit (every pair is computed once, then mirrored). Returns whether every entry of H is
+// finite, checked on the values as they are mirrored (the upper triangle and the diagonal), so the
+// check costs no extra pass over the matrix.
 template <class T>
-void mirror_upper(T* H, index_t n) {
+bool mirror_upper(T* H, index_t n) {
   constexpr index_t tile = 32;  // measured best on a 2816 x 2816 matrix (AVX-512 machine)
-#if defined(_OPENMP)
-#pragma omp parallel for schedule(dynamic) if (n > 256)
-#endif
-  for (index_t i0 = 0; i0 < n; i0 += tile)
+  const index_t tiles = (n + tile - 1) / tile;
+  std::atomic<bool> all_finite{true};
+  // One item per row of tiles (work grows with the row: the threads claim them dynamically).
+  blockhess::detail::parallel_for_slots(tiles, n > 256, 1, parallel::num_threads(), [&](index_t ti) {
+    const index_t i0 = ti * tile, i1 = std::min(n, i0 + tile);
+    bool ok = true;
     for (index_t j0 = 0; j0 <= i0; j0 += tile)
-      for (index_t i = i0; i < std::min(n, i0 + tile); ++i)
-        for (index_t j = j0; j < std::min(i, j0 + tile); ++j) H[i * n + j] = H[j * n + i];
+      for (index_t i = i0; i < i1; ++i)
+        for (index_t j = j0; j < std::min(i, j0 + tile); ++j) {
+          const T v = H[j * n + i];
+          ok &= is_finite(v);
+          H[i * n + j] = v;
+        }
+    for (index_t i = i0; i < i1; ++i) ok &= is_finite(H[i * n + i]);
+    if (!ok) all_finite.store(false, std::memory_order_relaxed);
+  });
+  return all_finite.load(std::memory_order_relaxed);
 }
 
 }  // namespace blockhess::kron
