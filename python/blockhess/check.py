@@ -3,12 +3,19 @@
 The verification is independent of blockhess's formulas: ``torch.func.hessian`` of the same block
 written in PyTorch (float64) when torch is installed, else central finite differences of the exact
 closed-form gradient.
+
+Every bad option or combination is refused before any computation (:func:`validate`), as one line
+``blockhess check: error: ...`` on stderr and exit status 2; so is an error that blockhess raises
+about the data during the run. Exit status 1 means that the check ran and an error exceeded its
+tolerance, 0 that it passed.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -16,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from ._config import format_bytes
 from .block import PARAM_NAMES, BlockParams, loss_gradient, loss_hessian, loss_value
 
 # Relative Frobenius error allowed against each reference, by dtype.
@@ -25,6 +33,31 @@ TOLERANCE = {
     ("finite-differences", "float64"): 1e-5,
     ("finite-differences", "float32"): 1e-2,
 }
+
+# Relative tolerance of outer + functional == full (both parts come from the same closed form).
+SPLIT_TOLERANCE = {"float64": 1e-12, "float32": 1e-4}
+
+# The absolute floor of every comparison: error <= tolerance * max(||reference||_F, floor), with
+# tolerance * floor = NOISE_MULTIPLE * the problem's rounding-noise scale (_rounding_noise).
+# When the true Hessian is exactly zero (d=1 with eps > 0, where LayerNorm returns 0, or d=2 with
+# eps=0, where it maps every row to +-1: either way the block's output does not depend on the
+# weights), the closed form and the reference are both pure rounding noise, and a relative error
+# is noise divided by noise. That noise is of order
+#     machine epsilon x sqrt(P) x max(|loss|, 1) x max(1, 1/sigma_min)^2
+# (terms of the size of the loss, sqrt(P) of them in a Frobenius norm, that cancel exactly,
+# amplified by LayerNorm's second derivative, 1/sigma^2 for the smallest row standard deviation
+# sigma_min of either LayerNorm's input; finite differences add their rounded gradients divided by
+# the step). Measured over 40 seeds and many sizes (L 5..300, d_k, d_ff, batch, both losses,
+# float32 and float64, d = 2 and normal d = 4..16), ||H - H_ref||_F stayed below 0.3 of that
+# scale, degenerate or not, so 3 leaves a margin of 10. On a normal problem the floor stays below
+# tolerance x ||H_ref||_F (float64: about 1000 times below; float32: 1.2-6 times), so the relative
+# tolerance decides, and a real error, even 1e-3 relative, still fails.
+NOISE_MULTIPLE = 3.0
+
+# Steps of the finite-difference reference, by dtype.
+FD_STEP = {"float64": 1e-5, "float32": 1e-2}
+
+_TORCH_OVERHEAD = 256 * 2**20  # the torch runtime itself, counted against the machine only (see _memory_needs)
 
 
 @dataclass
@@ -49,7 +82,11 @@ class BlockReport:
     spectral_norm: float
     outer_fro: float
     functional_fro: float
-    rel_error: float
+    # ||block - reference block||_F / max(||reference block||_F, 1e-4 ||H_ref||_F); None where
+    # that denominator is itself rounding noise (the block is then held to the absolute floor).
+    rel_error: float | None
+    abs_error: float = 0.0
+    ok: bool = True
 
 
 @dataclass
@@ -59,14 +96,28 @@ class Report:
     reference: str
     tolerance: float
     loss_value: float
-    rel_error: float
+    # ||H - H_ref||_F / ||H_ref||_F; None when ||H_ref||_F is rounding noise (a zero Hessian).
+    rel_error: float | None
     max_asymmetry: float
-    split_error: float
+    # ||outer + functional - full||_F / ||full||_F; None when ||full||_F is rounding noise.
+    split_error: float | None
     time_closed_form_s: float
     time_reference_s: float
     speedup: float
     blocks: list[BlockReport] = field(default_factory=list)
     ok: bool = False
+    abs_error: float = 0.0  # ||H - H_ref||_F
+    reference_norm: float = 0.0  # ||H_ref||_F
+    # The pass criterion is abs_error <= tolerance * max(reference_norm, error_floor).
+    error_floor: float = 0.0
+
+
+class UsageError(Exception):
+    """A bad option or combination: reported as one line and exit status 2, before any computation."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The problem and the references
 
 
 def make_problem(cfg: Config):
@@ -88,7 +139,7 @@ def make_problem(cfg: Config):
     return X, target, weights
 
 
-def _torch_reference(X, target, weights, cfg: Config):
+def _torch_reference(X, target, weights, cfg: Config, progress=None):
     """torch.func.hessian of the loss of the block written directly in PyTorch, float64."""
     import torch
 
@@ -119,16 +170,21 @@ def _torch_reference(X, target, weights, cfg: Config):
     v0 = torch.cat([torch.as_tensor(np.asarray(w, dtype=np.float64)).reshape(-1) for w in weights])
     hess = torch.func.hessian(loss_of)
     hess(v0)  # warm-up
+    if progress:
+        progress.advance()
     t0 = time.perf_counter()
     H = hess(v0)
-    return H.numpy(), time.perf_counter() - t0
+    elapsed = time.perf_counter() - t0
+    if progress:
+        progress.advance()
+    return H.numpy(), elapsed
 
 
-def _finite_difference_reference(X, target, params: BlockParams, cfg: Config, progress):
+def _finite_difference_reference(X, target, params: BlockParams, cfg: Config, progress=None):
     """Central differences of the exact gradient, one parameter at a time."""
     v0 = np.asarray(params.flatten(), dtype=np.float64)
     P = v0.size
-    h = 1e-5 if cfg.dtype == "float64" else 1e-2
+    h = FD_STEP[cfg.dtype]
     cols = np.empty((P, P))
     t0 = time.perf_counter()
     for k in range(P):
@@ -139,14 +195,32 @@ def _finite_difference_reference(X, target, params: BlockParams, cfg: Config, pr
         g_plus = loss_gradient(X, target, plus, loss=cfg.loss, eps=cfg.eps)
         g_minus = loss_gradient(X, target, minus, loss=cfg.loss, eps=cfg.eps)
         cols[:, k] = (g_plus - g_minus) / (2 * h)
-        if progress and (k % max(1, P // 20) == 0 or k == P - 1):
-            progress(f"finite differences: {k + 1}/{P} columns")
-    return 0.5 * (cols + cols.T), time.perf_counter() - t0
+        if progress:
+            progress.advance()
+    _symmetrise_in_place(cols)
+    return cols, time.perf_counter() - t0
 
 
-def _rel(a, b) -> float:
-    nb = float(np.linalg.norm(b))
-    return float(np.linalg.norm(a - b)) / nb if nb > 0 else float(np.linalg.norm(a - b))
+def _symmetrise_in_place(A: np.ndarray, tile: int = 512) -> None:
+    """A <- (A + A^T) / 2 tile by tile, without a second (P, P) array."""
+    n = A.shape[0]
+    for i in range(0, n, tile):
+        for j in range(i, n, tile):
+            upper = A[i:i + tile, j:j + tile]
+            mean = 0.5 * (upper + A[j:j + tile, i:i + tile].T)
+            A[i:i + tile, j:j + tile] = mean
+            A[j:j + tile, i:i + tile] = mean.T
+
+
+def _resolve_reference(name: str) -> str:
+    """"auto": torch when it can be imported, else finite differences."""
+    if name != "auto":
+        return name
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return "finite-differences"
+    return "torch"
 
 
 def _to_device(arrays, device):
@@ -161,18 +235,157 @@ def _to_host(a):
     return a.get() if hasattr(a, "__cuda_array_interface__") else np.asarray(a)
 
 
-def run_check(cfg: Config, progress=None) -> tuple[Report, dict[str, Any]]:
+# ---------------------------------------------------------------------------------------------
+# Comparisons that survive a zero Hessian
+
+
+def _smallest_layernorm_sigma(X, weights, cfg: Config) -> float:
+    """The smallest row standard deviation (with eps) of the inputs of both LayerNorms, in float64."""
+    X = np.asarray(X, dtype=np.float64)
+    WQ, WK, WV, W1, W2 = (np.asarray(w, dtype=np.float64) for w in weights)
+    T = X @ WQ @ (X @ WK).swapaxes(-1, -2) / math.sqrt(cfg.d_k)
+    A = np.exp(T - T.max(-1, keepdims=True))
+    A /= A.sum(-1, keepdims=True)
+    S1 = X + A @ X @ WV
+    sigma1 = np.sqrt(S1.var(-1) + cfg.eps)
+    Y = (S1 - S1.mean(-1, keepdims=True)) / np.where(sigma1 > 0, sigma1, 1.0)[..., None]
+    S2 = np.maximum(Y @ W1, 0.0) @ W2 + Y
+    sigma2 = np.sqrt(S2.var(-1) + cfg.eps)
+    return float(min(sigma1.min(), sigma2.min()))
+
+
+def _rounding_noise(P: int, loss: float, sigma_min: float, dtype: str, reference: str) -> float:
+    """The rounding-noise scale of a comparison (see NOISE_MULTIPLE): sqrt(P) |loss| times the
+    relative rounding error of each side. The closed form's, in its dtype (torch's float64 is
+    finer), is amplified by LayerNorm's second derivative, a^2 with a = 1/sigma_min; finite
+    differences divide rounded gradients, amplified by LayerNorm's first derivative (a), by the step."""
+    a = 1.0 / sigma_min if sigma_min > 0 else math.inf
+    a = max(a, 1.0)
+    unit = float(np.finfo(np.dtype(dtype)).eps)
+    relative = unit * a * a
+    if reference == "finite-differences":
+        relative += unit / FD_STEP[dtype] * a
+    return math.sqrt(P) * max(abs(loss), 1.0) * relative
+
+
+def _fro(a: np.ndarray, rows: int = 1024) -> float:
+    """||a||_F, accumulated over row chunks in float64 (no float32 overflow, no large temporary)."""
+    total = 0.0
+    for i in range(0, a.shape[0], rows):
+        chunk = np.asarray(a[i:i + rows], dtype=np.float64)
+        total += float(np.vdot(chunk, chunk).real)
+    return math.sqrt(total)
+
+
+def _fro_of_difference(a: np.ndarray, b: np.ndarray, rows: int = 1024) -> float:
+    """||a - b||_F in float64, over row chunks (no (P, P) temporary)."""
+    total = 0.0
+    for i in range(0, a.shape[0], rows):
+        diff = np.asarray(a[i:i + rows], dtype=np.float64) - np.asarray(b[i:i + rows], dtype=np.float64)
+        total += float(np.vdot(diff, diff).real)
+    return math.sqrt(total)
+
+
+def _fro_of_split_residual(outer, functional, full, rows: int = 1024) -> float:
+    """||outer + functional - full||_F over row chunks."""
+    total = 0.0
+    for i in range(0, full.shape[0], rows):
+        r = (np.asarray(outer[i:i + rows], dtype=np.float64) + functional[i:i + rows]) - full[i:i + rows]
+        total += float(np.vdot(r, r).real)
+    return math.sqrt(total)
+
+
+def _max_asymmetry(a: np.ndarray, rows: int = 1024) -> float:
+    """max |a - a^T| over row chunks."""
+    worst = 0.0
+    for i in range(0, a.shape[0], rows):
+        part = a[i:i + rows]
+        if part.size:
+            worst = max(worst, float(np.abs(part - a[:, i:i + rows].T).max()))
+    return worst
+
+
+def _spectral_norm(blk: np.ndarray) -> float:
+    """||blk||_2: the eigenvalues of an exactly symmetric block (about 4x faster), else the SVD."""
+    if blk.size == 0:
+        return 0.0
+    blk = np.asarray(blk, dtype=np.float64)
+    if blk.shape[0] == blk.shape[1] and np.array_equal(blk, blk.T):
+        return float(np.abs(np.linalg.eigvalsh(blk)).max())
+    return float(np.linalg.svd(blk, compute_uv=False)[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# Progress
+
+
+class _Progress:
+    """One progress bar over the whole run, on stderr and only when stderr is a terminal.
+
+    tqdm is imported only when a bar is shown; without it, a line per phase instead. Disabled, it
+    prints nothing at all."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._bar = None
+        self._lines = False  # tqdm missing: one line per phase
+
+    def start(self, total: int, description: str = "") -> None:
+        if not self.enabled or self._bar is not None:
+            return
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            self._lines = True
+            return
+        self._bar = tqdm(total=total, desc=description, file=sys.stderr, leave=False, dynamic_ncols=True,
+                         bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}]")
+
+    def phase(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.set_description_str(text)
+        elif self._lines:
+            print(f"[blockhess] {text}", file=sys.stderr, flush=True)
+
+    def advance(self, steps: int = 1) -> None:
+        if self._bar is not None:
+            self._bar.update(steps)
+
+    def note(self, text: str) -> None:
+        """A message after the run (a file written): shown on a terminal only."""
+        if self.enabled:
+            print(f"[blockhess] {text}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def __bool__(self) -> bool:
+        return self.enabled
+
+
+# ---------------------------------------------------------------------------------------------
+# The check
+
+
+def run_check(cfg: Config, progress: _Progress | None = None) -> tuple[Report, dict[str, Any]]:
     """Compute, verify and summarise; returns the report and the arrays (for plotting)."""
-    say = progress or (lambda msg: None)
+    bar = progress if progress is not None else _Progress(False)
+    reference = _resolve_reference(cfg.reference)
     X, target, weights = make_problem(cfg)
     Xd, *wd = _to_device([X, *weights], cfg.device)
     target_d = _to_device([target], cfg.device)[0]  # class indices too: no host/device mixing
     params = BlockParams(*wd)
     P = params.size
-
-    say(f"closed form: loss Hessian over {P} parameters ({cfg.device}, {cfg.dtype})")
+    slices = params.slices()
+    pairs = [(a, b) for i, a in enumerate(PARAM_NAMES) for b in PARAM_NAMES[i:]]
+    closed_form = f"closed form, P = {P} ({cfg.device}, {cfg.dtype})"
+    bar.start(6 + (2 if reference == "torch" else P) + len(pairs), closed_form)
+    bar.phase(closed_form)
     kwargs = dict(loss=cfg.loss, eps=cfg.eps)
     loss_hessian(Xd, target_d, params, **kwargs)  # warm-up
+    bar.advance()
     times = []
     for _ in range(3):
         t0 = time.perf_counter()
@@ -182,54 +395,69 @@ def run_check(cfg: Config, progress=None) -> tuple[Report, dict[str, Any]]:
 
             cupy.cuda.get_current_stream().synchronize()
         times.append(time.perf_counter() - t0)
+        bar.advance()
     outer = _to_host(loss_hessian(Xd, target_d, params, part="outer", **kwargs))
+    bar.advance()
     functional = _to_host(loss_hessian(Xd, target_d, params, part="functional", **kwargs))
+    bar.advance()
     full = _to_host(full)
-    value = loss_value(Xd, target_d, params, **kwargs)
+    value = float(loss_value(Xd, target_d, params, **kwargs))
 
-    reference = cfg.reference
-    if reference == "auto":
-        try:
-            import torch  # noqa: F401
-
-            reference = "torch"
-        except ImportError:
-            reference = "finite-differences"
-    say(f"reference: {reference}")
     if reference == "torch":
-        H_ref, t_ref = _torch_reference(X, target, weights, cfg)
+        bar.phase("reference: torch.func.hessian")
+        H_ref, t_ref = _torch_reference(X, target, weights, cfg, bar)
     else:
-        host_params = BlockParams(*weights)
-        H_ref, t_ref = _finite_difference_reference(X, target, host_params, cfg, say)
+        bar.phase("reference: finite differences")
+        H_ref, t_ref = _finite_difference_reference(X, target, BlockParams(*weights), cfg, bar)
 
+    # Tolerances with an absolute floor (see NOISE_MULTIPLE): error <= tol * max(||ref||, floor).
     tolerance = TOLERANCE[(reference, cfg.dtype)]
-    slices = params.slices()
+    sigma_min = _smallest_layernorm_sigma(X, weights, cfg)
+    noise = NOISE_MULTIPLE * _rounding_noise(P, value, sigma_min, cfg.dtype, reference)  # = tolerance * floor
+    floor = noise / tolerance
+    ref_norm = _fro(H_ref)
+
+    bar.phase("per-block norms and errors")
     blocks = []
-    for i, a in enumerate(PARAM_NAMES):
-        for b in PARAM_NAMES[i:]:
-            sa, sb = slices[a], slices[b]
-            blk = full[sa, sb]
-            ref_blk = H_ref[sa, sb]
-            floor = 1e-4 * np.linalg.norm(H_ref)  # blocks that vanish are measured against the whole
-            err = float(np.linalg.norm(blk - ref_blk)) / max(float(np.linalg.norm(ref_blk)), floor)
-            blocks.append(BlockReport(
-                block=f"{a}-{b}", shape=tuple(blk.shape),
-                spectral_norm=float(np.linalg.svd(blk.astype(np.float64), compute_uv=False)[0]),
-                outer_fro=float(np.linalg.norm(outer[sa, sb])),
-                functional_fro=float(np.linalg.norm(functional[sa, sb])),
-                rel_error=err,
-            ))
-    rel_error = _rel(full, H_ref)
+    for a, b in pairs:
+        sa, sb = slices[a], slices[b]
+        blk = full[sa, sb]
+        ref_blk = H_ref[sa, sb]
+        denominator = max(_fro(ref_blk), 1e-4 * ref_norm)  # blocks that vanish: measured against the whole
+        abs_err = _fro_of_difference(blk, ref_blk)
+        blocks.append(BlockReport(
+            block=f"{a}-{b}", shape=tuple(blk.shape),
+            spectral_norm=_spectral_norm(blk),
+            outer_fro=_fro(outer[sa, sb]),
+            functional_fro=_fro(functional[sa, sb]),
+            rel_error=abs_err / denominator if denominator > noise else None,
+            abs_error=abs_err,
+            ok=abs_err <= tolerance * max(denominator, floor),
+        ))
+        bar.advance()
+    abs_error = _fro_of_difference(full, H_ref)
+    full_norm = _fro(full)
+    split_residual = _fro_of_split_residual(outer, functional, full)
+    split_tol = SPLIT_TOLERANCE[cfg.dtype]
+    split_noise = NOISE_MULTIPLE * _rounding_noise(P, value, sigma_min, cfg.dtype, "torch")
+    best = min(times)
+    # perf_counter cannot return 0 for a real call, but a coarse clock could: never divide by 0.
+    resolution = time.get_clock_info("perf_counter").resolution
     report = Report(
-        config=cfg, P=P, reference=reference, tolerance=tolerance, loss_value=float(value),
-        rel_error=rel_error,
-        max_asymmetry=float(np.abs(full - full.T).max()),
-        split_error=_rel(outer + functional, full),
-        time_closed_form_s=min(times), time_reference_s=t_ref,
-        speedup=t_ref / min(times), blocks=blocks,
+        config=cfg, P=P, reference=reference, tolerance=tolerance, loss_value=value,
+        rel_error=abs_error / ref_norm if ref_norm > noise else None,
+        max_asymmetry=_max_asymmetry(full),
+        split_error=split_residual / full_norm if full_norm > split_noise else None,
+        time_closed_form_s=best, time_reference_s=t_ref,
+        speedup=t_ref / max(best, resolution, 1e-12), blocks=blocks,
+        abs_error=abs_error, reference_norm=ref_norm, error_floor=floor,
     )
-    report.ok = (rel_error <= tolerance and all(b.rel_error <= tolerance for b in blocks)
-                 and report.max_asymmetry == 0.0 and report.split_error <= 1e-12 * (1e8 if cfg.dtype == "float32" else 1))
+    report.ok = bool(
+        abs_error <= tolerance * max(ref_norm, floor)
+        and all(blk.ok for blk in blocks)
+        and report.max_asymmetry == 0.0
+        and split_residual <= split_tol * max(full_norm, split_noise / split_tol)
+    )
     return report, {"full": full, "slices": slices}
 
 
@@ -244,13 +472,23 @@ def format_report(r: Report) -> str:
     ]
     for b in r.blocks:
         shape = f"{b.shape[0]}x{b.shape[1]}"
-        flag = "" if b.rel_error <= r.tolerance else "  <-- above tolerance"
+        flag = "" if b.ok else "  <-- above tolerance"
+        err = "n/a" if b.rel_error is None else f"{b.rel_error:.2e}"
         lines.append(f"{b.block:<10} {shape:>12} {b.spectral_norm:11.4e} {b.outer_fro:12.4e} "
-                     f"{b.functional_fro:12.4e} {b.rel_error:11.2e}{flag}")
+                     f"{b.functional_fro:12.4e} {err:>11}{flag}")
+    if r.rel_error is None:
+        zero = "0" if r.reference_norm == 0 else f"{r.reference_norm:.1e}, rounding noise"
+        error = f"relative error n/a (zero reference: ||H_ref||_F = {zero}; ||H - H_ref||_F = {r.abs_error:.2e})"
+    else:
+        error = f"relative error {r.rel_error:.2e}"
+    tolerance = f"tolerance {r.tolerance:g}"
+    if r.reference_norm < r.error_floor:  # the absolute floor is what the error was held to
+        tolerance += f"; absolute {r.tolerance * r.error_floor:.1e}, this problem's rounding-noise floor"
+    split = "n/a (zero |full|)" if r.split_error is None else f"{r.split_error:.1e}"
     lines += [
         "",
-        f"whole Hessian: relative error {r.rel_error:.2e} against {r.reference} (tolerance {r.tolerance:g}); "
-        f"symmetric: max |H - H^T| = {r.max_asymmetry:g}; |outer + functional - full| / |full| = {r.split_error:.1e}",
+        f"whole Hessian: {error} against {r.reference} ({tolerance}); "
+        f"symmetric: max |H - H^T| = {r.max_asymmetry:g}; |outer + functional - full| / |full| = {split}",
         f"time: closed form {1e3 * r.time_closed_form_s:.1f} ms, {r.reference} {1e3 * r.time_reference_s:.1f} ms "
         f"-> speed-up {r.speedup:.1f}x",
         "OK" if r.ok else "FAILED: an error exceeds its tolerance",
@@ -260,18 +498,17 @@ def format_report(r: Report) -> str:
 
 def plot_heatmap(full: np.ndarray, slices: dict[str, slice], path: str, title: str) -> None:
     """log10 |H| with block boundaries and labels (the paper's Figure 3)."""
-    try:
-        import matplotlib
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise SystemExit("--plot needs matplotlib: pip install 'blockhess[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     mag = np.log10(np.abs(full.astype(np.float64)) + 1e-300)
     finite = mag[np.abs(full) > 0]
     vmin = np.percentile(finite, 1) if finite.size else -16
+    vmax = max(float(mag.max()), vmin + 1)  # an all-zero Hessian (d=1) still gets a colour scale
     fig, ax = plt.subplots(figsize=(7.5, 6.5), dpi=130)
-    im = ax.imshow(mag, cmap="viridis", vmin=vmin, vmax=mag.max(), interpolation="nearest")
+    im = ax.imshow(mag, cmap="viridis", vmin=vmin, vmax=vmax, interpolation="nearest")
     fig.colorbar(im, ax=ax, label=r"$\log_{10}|H_{ij}|$")
     ticks = []
     for name, s in slices.items():
@@ -287,13 +524,282 @@ def plot_heatmap(full: np.ndarray, slices: dict[str, slice], path: str, title: s
     plt.close(fig)
 
 
-def main(argv: list[str]) -> int:
-    import argparse
+# ---------------------------------------------------------------------------------------------
+# Validation: everything that can be known before the computation
 
-    parser = argparse.ArgumentParser(
+
+def _available_memory() -> int | None:
+    """Bytes of memory available to a new allocation (MemAvailable), or None when unknown."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _device_free_memory() -> int | None:
+    """Free bytes on the current GPU, or None when CuPy cannot say."""
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.memGetInfo()[0])
+    except Exception:  # noqa: BLE001 - any failure only means "unknown"
+        return None
+
+
+def _closed_form_working(cfg: Config, itemsize: int) -> int:
+    """Bytes that one loss_hessian call allocates besides its result."""
+    from . import _working_memory
+
+    return _working_memory.block(cfg.batch, cfg.L, cfg.d, cfg.d_k, cfg.d_ff, itemsize, hessian=True)
+
+
+def _memory_needs(cfg: Config, P: int, reference: str) -> dict[str, int]:
+    """Estimated bytes of the check's large arrays (over-counted on purpose)."""
+    itemsize = np.dtype(cfg.dtype).itemsize
+    B, L = cfg.batch, cfg.L
+    hessian = P * P * itemsize + _closed_form_working(cfg, itemsize)  # what loss_hessian asks the budget for
+    kept = 3 * P * P * itemsize  # full, outer and functional, kept for the report
+    if reference == "torch":
+        # torch.func.hessian runs the block's reverse pass vmapped over all P tangent directions at
+        # once: every intermediate (about L*(L + d + d_k + d_ff) entries per sample) is materialised
+        # P times, with a few (P, P) arrays. Measured peaks (L 20..100, batch 1..8, d_ff 64..256)
+        # were 0.5-0.9 of this estimate (torch's own runtime not counted: _TORCH_OVERHEAD).
+        per_direction = L * (L + cfg.d + cfg.d_k + cfg.d_ff)
+        ref = 8 * (8 * P * P + 4 * (B + 1) * P * per_direction)
+    else:
+        ref = 8 * P * P + 2 * _closed_form_working(cfg, itemsize)
+    widest = max(cfg.d * cfg.d_k, cfg.d * cfg.d, cfg.d * cfg.d_ff)
+    extra = 4 * 8 * widest * widest + 4 * 8 * B * L * (L + cfg.d + cfg.d_ff)  # block SVDs, the problem
+    total = kept + _closed_form_working(cfg, itemsize) + ref + extra
+    if reference == "torch":
+        total += _TORCH_OVERHEAD
+    return {"hessian": hessian, "reference": ref, "total": total, "device": 2 * P * P * itemsize}
+
+
+def _parameter_count(cfg: Config) -> int:
+    return 2 * cfg.d * cfg.d_k + cfg.d * cfg.d + 2 * cfg.d * cfg.d_ff
+
+
+def _largest_fitting_P(cfg: Config, reference: str, key: str, limit: int) -> int:
+    """About the largest P (other sizes kept) whose need ``key`` fits ``limit``; 0 if none."""
+    def fits(P: int) -> bool:
+        return _memory_needs(cfg, P, reference)[key] <= limit
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while fits(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def _check_memory(cfg: Config, reference: str) -> None:
+    from ._config import get_memory_budget
+
+    try:
+        budget = get_memory_budget()
+    except (ValueError, TypeError) as err:  # a bad BLOCKHESS_MEMORY_BUDGET
+        raise UsageError(str(err)) from None
+    available = _available_memory()
+    P = _parameter_count(cfg)
+    need = _memory_needs(cfg, P, reference)
+    sizes = (f"--L {cfg.L} --d {cfg.d} --d-k {cfg.d_k} --d-ff {cfg.d_ff}"
+             + (f" --batch {cfg.batch}" if cfg.batch > 1 else ""))
+    asked = f"{sizes} gives P = {P} parameters"
+    fd = "finite-differences"
+    fd_need = _memory_needs(cfg, P, fd)
+    fd_fits = available is None or fd_need["total"] <= available
+
+    def smaller(key: str, limit: int) -> str:
+        fit = _largest_fitting_P(cfg, reference, key, limit)
+        if fit == 0:
+            return "use smaller sizes (fewer tokens or samples)"
+        at = f"--L {cfg.L}" + (f" --batch {cfg.batch}" if cfg.batch > 1 else "")
+        return f"use smaller sizes (at {at}, about P = {fit} fits; P = 2*d*d_k + d^2 + 2*d*d_ff)"
+
+    def raise_budget(amount: int) -> str:
+        if available is not None and need["total"] > available:
+            return ""
+        return f", or raise BLOCKHESS_MEMORY_BUDGET (e.g. BLOCKHESS_MEMORY_BUDGET={math.ceil(amount / 2**30)}GiB)"
+
+    if need["hessian"] > budget:
+        raise UsageError(
+            f"{asked}: the closed-form Hessian ({P}x{P} {cfg.dtype} and working memory) needs "
+            f"{format_bytes(need['hessian'])}, more than the memory budget of {format_bytes(budget)}; "
+            f"{smaller('hessian', budget)}{raise_budget(need['hessian'])}")
+    # The reference's own memory (torch's, or the finite differences') is not blockhess's to budget:
+    # it is checked against what the machine has, below.
+    if available is not None and need["total"] > available:
+        alternatives = smaller("total", available)
+        if reference == "torch" and fd_fits:
+            alternatives = (f"use --reference finite-differences (about {format_bytes(fd_need['total'])} in all, "
+                            f"but 2P gradients: slower), or {alternatives}")
+        raise UsageError(
+            f"{asked}: the check needs about {format_bytes(need['total'])} of memory, but only "
+            f"{format_bytes(available)} is available on this machine; {alternatives}")
+    if cfg.device == "cuda":
+        free = _device_free_memory()
+        if free is not None and need["device"] > free:
+            raise UsageError(
+                f"{asked}: the closed form needs about {format_bytes(need['device'])} on the GPU, but only "
+                f"{format_bytes(free)} is free there; {smaller('device', free)}, or use --device cpu")
+
+
+def _check_output_path(path: str, option: str) -> None:
+    """The file can be written: its folder exists and is writable, and the file, if it exists, is
+    writable too. Nothing is created here (the report is written after the computation)."""
+    if not path:
+        raise UsageError(f"{option} needs a file name")
+    if os.path.isdir(path):
+        raise UsageError(f"{option} {path}: is a directory")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.exists(parent):
+        raise UsageError(f"{option} {path}: the directory {parent} does not exist")
+    if not os.path.isdir(parent):
+        raise UsageError(f"{option} {path}: {parent} is not a directory")
+    if os.path.exists(path):
+        if not os.access(path, os.W_OK):
+            raise UsageError(f"{option} {path}: the file is not writable (permission denied)")
+    elif not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"{option} {path}: cannot create a file in {parent} (permission denied)")
+    try:
+        read_only = bool(os.statvfs(parent).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):
+        read_only = False
+    if read_only:
+        raise UsageError(f"{option} {path}: {parent} is on a read-only file system")
+
+
+def _check_plot(path: str) -> None:
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        raise UsageError("--plot needs matplotlib: pip install 'blockhess[plot]'") from None
+    extension = os.path.splitext(path)[1].lstrip(".").lower()
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if extension and extension not in formats:
+        raise UsageError(f"--plot {path}: matplotlib cannot write .{extension} files "
+                         f"(it writes {', '.join('.' + f for f in sorted(formats))})")
+
+
+def validate(cfg: Config, args: Any) -> None:
+    """Refuse every bad option or combination before any computation: raises UsageError with a
+    one-line message (main() prints it as ``blockhess check: error: ...``, exit status 2)."""
+    for name in ("L", "d", "d_k", "d_ff", "batch"):
+        value = getattr(cfg, name)
+        if value < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if cfg.seed < 0:
+        raise UsageError(f"--seed must be >= 0, got {cfg.seed}")
+    if not math.isfinite(cfg.eps) or cfg.eps < 0:
+        raise UsageError(f"--eps must be a finite number >= 0, got {cfg.eps}")
+    if cfg.d == 1 and cfg.eps == 0:
+        raise UsageError("--d 1 with --eps 0: LayerNorm of a single feature has zero variance (0/0); "
+                         "pass --eps > 0, e.g. --eps 1e-5")
+    if cfg.device == "cuda":
+        from ._backend import cuda_available
+
+        try:
+            import cupy  # noqa: F401
+        except ImportError:
+            raise UsageError("--device cuda needs CuPy: pip install 'blockhess[cuda]'") from None
+        if not cuda_available():
+            raise UsageError("--device cuda needs a CUDA build of blockhess and a visible GPU "
+                             "(blockhess.cuda_available() is False)")
+    reference = _resolve_reference(cfg.reference)
+    if reference == "torch":
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            raise UsageError("--reference torch needs PyTorch (pip install 'torch==2.13.0'); "
+                             "or use --reference finite-differences") from None
+    _check_memory(cfg, reference)
+    json_path, plot_path = getattr(args, "json", None), getattr(args, "plot", None)
+    if json_path is not None:
+        _check_output_path(json_path, "--json")
+    if plot_path is not None:
+        _check_output_path(plot_path, "--plot")
+        _check_plot(plot_path)
+    if json_path is not None and plot_path is not None and os.path.abspath(json_path) == os.path.abspath(plot_path):
+        raise UsageError(f"--json and --plot name the same file, {json_path}")
+
+
+def _raised_by_blockhess(err: BaseException) -> bool:
+    """True when the innermost frame of ``err`` is blockhess's own code outside this module (its
+    input validation, or the C++ core called from it): an error about the data, not a bug here."""
+    tb = err.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    module = tb.tb_frame.f_globals.get("__name__", "")
+    return module.startswith("blockhess.") and module != __name__
+
+
+# ---------------------------------------------------------------------------------------------
+# The command
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are one line, ``blockhess check: error: ...`` (no usage block), status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {' '.join(str(message).split())}\n")
+
+
+_NUMERIC_OPTIONS = ("--L", "--d", "--d-k", "--d-ff", "--batch", "--seed", "--eps")
+
+
+def _attach_negative_numbers(argv: list[str]) -> list[str]:
+    """``--eps -1e-3`` -> ``--eps=-1e-3``: argparse takes only plain negative numbers such as -1 for
+    values, so a negative value in another form would get a puzzling "expected one argument"."""
+    out, i = [], 0
+    while i < len(argv):
+        word = argv[i]
+        if word == "--":
+            out += argv[i:]
+            break
+        if word in _NUMERIC_OPTIONS and i + 1 < len(argv) and argv[i + 1].startswith("-"):
+            try:
+                float(argv[i + 1])
+            except ValueError:
+                pass
+            else:
+                out.append(f"{word}={argv[i + 1]}")
+                i += 2
+                continue
+        out.append(word)
+        i += 1
+    return out
+
+
+def main(argv: list[str]) -> int:
+    """``blockhess check [options]``: 0 verified, 1 an error above its tolerance; SystemExit(2) for a
+    bad option or an error in the data (one line on stderr), SystemExit(130) when interrupted."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C: no traceback
+        print("blockhess check: interrupted", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
+
+
+def _main(argv: list[str]) -> int:
+    parser = _ArgumentParser(
         prog="blockhess check",
         description="Compute a Transformer block's loss Hessian in closed form, verify it against "
-        "autograd (or finite differences), and report per-block norms, errors and timings.",
+        "autograd (or finite differences), and report per-block norms, errors and timings. "
+        "Exit status: 0 verified, 1 an error exceeds its tolerance, 2 a bad option (nothing computed) "
+        "or an error in the data, 130 interrupted.",
     )
     defaults = Config()
     parser.add_argument("--L", type=int, default=defaults.L, help="tokens per sample (default 49, the paper's MNIST block)")
@@ -304,39 +810,48 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--loss", choices=("mse", "cross_entropy"), default="mse")
     parser.add_argument("--dtype", choices=("float64", "float32"), default="float64")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--eps", type=float, default=0.0, help="LayerNorm epsilon (default 0, as in the paper)")
+    parser.add_argument("--eps", type=float, default=0.0,
+                        help="LayerNorm epsilon (default 0, as in the paper; --d 1 needs eps > 0)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--reference", choices=("auto", "torch", "finite-differences"), default="auto",
-                        help="auto: torch.func.hessian if torch is installed, else finite differences")
+                        help="auto: torch.func.hessian if torch is installed, else finite differences "
+                        "(which needs less memory)")
     parser.add_argument("--json", metavar="FILE", help="write the report as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="draw the log|H| heat map (needs matplotlib)")
-    parser.add_argument("--quiet", action="store_true", help="no progress messages")
-    args = parser.parse_args(argv)
-    for name in ("L", "d", "d_k", "d_ff", "batch"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.device == "cuda":
-        from ._backend import cuda_available
-
-        try:
-            import cupy  # noqa: F401
-        except ImportError:
-            parser.error("--device cuda needs CuPy: pip install 'blockhess[cuda]'")
-        if not cuda_available():
-            parser.error("--device cuda needs a CUDA build of blockhess and a visible GPU "
-                         "(blockhess.cuda_available() is False)")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no progress bar (it is shown only when stderr is a terminal)")
+    args = parser.parse_args(_attach_negative_numbers(list(argv)))
     cfg = Config(L=args.L, d=args.d, d_k=args.d_k, d_ff=args.d_ff, batch=args.batch, loss=args.loss,
                  dtype=args.dtype, seed=args.seed, eps=args.eps, device=args.device, reference=args.reference)
-    progress = None if args.quiet else (lambda msg: print(f"[blockhess] {msg}", file=sys.stderr, flush=True))
-    report, arrays = run_check(cfg, progress)
-    print(format_report(report))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(asdict(report), fh, indent=2)
-    if args.plot:
-        c = cfg
-        plot_heatmap(arrays["full"], arrays["slices"], args.plot,
-                     f"log|H| of the block loss Hessian (L={c.L}, d={c.d}, d_k={c.d_k}, d_ff={c.d_ff}, {c.loss})")
-        if progress:
-            progress(f"heat map written to {args.plot}")
+    try:
+        validate(cfg, args)
+    except UsageError as err:
+        parser.error(str(err))
+
+    progress = _Progress(enabled=not args.quiet and sys.stderr.isatty())
+    try:
+        try:
+            report, arrays = run_check(cfg, progress)
+        finally:
+            progress.close()
+    except (ValueError, TypeError) as err:  # about the data (e.g. a LayerNorm row of zero variance)
+        if not _raised_by_blockhess(err):
+            raise  # a bug here: keep the traceback
+        parser.error(str(err))
+    except MemoryError as err:  # the estimate in validate() is generous, but the machine is shared
+        parser.error(f"out of memory during the check ({err or 'an allocation failed'}); use smaller sizes"
+                     + (" or --reference finite-differences" if _resolve_reference(cfg.reference) == "torch" else ""))
+
+    print(format_report(report), flush=True)
+    try:
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(asdict(report), fh, indent=2)
+        if args.plot:
+            c = cfg
+            plot_heatmap(arrays["full"], arrays["slices"], args.plot,
+                         f"log|H| of the block loss Hessian (L={c.L}, d={c.d}, d_k={c.d_k}, d_ff={c.d_ff}, {c.loss})")
+            progress.note(f"heat map written to {args.plot}")
+    except OSError as err:
+        parser.error(f"cannot write {err.filename or 'the output'}: {err.strerror or err}")
     return 0 if report.ok else 1
