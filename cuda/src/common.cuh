@@ -11,6 +11,8 @@
 #include <string>
 
 #include "blockhess/config.hpp"
+#include "blockhess/layernorm.hpp"
+#include "blockhess/math.hpp"
 
 namespace blockhess::cuda::detail {
 
@@ -119,12 +121,22 @@ __device__ T block_max(T v, T* scratch) {
 }
 
 // y = (x - mean) / sigma for one row, sigma = sqrt(var + eps) with the population variance: the
-// arithmetic of layernorm::normalize_row, with block-parallel sums. y lives in shared memory.
+// scale-safe arithmetic of layernorm::normalize_row (row_sigma is shared), with block-parallel
+// max and sums. Returns 0 for a row that is constant up to rounding with eps == 0. y lives in
+// shared memory.
 template <class T>
 __device__ T block_normalize_row(const T* x, index_t d, T eps, T* y, T* scratch) {
-  T s = 0;
+  T top = 0;
   for (index_t a = threadIdx.x; a < d; a += blockDim.x) {
     const T v = x[a];
+    y[a] = v;
+    top = ::blockhess::math::abs(v) > top ? ::blockhess::math::abs(v) : top;
+  }
+  const int k = ::blockhess::math::exponent(block_max(top, scratch));
+  const ::blockhess::layernorm::Pow2Scale<T> scaled(k);
+  T s = 0;
+  for (index_t a = threadIdx.x; a < d; a += blockDim.x) {
+    const T v = scaled(y[a]);
     y[a] = v;
     s += v;
   }
@@ -135,8 +147,9 @@ __device__ T block_normalize_row(const T* x, index_t d, T eps, T* y, T* scratch)
     y[a] = m;
     q += m * m;
   }
-  const T sigma = sqrt(block_sum(q, scratch) / static_cast<T>(d) + eps);
-  for (index_t a = threadIdx.x; a < d; a += blockDim.x) y[a] /= sigma;
+  T divisor = 0;
+  const T sigma = ::blockhess::layernorm::row_sigma(block_sum(q, scratch) / static_cast<T>(d), k, eps, d, &divisor);
+  for (index_t a = threadIdx.x; a < d; a += blockDim.x) y[a] /= divisor;
   __syncthreads();
   return sigma;
 }

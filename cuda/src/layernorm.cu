@@ -102,7 +102,7 @@ __global__ void hessian_blocks_kernel(const T* X, index_t L, index_t d, T eps, c
   for (index_t i = blockIdx.x; i < L; i += gridDim.x) {
     const T sigma = block_normalize_row(X + i * d, d, eps, y, scratch);
     if (sigma_out && blockIdx.y == 0 && threadIdx.x == 0) sigma_out[i] = sigma;
-    const T pref = -inv_d / (sigma * sigma);
+    const T pref = -inv_d / sigma / sigma;
     for (index_t p = p0; p < p1; ++p) {
       const index_t a = p / d, b = p - a * d;
       const T ga = gamma_at(gamma, a) * pref;
@@ -140,7 +140,7 @@ __global__ void hessian_dense_kernel(const T* X, index_t L, index_t d, T eps, co
     }
     const index_t a = o - i * d, b = p - i * d;
     if (sigma_out && a == 0 && b == 0 && threadIdx.x == 0) sigma_out[i] = sigma;
-    const T ga = gamma_at(gamma, a) * (-inv_d / (sigma * sigma));
+    const T ga = gamma_at(gamma, a) * (-inv_d / sigma / sigma);
     for (index_t q = threadIdx.x; q < n; q += blockDim.x) {
       const index_t c = q - i * d;
       T v = T(0);
@@ -175,7 +175,7 @@ __global__ void hessian_contract_kernel(const T* X, index_t L, index_t d, T eps,
     }
     const T gmean = block_sum(gs, scratch) * inv_d;  // block_sum ends with a barrier: gp is visible
     const T s = block_sum(ys, scratch);
-    const T pref = -inv_d / (sigma * sigma);
+    const T pref = -inv_d / sigma / sigma;
     for (index_t b = b0; b < b1; ++b) {
       T* row = C + (i * d + b) * d;
       for (index_t c = threadIdx.x; c < d; c += blockDim.x) {

@@ -50,7 +50,10 @@ def _check_sigma(sigma: Any) -> None:
     positive = sigma > 0
     if not bool(positive.all()):
         row = int(_xp(sigma).flatnonzero(~positive)[0])
-        raise ValueError(f"layernorm: row {row} has zero variance; pass eps > 0 to make LayerNorm differentiable there")
+        raise ValueError(
+            f"layernorm: row {row} has zero variance (it is constant up to rounding at its scale); "
+            "pass eps > 0 to make LayerNorm differentiable there"
+        )
 
 
 def _outer(u: Any, v: Any) -> Any:

@@ -14,24 +14,78 @@
 #include <string>
 
 #include "blockhess/config.hpp"
+#include "blockhess/math.hpp"
 #include "blockhess/parallel.hpp"
 
 namespace blockhess::layernorm {
 
-// Normalise one row: writes y (the centred, scaled row) and returns sigma.
+// Scale-safe row statistics, shared by the CPU rows below and the CUDA kernels.
+//
+// The row is scaled by 2^-k (exact), with k the binary exponent of its largest |x|, so that its
+// entries lie in (-1, 1): the mean and the variance are formed there, where no finite row can
+// overflow (rows near 1e155 squared) or underflow (rows near 1e-160 squared). sigma is then
+// brought back to the row's scale, with eps added by hypot (again without squaring the row).
+
+// The factors 2^-k = s1 * s2, each finite for any exponent of a finite float, so x * s1 * s2 is
+// exact for all but the entries far below the row's largest (which lose only bits that cannot
+// matter at the row's scale).
+template <class T>
+struct Pow2Scale {
+  T s1, s2;
+  BLOCKHESS_HD explicit Pow2Scale(int k) : s1(math::ldexp(T(1), -k / 2)), s2(math::ldexp(T(1), -k + k / 2)) {}
+  BLOCKHESS_HD T operator()(T x) const { return x * s1 * s2; }
+};
+
+// Below this standard deviation (relative to the row's largest entry) a row is constant up to the
+// rounding of its mean: d * epsilon bounds the error of a d-term sum of entries below 1.
+template <class T>
+BLOCKHESS_HD T degenerate_spread(index_t d) {
+  constexpr T epsilon = sizeof(T) == 4 ? T(1.1920928955078125e-07) : T(2.220446049250313e-16);
+  return static_cast<T>(d) * epsilon;
+}
+
+// From the population variance var_s of the row scaled by 2^-k: returns sigma = sqrt(var + eps) in
+// the row's own scale and sets divisor, by which the scaled centred entries are divided to give y.
+// Returns 0 for a row that is constant up to rounding when eps == 0 (LayerNorm is not
+// differentiable there; callers refuse it).
+template <class T>
+BLOCKHESS_HD T row_sigma(T var_s, int k, T eps, index_t d, T* divisor) {
+  const T sd_s = math::sqrt(var_s);
+  if (eps == T(0)) {
+    *divisor = sd_s;
+    return sd_s <= degenerate_spread<T>(d) ? T(0) : math::ldexp(sd_s, k);
+  }
+  const T root_eps = math::sqrt(eps);
+  const T eps_s = math::ldexp(root_eps, -k);  // sqrt(eps) in the row's scaled units
+  if (!math::isfinite(eps_s)) {  // the row lies below sqrt(eps) by more than the float range,
+    *divisor = eps_s;            // so y is 0 and sigma is sqrt(eps) to within that range
+    return root_eps;
+  }
+  const T s = math::hypot(sd_s, eps_s);
+  *divisor = s;
+  return math::ldexp(s, k);
+}
+
+// Normalise one row: writes y (the centred, scaled row) and returns sigma (0 for a row that is
+// constant up to rounding when eps == 0).
 template <class T>
 BLOCKHESS_HD T normalize_row(const T* x, index_t d, T eps, T* y) {
+  T top = 0;
+  for (index_t a = 0; a < d; ++a) top = math::abs(x[a]) > top ? math::abs(x[a]) : top;
+  const int k = math::exponent(top);
+  const Pow2Scale<T> scaled(k);
   T mean = 0;
-  for (index_t a = 0; a < d; ++a) mean += x[a];
+  for (index_t a = 0; a < d; ++a) mean += scaled(x[a]);
   mean /= static_cast<T>(d);
   T var = 0;
   for (index_t a = 0; a < d; ++a) {
-    const T m = x[a] - mean;
+    const T m = scaled(x[a]) - mean;
     y[a] = m;
     var += m * m;
   }
-  const T sigma = std::sqrt(var / static_cast<T>(d) + eps);
-  for (index_t a = 0; a < d; ++a) y[a] /= sigma;
+  T divisor = 0;
+  const T sigma = row_sigma(var / static_cast<T>(d), k, eps, d, &divisor);
+  for (index_t a = 0; a < d; ++a) y[a] /= divisor;
   return sigma;
 }
 
@@ -75,7 +129,7 @@ BLOCKHESS_HD void jacobian_row(const T* y, T sigma, const T* gamma, index_t d, T
 template <class T>
 BLOCKHESS_HD void hessian_row(const T* y, T sigma, const T* gamma, index_t d, T* H) {
   const T inv_d = T(1) / static_cast<T>(d);
-  const T pref = -inv_d / (sigma * sigma);
+  const T pref = -inv_d / sigma / sigma;  // never sigma^2: it under- or overflows first
   for (index_t a = 0; a < d; ++a) {
     const T ga = (gamma ? gamma[a] : T(1)) * pref;
     for (index_t b = 0; b < d; ++b) {
@@ -100,7 +154,7 @@ BLOCKHESS_HD void hessian_contract_row(const T* y, T sigma, const T* gamma, cons
     s += ga * y[a];
   }
   const T gmean = gsum * inv_d;
-  const T pref = -inv_d / (sigma * sigma);
+  const T pref = -inv_d / sigma / sigma;  // never sigma^2: it under- or overflows first
   for (index_t b = 0; b < d; ++b) {
     const T pb = g[b] * (gamma ? gamma[b] : T(1)) - gmean;
     for (index_t c = b; c < d; ++c) {
@@ -124,7 +178,8 @@ void check_sigmas(const T* sigma, index_t L) {
   for (index_t i = 0; i < L; ++i)
     if (!(sigma[i] > T(0)))
       throw std::domain_error("layernorm: row " + std::to_string(i) +
-                              " has zero variance; pass eps > 0 to make LayerNorm differentiable there");
+                              " has zero variance (it is constant up to rounding at its scale); pass eps > 0 "
+                              "to make LayerNorm differentiable there");
 }
 }  // namespace detail
 
