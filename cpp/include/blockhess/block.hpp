@@ -16,6 +16,7 @@
 #include "blockhess/buffer.hpp"
 #include "blockhess/config.hpp"
 #include "blockhess/eigen.hpp"
+#include "blockhess/finite.hpp"
 #include "blockhess/layernorm.hpp"
 #include "blockhess/parallel.hpp"
 #include "blockhess/softmax.hpp"
@@ -89,10 +90,16 @@ Forward<T> forward(const Dims& dims, index_t B, const T* X, const Weights<T>& W,
   f.Y.resize(n * d), f.sigma1.resize(n), f.H1.resize(n * dff), f.R.resize(n * dff);
   f.Z.resize(n * d), f.sigma2.resize(n);
 
+  // Every stage is checked as it is formed, so that finite inputs which drive one past the float
+  // range (weights near 1e160 make X W_Q W_K^T X^T infinite, and softmax then NaN) end in an error
+  // naming that stage, before a later one (a LayerNorm) misreads the non-finite values.
   const MapC<T> Xm(f.X, n, d);
   MapM<T>(f.Q.data(), n, dk).noalias() = Xm * MapC<T>(f.weight(W_Q), d, dk);
   MapM<T>(f.K.data(), n, dk).noalias() = Xm * MapC<T>(f.weight(W_K), d, dk);
   MapM<T>(f.V.data(), n, d).noalias() = Xm * MapC<T>(f.weight(W_V), d, d);
+  require_finite(f.Q.data(), n * dk, "block: the queries X W_Q");
+  require_finite(f.K.data(), n * dk, "block: the keys X W_K");
+  require_finite(f.V.data(), n * d, "block: the values X W_V");
   const T scale = f.inv_sqrt_dk();
   for (index_t b = 0; b < B; ++b) {
     MapM<T> A(f.A.data() + b * L * L, L, L);
@@ -100,13 +107,18 @@ Forward<T> forward(const Dims& dims, index_t B, const T* X, const Weights<T>& W,
     for (index_t i = 0; i < L; ++i) softmax::forward_row(A.data() + i * L, L, A.data() + i * L);
     MapM<T>(f.F.data() + b * L * d, L, d).noalias() = A * MapC<T>(f.V.data() + b * L * d, L, d);
   }
+  require_finite(f.A.data(), B * L * L, "block: the attention weights softmax(X W_Q W_K^T X^T / sqrt(d_k))");
+  require_finite(f.F.data(), n * d, "block: the attention output A X W_V");
   Buffer<T> S(n * d);
   MapM<T>(S.data(), n, d) = Xm + MapC<T>(f.F.data(), n, d);
+  require_finite(S.data(), n * d, "block: the residual X + F");
   layernorm::normalize(S.data(), n, d, eps, f.Y.data(), f.sigma1.data());
   MapM<T>(f.H1.data(), n, dff).noalias() = MapC<T>(f.Y.data(), n, d) * MapC<T>(f.weight(W_1), d, dff);
+  require_finite(f.H1.data(), n * dff, "block: the FFN pre-activations Y W_1");
   MapM<T>(f.R.data(), n, dff) = MapC<T>(f.H1.data(), n, dff).cwiseMax(T(0));
   MapM<T>(S.data(), n, d).noalias() = MapC<T>(f.R.data(), n, dff) * MapC<T>(f.weight(W_2), dff, d);
   MapM<T>(S.data(), n, d) += MapC<T>(f.Y.data(), n, d);
+  require_finite(S.data(), n * d, "block: the FFN output with its residual relu(Y W_1) W_2 + Y");
   layernorm::normalize(S.data(), n, d, eps, f.Z.data(), f.sigma2.data());
   return f;
 }
@@ -141,6 +153,9 @@ Reverse<T> reverse(const Forward<T>& f, const T* gZ) {
         MapC<T>(r.gF.data() + b * L * d, L, d) * MapC<T>(f.V.data() + b * L * d, L, d).transpose();
   }
   for (index_t t = 0; t < n; ++t) softmax::vjp_row(f.A.data() + t * L, r.gA.data() + t * L, L, r.gT.data() + t * L);
+  require_finite(r.gS.data(), n * d, "block: the reverse pass through the second LayerNorm");
+  require_finite(r.gF.data(), n * d, "block: the reverse pass through the FFN and the first LayerNorm");
+  require_finite(r.gT.data(), f.B * L * L, "block: the reverse pass through the attention weights");
   return r;
 }
 

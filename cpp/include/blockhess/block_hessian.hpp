@@ -267,7 +267,10 @@ void assemble_hessian(const Forward<T>& f, const Factors<T>& fa, const Reverse<T
           for (index_t bk = 0; bk < d; ++bk) BQK[(bq * dk + k) * P + bk * dk + k] += M(bq, bk);
     }
   }
-  kron::mirror_upper(H, P);
+  if (!kron::mirror_upper(H, P))  // checks every entry as it mirrors: no extra pass over H
+    throw non_finite_error("block: the assembled Hessian (a sum of products of finite factors) is not finite "
+                           "(Inf or NaN) although every input is: the inputs drive it past the float range; "
+                           "rescale them (weights or inputs of smaller magnitude)");
 }
 
 // dZ/dW_p for one sample: (L d, n_p).

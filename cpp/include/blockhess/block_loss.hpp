@@ -17,12 +17,26 @@ struct Target {
   const std::int64_t* classes = nullptr;  // (B*L)
 };
 
+// The loss and its derivatives with respect to Z: a target far outside Z's range (|Z| <= sqrt(d))
+// can overflow them.
+template <class T>
+void require_finite_loss(const loss::Derivatives<T>& ld, index_t entries) {
+  require_finite(&ld.value, 1, "block: the loss value");
+  require_finite(ld.gZ.data(), entries, "block: the loss gradient with respect to Z");
+}
+
 // Returns the loss; writes its gradient (sum of the five parameter sizes) when grad is not null.
 template <class T>
 T loss_gradient(const Dims& D, index_t B, const T* X, const Weights<T>& W, T eps, const Target<T>& target, T* grad) {
   const Forward<T> f = forward(D, B, X, W, eps);
   const auto ld = loss::derivatives(target.kind, B, D.L, D.d, f.Z.data(), target.values, target.classes, false);
-  if (grad) weight_gradient(f, reverse(f, ld.gZ.data()), grad);
+  require_finite_loss(ld, B * D.L * D.d);
+  if (grad) {
+    weight_gradient(f, reverse(f, ld.gZ.data()), grad);
+    index_t P = 0;
+    for (int p = 0; p < kNumParams; ++p) P += D.size(p);
+    require_finite(grad, P, "block: the loss gradient");
+  }
   return ld.value;
 }
 
@@ -33,6 +47,7 @@ T loss_hessian(const Dims& D, index_t B, const T* X, const Weights<T>& W, T eps,
   const Forward<T> f = forward(D, B, X, W, eps);
   const auto ld = loss::derivatives(target.kind, B, D.L, D.d, f.Z.data(), target.values, target.classes,
                                     part != Part::functional);
+  require_finite_loss(ld, B * D.L * D.d);
   const Factors<T> fa = factorize(f);
   const Reverse<T> r = reverse(f, ld.gZ.data());
   assemble_hessian(f, fa, r, ld.gZ.data(), part != Part::functional ? ld.hessZ.data() : nullptr, part, wrt, H);
