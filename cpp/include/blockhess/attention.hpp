@@ -24,6 +24,7 @@
 
 #include <Eigen/Core>
 
+#include "blockhess/buffer.hpp"
 #include "blockhess/config.hpp"
 #include "blockhess/eigen.hpp"
 #include "blockhess/parallel.hpp"
@@ -54,13 +55,15 @@ inline void check_dims(const Dims& s) {
                                 ", d_v=" + std::to_string(s.dv));
 }
 
-// The forward quantities every derivative reuses (row-major).
+// The forward quantities every derivative reuses (row-major), with aligned copies of the inputs:
+// every Eigen product reads those, so results never depend on where the caller's arrays live.
 template <class T>
 struct Cache {
   Dims dims;
-  T c;                      // 1 / sqrt(d_k)
-  std::vector<T> Q, K, V;   // (L, d_k), (L, d_k), (L, d_v)
-  std::vector<T> A, F;      // (L, L), (L, d_v)
+  T c;                           // 1 / sqrt(d_k)
+  Buffer<T> X, WQ, WK, WV;       // the inputs
+  Buffer<T> Q, K, V;             // (L, d_k), (L, d_k), (L, d_v)
+  Buffer<T> A, F;                // (L, L), (L, d_v)
 };
 
 namespace detail {
@@ -72,15 +75,23 @@ template <class T>
 Cache<T> forward_cache(const T* X, const T* WQ, const T* WK, const T* WV, const Dims& s) {
   check_dims(s);
   using detail::sz;
-  Cache<T> f{s, T(1) / std::sqrt(static_cast<T>(s.dk)), std::vector<T>(sz(s.L * s.dk)),
-             std::vector<T>(sz(s.L * s.dk)), std::vector<T>(sz(s.L * s.dv)), std::vector<T>(sz(s.L * s.L)),
-             std::vector<T>(sz(s.L * s.dv))};
-  MapC<T> x(X, s.L, s.d);
+  Cache<T> f{s,
+             T(1) / std::sqrt(static_cast<T>(s.dk)),
+             aligned_copy(X, s.L * s.d),
+             aligned_copy(WQ, s.d * s.dk),
+             aligned_copy(WK, s.d * s.dk),
+             aligned_copy(WV, s.d * s.dv),
+             Buffer<T>(sz(s.L * s.dk)),
+             Buffer<T>(sz(s.L * s.dk)),
+             Buffer<T>(sz(s.L * s.dv)),
+             Buffer<T>(sz(s.L * s.L)),
+             Buffer<T>(sz(s.L * s.dv))};
+  MapC<T> x(f.X.data(), s.L, s.d);
   MapM<T> q(f.Q.data(), s.L, s.dk), k(f.K.data(), s.L, s.dk), v(f.V.data(), s.L, s.dv);
-  q.noalias() = x * MapC<T>(WQ, s.d, s.dk);
-  k.noalias() = x * MapC<T>(WK, s.d, s.dk);
-  v.noalias() = x * MapC<T>(WV, s.d, s.dv);
-  std::vector<T> logits(sz(s.L * s.L));
+  q.noalias() = x * MapC<T>(f.WQ.data(), s.d, s.dk);
+  k.noalias() = x * MapC<T>(f.WK.data(), s.d, s.dk);
+  v.noalias() = x * MapC<T>(f.WV.data(), s.d, s.dv);
+  Buffer<T> logits(sz(s.L * s.L));
   MapM<T>(logits.data(), s.L, s.L).noalias() = f.c * (q * k.transpose());
   softmax::forward(logits.data(), s.L, s.L, f.A.data());
   MapM<T>(f.F.data(), s.L, s.dv).noalias() = MapM<T>(f.A.data(), s.L, s.L) * v;
@@ -96,10 +107,11 @@ void forward(const T* X, const T* WQ, const T* WK, const T* WV, const Dims& s, T
 
 // J (L d_v, d d_k) = dF / dW_Q.
 template <class T>
-void jacobian_wq(const Cache<T>& f, const T* X, T* J) {
+void jacobian_wq(const Cache<T>& f, T* J) {
   const index_t L = f.dims.L, d = f.dims.d, dk = f.dims.dk, dv = f.dims.dv;
   const index_t n = d * dk;
-  std::vector<T> Kbar(detail::sz(L * dk)), M(detail::sz(L * dv * dk));
+  const T* X = f.X.data();
+  Buffer<T> Kbar(detail::sz(L * dk)), M(detail::sz(L * dv * dk));
   MapM<T>(Kbar.data(), L, dk).noalias() =
       MapC<T>(f.A.data(), L, L) * MapC<T>(f.K.data(), L, dk);
   blockhess::detail::parallel_for(L, L * dv * dk + dv * n, [&](index_t t) {
@@ -130,10 +142,11 @@ void jacobian_wq(const Cache<T>& f, const T* X, T* J) {
 
 // J (L d_v, d d_k) = dF / dW_K.
 template <class T>
-void jacobian_wk(const Cache<T>& f, const T* X, T* J) {
+void jacobian_wk(const Cache<T>& f, T* J) {
   const index_t L = f.dims.L, d = f.dims.d, dk = f.dims.dk, dv = f.dims.dv;
   const index_t n = d * dk;
-  std::vector<T> Xbar(detail::sz(L * d)), N(detail::sz(L * dv * d));
+  const T* X = f.X.data();
+  Buffer<T> Xbar(detail::sz(L * d)), N(detail::sz(L * dv * d));
   MapM<T>(Xbar.data(), L, d).noalias() = MapC<T>(f.A.data(), L, L) * MapC<T>(X, L, d);
   blockhess::detail::parallel_for(L, L * dv * d + dv * n, [&](index_t t) {
     // N_t[a,b] = sum_s A[t,s] V[s,a] (X[s,b] - Xbar_t[b])
@@ -163,11 +176,11 @@ void jacobian_wk(const Cache<T>& f, const T* X, T* J) {
 
 // J (L d_v, d d_v) = dF / dW_V = (A X) (x) I_{d_v}.
 template <class T>
-void jacobian_wv(const Cache<T>& f, const T* X, T* J) {
-  const index_t L = f.dims.L, d = f.dims.d, dk = f.dims.dk, dv = f.dims.dv;
-  (void)dk;
+void jacobian_wv(const Cache<T>& f, T* J) {
+  const index_t L = f.dims.L, d = f.dims.d, dv = f.dims.dv;
   const index_t n = d * dv;
-  std::vector<T> AX(detail::sz(L * d));
+  const T* X = f.X.data();
+  Buffer<T> AX(detail::sz(L * d));
   MapM<T>(AX.data(), L, d).noalias() = MapC<T>(f.A.data(), L, L) * MapC<T>(X, L, d);
   blockhess::detail::parallel_for(L, dv * n, [&](index_t t) {
     T* rows = J + t * dv * n;
@@ -179,11 +192,12 @@ void jacobian_wv(const Cache<T>& f, const T* X, T* J) {
 
 // J (L d_v, L d) = dF / dX.
 template <class T>
-void jacobian_x(const Cache<T>& f, const T* WQ, const T* WK, const T* WV, T* J) {
+void jacobian_x(const Cache<T>& f, T* J) {
   const index_t L = f.dims.L, d = f.dims.d, dk = f.dims.dk, dv = f.dims.dv;
   const index_t n = L * d;
+  const T *WQ = f.WQ.data(), *WK = f.WK.data(), *WV = f.WV.data();
   // Qt = Q W_K^T (row t is W_K q_t), Kt = K W_Q^T (row s is W_Q k_s); both (L, d).
-  std::vector<T> Qt(detail::sz(L * d)), Kt(detail::sz(L * d));
+  Buffer<T> Qt(detail::sz(L * d)), Kt(detail::sz(L * d));
   MapM<T>(Qt.data(), L, d).noalias() =
       MapC<T>(f.Q.data(), L, dk) * MapC<T>(WK, d, dk).transpose();
   MapM<T>(Kt.data(), L, d).noalias() =
@@ -217,10 +231,10 @@ template <class T>
 void jacobian(const T* X, const T* WQ, const T* WK, const T* WV, const Dims& s, Wrt wrt, T* J) {
   const auto f = forward_cache(X, WQ, WK, WV, s);
   switch (wrt) {
-    case Wrt::W_Q: jacobian_wq(f, X, J); break;
-    case Wrt::W_K: jacobian_wk(f, X, J); break;
-    case Wrt::W_V: jacobian_wv(f, X, J); break;
-    case Wrt::X: jacobian_x(f, WQ, WK, WV, J); break;
+    case Wrt::W_Q: jacobian_wq(f, J); break;
+    case Wrt::W_K: jacobian_wk(f, J); break;
+    case Wrt::W_V: jacobian_wv(f, J); break;
+    case Wrt::X: jacobian_x(f, J); break;
     default: throw std::invalid_argument("attention::jacobian: unknown wrt");
   }
 }

@@ -12,4 +12,11 @@ namespace blockhess {
 template <class T>
 using Buffer = std::vector<T, Eigen::aligned_allocator<T>>;
 
+// An aligned copy of n values from wherever the caller keeps them: every input that reaches an
+// Eigen product goes through one, so results never depend on the caller's alignment.
+template <class T>
+Buffer<T> aligned_copy(const T* values, std::ptrdiff_t n) {
+  return Buffer<T>(values, values + n);
+}
+
 }  // namespace blockhess

@@ -6,6 +6,8 @@
 // K is a permutation, so it is applied as an index map and only materialised when asked for.
 #pragma once
 
+#include <algorithm>
+
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
@@ -13,6 +15,7 @@
 
 #include <Eigen/Core>
 
+#include "blockhess/buffer.hpp"
 #include "blockhess/config.hpp"
 #include "blockhess/parallel.hpp"
 
@@ -67,13 +70,17 @@ void kron_apply(const T* A, index_t p, index_t m, const T* B, index_t q, index_t
   if (p < 1 || m < 1 || q < 1 || n < 1)
     throw std::invalid_argument("kron_apply: every dimension must be >= 1");
   using Mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-  Eigen::Map<const Mat> a(A, p, m), b(B, q, n), x(X, m, n);
-  Eigen::Map<Mat> y(out, p, q);
+  // Aligned copies in and out: the products' bits must not depend on where the caller's arrays live.
+  const Buffer<T> ac = aligned_copy(A, p * m), bc = aligned_copy(B, q * n), xc = aligned_copy(X, m * n);
+  Buffer<T> yc(static_cast<size_t>(p * q));
+  Eigen::Map<const Mat> a(ac.data(), p, m), b(bc.data(), q, n), x(xc.data(), m, n);
+  Eigen::Map<Mat> y(yc.data(), p, q);
   // Multiply in the cheaper order.
   if (p * n * (m + q) <= m * q * (n + p))
     y.noalias() = (a * x) * b.transpose();
   else
     y.noalias() = a * (x * b.transpose());
+  std::copy(yc.begin(), yc.end(), out);
 }
 
 }  // namespace blockhess::commutation

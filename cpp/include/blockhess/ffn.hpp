@@ -20,6 +20,7 @@
 
 #include <Eigen/Core>
 
+#include "blockhess/buffer.hpp"
 #include "blockhess/config.hpp"
 #include "blockhess/eigen.hpp"
 #include "blockhess/parallel.hpp"
@@ -46,12 +47,13 @@ inline void check_dims(const Dims& s) {
 namespace detail {
 inline size_t sz(index_t n) { return static_cast<size_t>(n); }
 
-// H = Y W_1, (L, f).
+// H = Y W_1, (L, f), from aligned copies of Y and W_1 (bit-identical wherever they live).
 template <class T>
-std::vector<T> preactivations(const T* Y, const T* W1, const Dims& s) {
+Buffer<T> preactivations(const T* Y, const T* W1, const Dims& s) {
   check_dims(s);
-  std::vector<T> H(sz(s.L * s.f));
-  MapM<T>(H.data(), s.L, s.f).noalias() = MapC<T>(Y, s.L, s.d) * MapC<T>(W1, s.d, s.f);
+  const Buffer<T> y = aligned_copy(Y, s.L * s.d), w1 = aligned_copy(W1, s.d * s.f);
+  Buffer<T> H(sz(s.L * s.f));
+  MapM<T>(H.data(), s.L, s.f).noalias() = MapC<T>(y.data(), s.L, s.d) * MapC<T>(w1.data(), s.d, s.f);
   return H;
 }
 }  // namespace detail
@@ -61,7 +63,10 @@ template <class T>
 void forward(const T* Y, const T* W1, const T* W2, const Dims& s, T* F) {
   auto H = detail::preactivations(Y, W1, s);
   for (T& h : H) h = h > T(0) ? h : T(0);
-  MapM<T>(F, s.L, s.e).noalias() = MapC<T>(H.data(), s.L, s.f) * MapC<T>(W2, s.f, s.e);
+  const Buffer<T> w2 = aligned_copy(W2, s.f * s.e);
+  Buffer<T> out(detail::sz(s.L * s.e));
+  MapM<T>(out.data(), s.L, s.e).noalias() = MapC<T>(H.data(), s.L, s.f) * MapC<T>(w2.data(), s.f, s.e);
+  std::memcpy(F, out.data(), sizeof(T) * detail::sz(s.L * s.e));
 }
 
 // B_1 = dF/dW_1, (L e, d f).
