@@ -52,7 +52,14 @@ block::Target<T> target(const Problem<T>& p, int kind, const optional_carray<T>&
                         const optional_carray<std::int64_t>& classes) {
   if (kind != 0 && kind != 1) throw std::invalid_argument("block: unknown loss kind");
   if (values) require_shape(*values, {p.B, p.dims.L, p.dims.d}, "target");
-  if (classes) require_shape(*classes, {p.B, p.dims.L}, "target");
+  if (classes) {
+    require_shape(*classes, {p.B, p.dims.L}, "target");
+    const std::int64_t* c = classes->data();
+    for (index_t k = 0; k < p.B * p.dims.L; ++k)
+      if (c[k] < 0 || c[k] >= p.dims.d) throw std::invalid_argument("block: class index out of range [0, d)");
+  }
+  if ((kind == 0) != static_cast<bool>(values) || (kind == 1) != static_cast<bool>(classes))
+    throw std::invalid_argument("block: mse needs values, cross_entropy needs classes");
   block::Target<T> t;
   t.kind = static_cast<loss::Kind>(kind);
   t.values = data_or_null(values);

@@ -9,11 +9,16 @@
 namespace blockhess::bind {
 namespace {
 
+void require_dims(index_t rows, index_t cols) {
+  if (rows < 1 || cols < 1) throw std::invalid_argument("commutation: m and n must be >= 1");
+}
+
 template <class T>
 void bind_for(py::module_& m) {
   m.def(
       "commutation_dense",
       [](index_t rows, index_t cols, carray<T>& out) {
+        require_dims(rows, cols);
         require_shape(out, {rows * cols, rows * cols}, "out");
         T* o = mutable_ptr(out);
         py::gil_scoped_release release;
@@ -25,6 +30,7 @@ void bind_for(py::module_& m) {
   m.def(
       "commute",
       [](const carray<T>& v, index_t rows, index_t cols, carray<T>& out) {
+        require_dims(rows, cols);
         if (v.ndim() < 1 || v.ndim() > 2 || v.shape(0) != rows * cols)
           throw std::invalid_argument("commute: v must have m*n rows");
         const index_t width = v.ndim() == 2 ? v.shape(1) : 1;
@@ -61,6 +67,7 @@ void bind_commutation(py::module_& m) {
   m.def(
       "commutation_permutation",
       [](index_t rows, index_t cols, carray<std::int64_t>& out) {
+        require_dims(rows, cols);
         require_shape(out, {rows * cols}, "out");
         std::int64_t* o = mutable_ptr(out);
         py::gil_scoped_release release;

@@ -14,9 +14,16 @@ struct Normalized {
   std::vector<T> y, sigma;
 };
 
+// X must be (L, d) and gamma, beta, when given, (d,): checked before anything is read or written.
+template <class T>
+void check_inputs(const carray<T>& X, const optional_carray<T>& gamma, const optional_carray<T>& beta) {
+  if (X.ndim() != 2) throw std::invalid_argument("layernorm: X must be 2-D (L, d)");
+  if (gamma) require_shape(*gamma, {X.shape(1)}, "gamma");
+  if (beta) require_shape(*beta, {X.shape(1)}, "beta");
+}
+
 template <class T>
 Normalized<T> normalized(const carray<T>& X, T eps) {
-  if (X.ndim() != 2) throw std::invalid_argument("layernorm: X must be 2-D (L, d)");
   const index_t L = X.shape(0), d = X.shape(1);
   Normalized<T> n{std::vector<T>(static_cast<size_t>(L * d)), std::vector<T>(static_cast<size_t>(L))};
   layernorm::normalize(X.data(), L, d, eps, n.y.data(), n.sigma.data());
@@ -29,6 +36,7 @@ void bind_for(py::module_& m) {
   m.def(
       "layernorm_forward",
       [](const carray<T>& X, T eps, const opt& gamma, const opt& beta, carray<T>& out) {
+        check_inputs(X, gamma, beta);
         const index_t L = X.shape(0), d = X.shape(1);
         require_shape(out, {L, d}, "out");
         T* z = mutable_ptr(out);
@@ -43,7 +51,15 @@ void bind_for(py::module_& m) {
   m.def(
       "layernorm_jacobian",
       [](const carray<T>& X, T eps, const opt& gamma, int kind, carray<T>& out) {
+        check_inputs(X, gamma, opt());
         const index_t L = X.shape(0), d = X.shape(1);
+        switch (kind) {
+          case 0: require_shape(out, {L, d, d}, "out"); break;
+          case 1: require_shape(out, {L * d, L * d}, "out"); break;
+          case 2:
+          case 3: require_shape(out, {L * d, d}, "out"); break;
+          default: throw std::invalid_argument("layernorm_jacobian: unknown kind");
+        }
         T* o = mutable_ptr(out);
         const T* g = data_or_null(gamma);
         py::gil_scoped_release release;
@@ -63,7 +79,14 @@ void bind_for(py::module_& m) {
   m.def(
       "layernorm_hessian",
       [](const carray<T>& X, T eps, const opt& gamma, int kind, carray<T>& out) {
+        check_inputs(X, gamma, opt());
         const index_t L = X.shape(0), d = X.shape(1);
+        if (kind == 0)
+          require_shape(out, {L, d, d, d}, "out");
+        else if (kind == 1)
+          require_shape(out, {L * d * L * d, L * d}, "out");
+        else
+          throw std::invalid_argument("layernorm_hessian: unknown kind");
         T* o = mutable_ptr(out);
         const T* g = data_or_null(gamma);
         py::gil_scoped_release release;
@@ -83,6 +106,7 @@ void bind_for(py::module_& m) {
   m.def(
       "layernorm_hessian_contract",
       [](const carray<T>& X, T eps, const opt& gamma, const carray<T>& G, carray<T>& out) {
+        check_inputs(X, gamma, opt());
         const index_t L = X.shape(0), d = X.shape(1);
         require_shape(G, {L, d}, "G");
         require_shape(out, {L, d, d}, "out");
