@@ -24,7 +24,8 @@ except ImportError as err:  # pragma: no cover - only without a build
 from ._backend import cuda_available
 from ._config import get_memory_budget, memory_budget, set_memory_budget
 from ._paths import get_cmake_dir, get_include
-from ._validate import OutputTooLargeError
+from ._threads import get_num_threads, set_num_threads
+from ._errors import NonFiniteError, OutputTooLargeError
 from .layernorm import layernorm, layernorm_hessian, layernorm_hessian_contract, layernorm_jacobian
 from .commutation import commutation_matrix, commutation_permutation, commute, kron_apply, unvec_r, vec_r
 from .softmax import softmax, softmax_hessian, softmax_jacobian
@@ -51,18 +52,21 @@ __all__ = [
     "loss_gradient",
     "loss_hessian",
     "loss_value",
+    "NonFiniteError",
     "OutputTooLargeError",
     "__version__",
     "cuda_available",
     "get_cmake_dir",
     "get_include",
     "get_memory_budget",
+    "get_num_threads",
     "layernorm",
     "layernorm_hessian",
     "layernorm_hessian_contract",
     "layernorm_jacobian",
     "memory_budget",
     "set_memory_budget",
+    "set_num_threads",
     # commutation / softmax / attention / FFN
     "attention",
     "attention_jacobian",

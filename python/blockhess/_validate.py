@@ -12,7 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from ._config import get_memory_budget
+from . import _core
+from ._config import format_bytes, get_memory_budget
+from ._errors import NonFiniteError, OutputTooLargeError
+from ._interop import as_array
 
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -34,6 +37,7 @@ def float_array(x: Any, name: str, *, ndim: int | tuple[int, ...] | None = None)
     """
     if x is None:
         raise TypeError(f"{name} must be an array, got None")
+    x = as_array(x, name)
     from ._backend import cuda_available, is_device_array
 
     if is_device_array(x) and not cuda_available():
@@ -60,6 +64,9 @@ def float_array(x: Any, name: str, *, ndim: int | tuple[int, ...] | None = None)
             except (ValueError, TypeError) as err:
                 raise TypeError(f"{name} must be a numeric array: {err}") from None
         dtype = np.dtype(x.dtype)
+    if dtype.kind == "f" and not dtype.isnative:  # e.g. big-endian '>f8': the same values, converted
+        dtype = dtype.newbyteorder("=")
+        x = x.astype(dtype)
     if dtype not in FLOAT_DTYPES:
         if dtype.kind == "f" and dtype.itemsize < 4:
             hint = f"; cast it with {name}.astype(np.float32) if that is what you want"
@@ -77,7 +84,8 @@ def float_array(x: Any, name: str, *, ndim: int | tuple[int, ...] | None = None)
 
 
 def common_dtype(*arrays: Any) -> np.dtype:
-    """float32 if every array is float32, else float64 (mixed inputs are promoted to float64)."""
+    """float32 if every float array is float32, else float64 (mixed inputs are promoted to float64).
+    Every float array argument of a call takes part, targets included."""
     present = [np.dtype(a.dtype) for a in arrays if a is not None]
     if present and all(dt == np.float32 for dt in present):
         return np.dtype(np.float32)
@@ -93,7 +101,12 @@ def contiguous(x: Any, dtype: np.dtype) -> Any:
 
 def output_array(out: Any, shape: tuple[int, ...], dtype: np.dtype, inputs: tuple[Any, ...]) -> Any:
     """``out`` checked as the destination of a result: exactly ``shape`` and ``dtype``, C-contiguous,
-    writeable and sharing no memory with ``inputs`` (results are written in place, never cast)."""
+    writeable and sharing no memory with ``inputs`` (results are written in place, never cast).
+
+    ``inputs`` must be the caller's own arrays, not internal copies: an F-ordered X that is a view
+    of ``out``'s memory is copied before the computation, and only the caller's X shows the overlap.
+    """
+    out = as_array(out, "out")
     if not (hasattr(out, "shape") and hasattr(out, "dtype") and hasattr(out, "flags")):
         raise TypeError(f"out must be an array, got {type(out).__name__}")
     if np.dtype(out.dtype) != dtype:
@@ -105,15 +118,20 @@ def output_array(out: Any, shape: tuple[int, ...], dtype: np.dtype, inputs: tupl
     if not getattr(out.flags, "writeable", True):  # CuPy arrays are always writeable
         raise ValueError("out is read-only")
     xp = _xp(out)
-    if any(a is not None and xp.may_share_memory(out, a) for a in inputs):
-        raise ValueError("out shares memory with an input; pass a separate array")
+    for name, a in inputs:
+        a = None if a is None else as_array(a, name)
+        if a is not None and hasattr(a, "dtype") and xp.may_share_memory(out, a):
+            raise ValueError(f"out shares memory with {name}; pass a separate array")
     return out
 
 
 def nonneg_scalar(value: Any, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an int beyond the float range, e.g. 10**400
+        raise ValueError(f"{name} must be finite and >= 0, got an integer beyond the float range") from None
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"{name} must be finite and >= 0, got {value}")
     return value
@@ -125,17 +143,41 @@ def choice(value: Any, name: str, allowed: tuple[str, ...]) -> str:
     return value
 
 
-class OutputTooLargeError(MemoryError, ValueError):
-    """A dense output would exceed the memory budget. Both a MemoryError and a ValueError."""
-
-
-def require_output_fits(shape: tuple[int, ...], dtype: np.dtype, what: str, alternative: str) -> None:
-    """Refuse an output larger than the memory budget with an error that names the way out."""
-    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+def require_output_fits(
+    shape: tuple[int, ...], dtype: np.dtype, what: str, alternative: str, *, working: int = 0,
+    into_out: bool = False,
+) -> None:
+    """Refuse a call whose result (``shape``, unless it goes into the caller's ``out=``) and working
+    arrays (``working`` bytes) together exceed the memory budget, with an error that says what was
+    asked, what fits and the way out."""
+    output = 0 if into_out else math.prod(shape) * np.dtype(dtype).itemsize
+    total = output + working
     budget = get_memory_budget()
-    if nbytes > budget:
+    if total > budget:
+        if into_out:
+            need = f"{format_bytes(working)} of working memory (the result goes into out=)"
+        elif working:
+            need = (f"{format_bytes(total)} ({format_bytes(output)} for the result, {format_bytes(working)} "
+                    "of working memory)")
+        else:
+            need = format_bytes(total)
         raise OutputTooLargeError(
-            f"{what} of shape {shape} would take {nbytes / 2**30:.2f} GiB, more than the memory "
-            f"budget of {budget / 2**30:.2f} GiB; {alternative} "
-            "(or raise the budget with blockhess.set_memory_budget)"
+            f"{what} of shape {tuple(shape)} needs {need}, more than the memory budget of "
+            f"{format_bytes(budget)}; {alternative} (or raise the budget with "
+            "blockhess.set_memory_budget or BLOCKHESS_MEMORY_BUDGET)"
         )
+
+
+def require_finite(result: Any, what: str) -> Any:
+    """``result`` unless it holds Inf or NaN, which finite inputs can still produce when they drive a
+    stage past the float range: then NonFiniteError naming ``what``."""
+    if hasattr(result, "__cuda_array_interface__"):
+        finite = bool(_xp(result).isfinite(result).all())
+    else:
+        finite = _core.all_finite(result)
+    if not finite:
+        raise NonFiniteError(
+            f"{what} is not finite (Inf or NaN) although every input is: the inputs drive it past the "
+            f"range of {np.dtype(result.dtype).name}; rescale them (inputs or weights of smaller magnitude)"
+        )
+    return result

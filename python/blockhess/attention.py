@@ -11,8 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from . import _backend, _core, _gpu
-from ._validate import choice, common_dtype, contiguous, float_array, require_output_fits
+from . import _backend, _core, _gpu, _working_memory
+from ._interop import returns_callers_kind
+from ._validate import choice, common_dtype, contiguous, float_array, require_finite, require_output_fits
 
 _WRT = ("W_Q", "W_K", "W_V", "X")
 
@@ -41,16 +42,21 @@ def _prepare(X: Any, W_Q: Any, W_K: Any, W_V: Any):
     return tuple(contiguous(a, dtype) for a in (X, W_Q, W_K, W_V)) + (dtype,)
 
 
+@returns_callers_kind
 def attention(X: Any, W_Q: Any, W_K: Any, W_V: Any) -> np.ndarray:
     """``softmax(X W_Q W_K^T X^T / sqrt(d_k)) X W_V``, shape (L, d_v)."""
     X, W_Q, W_K, W_V, dtype = _prepare(X, W_Q, W_K, W_V)
+    (L, d), d_k, d_v = X.shape, W_Q.shape[1], W_V.shape[1]
+    require_output_fits((L, d_v), dtype, "the attention output", "pass fewer tokens at a time",
+                        working=_working_memory.attention(L, d, d_k, d_v, dtype.itemsize))
     if _backend.on_device(X, W_Q, W_K, W_V):
-        return _gpu.attention(X, W_Q, W_K, W_V)
-    out = np.empty((X.shape[0], W_V.shape[1]), dtype=dtype)
+        return require_finite(_gpu.attention(X, W_Q, W_K, W_V), "the attention output")
+    out = np.empty((L, d_v), dtype=dtype)
     _core.attention_forward(X, W_Q, W_K, W_V, out)
-    return out
+    return require_finite(out, "the attention output")
 
 
+@returns_callers_kind
 def attention_jacobian(X: Any, W_Q: Any, W_K: Any, W_V: Any, wrt: str) -> np.ndarray:
     """Exact Jacobian of the attention output ``F`` (L, d_v) with respect to ``wrt``.
 
@@ -65,9 +71,11 @@ def attention_jacobian(X: Any, W_Q: Any, W_K: Any, W_V: Any, wrt: str) -> np.nda
     (L, d), d_k, d_v = X.shape, W_Q.shape[1], W_V.shape[1]
     n_wrt = {"W_Q": d * d_k, "W_K": d * d_k, "W_V": d * d_v, "X": L * d}[wrt]
     shape = (L * d_v, n_wrt)
-    require_output_fits(shape, dtype, f"the attention Jacobian with respect to {wrt}", "use fewer tokens")
+    what = f"the attention Jacobian with respect to {wrt}"
+    require_output_fits(shape, dtype, what, "use fewer tokens",
+                        working=_working_memory.attention(L, d, d_k, d_v, dtype.itemsize, wrt))
     if _backend.on_device(X, W_Q, W_K, W_V):
-        return _gpu.attention_jacobian(X, W_Q, W_K, W_V, wrt)
+        return require_finite(_gpu.attention_jacobian(X, W_Q, W_K, W_V, wrt), what)
     out = np.empty(shape, dtype=dtype)
     _core.attention_jacobian(X, W_Q, W_K, W_V, _WRT.index(wrt), out)
-    return out
+    return require_finite(out, what)

@@ -13,9 +13,19 @@ from typing import Any
 
 import numpy as np
 
-from . import _backend, _core, _gpu
+from . import _backend, _core, _gpu, _working_memory
+from ._interop import as_array, is_torch_tensor, returns_callers_kind, to_torch
 from ._validate import _xp as _array_module
-from ._validate import choice, common_dtype, contiguous, float_array, nonneg_scalar, output_array, require_output_fits
+from ._validate import (
+    choice,
+    common_dtype,
+    contiguous,
+    float_array,
+    nonneg_scalar,
+    output_array,
+    require_finite,
+    require_output_fits,
+)
 
 PARAM_NAMES = ("W_Q", "W_K", "W_V", "W_1", "W_2")
 _LOSSES = {"mse": 0, "cross_entropy": 1}
@@ -29,7 +39,11 @@ class BlockParams:
     names = PARAM_NAMES
 
     def __init__(self, W_Q: Any, W_K: Any, W_V: Any, W_1: Any, W_2: Any) -> None:
-        arrays = [float_array(w, name, ndim=2) for name, w in zip(PARAM_NAMES, (W_Q, W_K, W_V, W_1, W_2))]
+        given = (W_Q, W_K, W_V, W_1, W_2)
+        arrays = [float_array(w, name, ndim=2) for name, w in zip(PARAM_NAMES, given)]
+        # The caller's own arrays (views of tensors), for the aliasing check of loss_hessian(out=).
+        self._sources = tuple(as_array(w, name) for name, w in zip(PARAM_NAMES, given))
+        self._from_torch = any(is_torch_tensor(w) for w in given)
         _backend.on_device(*arrays)
         d, d_k = arrays[0].shape
         d_ff = arrays[3].shape[1]
@@ -78,18 +92,23 @@ class BlockParams:
         return {n: slice(int(a), int(b)) for n, a, b in zip(PARAM_NAMES, bounds[:-1], bounds[1:])}
 
     def flatten(self) -> Any:
-        """All five matrices, each vec_r'd, concatenated in the order of :attr:`names`."""
-        return _array_module(self._arrays[0]).concatenate([w.reshape(-1) for w in self._arrays])
+        """All five matrices, each vec_r'd, concatenated in the order of :attr:`names` (a torch
+        tensor when the matrices were given as tensors)."""
+        flat = _array_module(self._arrays[0]).concatenate([w.reshape(-1) for w in self._arrays])
+        return to_torch(flat) if self._from_torch else flat
 
     @classmethod
     def unflatten(cls, v: Any, like: BlockParams) -> BlockParams:
         """Inverse of :meth:`flatten`: matrices shaped like those of ``like``."""
         if not isinstance(like, BlockParams):
             raise TypeError(f"like must be a BlockParams, got {type(like).__name__}")
+        from_torch = is_torch_tensor(v)
         v = float_array(v, "v", ndim=1)
         if v.shape[0] != like.size:
             raise ValueError(f"v must have length {like.size} to match {like!r}, got {v.shape[0]}")
-        return cls(*(v[s].reshape(shape) for s, shape in zip(like.slices().values(), like.shapes)))
+        params = cls(*(v[s].reshape(shape) for s, shape in zip(like.slices().values(), like.shapes)))
+        params._from_torch = from_torch
+        return params
 
 
 def _param_index(name: Any) -> int:
@@ -104,15 +123,16 @@ def _check_params(params: Any) -> BlockParams:
     return params
 
 
-def _batch(X: Any, params: BlockParams, *, single: bool = False):
-    """X as a C-contiguous (B, L, d) array in the common dtype, with the weights in that dtype."""
+def _batch(X: Any, params: BlockParams, *, single: bool = False, promote_with: tuple[Any, ...] = ()):
+    """X as a C-contiguous (B, L, d) array in the common dtype of X, the weights and the float
+    arrays in ``promote_with`` (a float target), with the weights in that dtype."""
     X = float_array(X, "X", ndim=(2,) if single else (2, 3))
     if X.shape[-1] != params.d:
         raise ValueError(f"X has {X.shape[-1]} features (shape {tuple(X.shape)}) but W_Q has d = {params.d} rows")
     if X.shape[-2] < 1 or (X.ndim == 3 and X.shape[0] < 1):
         raise ValueError(f"X must hold at least one token, got shape {tuple(X.shape)}")
     _backend.on_device(X, *params.arrays)
-    dtype = common_dtype(X, *params.arrays)
+    dtype = common_dtype(X, *params.arrays, *promote_with)
     weights = tuple(contiguous(w, dtype) for w in params.arrays)
     return contiguous(X.reshape((1, *X.shape)) if X.ndim == 2 else X, dtype), weights, dtype
 
@@ -122,11 +142,11 @@ def _target(target: Any, loss: str, X3: np.ndarray, batched: bool, dtype: np.dty
     B, L, d = X3.shape
     want = (B, L) if batched else (L,)
     if loss == "mse":
-        target = float_array(target, "target")
         full = (B, L, d) if batched else (L, d)
         if tuple(target.shape) != full:
             raise ValueError(f"target must have the shape of X, {full}, for loss='mse', got {tuple(target.shape)}")
         return contiguous(target, dtype).reshape(B, L, d), None
+    target = as_array(target, "target")
     if target is None or not hasattr(target, "dtype"):
         target = np.asarray(target)
     kind = np.dtype(target.dtype).kind
@@ -143,18 +163,24 @@ def _target(target: Any, loss: str, X3: np.ndarray, batched: bool, dtype: np.dty
     return None, _array_module(target).ascontiguousarray(target, dtype=np.int64).reshape(B, L)
 
 
+@returns_callers_kind
 def block_forward(X: Any, params: BlockParams, *, eps: float = 0.0) -> np.ndarray:
     """The block output Z for X of shape (L, d) or (B, L, d); same shape as X."""
     params = _check_params(params)
     eps = nonneg_scalar(eps, "eps")
     X3, W, dtype = _batch(X, params)
+    shape = tuple(X.shape)
+    B, L, d = X3.shape
+    require_output_fits(X3.shape, dtype, "the block output", "pass fewer samples or tokens at a time",
+                        working=_working_memory.block(B, L, d, params.d_k, params.d_ff, dtype.itemsize, hessian=False))
     if _backend.on_device(X3):
-        return _gpu.block_forward(X3, W, eps).reshape(tuple(X.shape))
+        return require_finite(_gpu.block_forward(X3, W, eps), "the block output Z").reshape(shape)
     out = np.empty_like(X3)
-    _core.block_forward(X3, *W, eps, out)
-    return out.reshape(np.shape(X))
+    _core.block_forward(X3, *W, eps, out)  # the core names any forward stage that overflows
+    return out.reshape(shape)
 
 
+@returns_callers_kind
 def block_jacobian(X: Any, params: BlockParams, wrt: str, *, eps: float = 0.0) -> np.ndarray:
     """dZ/dW_wrt for one sample X (L, d): shape (L*d, n_wrt), numerator layout."""
     params = _check_params(params)
@@ -163,14 +189,18 @@ def block_jacobian(X: Any, params: BlockParams, wrt: str, *, eps: float = 0.0) -
     X3, W, dtype = _batch(X, params, single=True)
     L, d = X3.shape[1:]
     shape = (L * d, params.sizes[p])
-    require_output_fits(shape, dtype, f"the block Jacobian with respect to {wrt}", "use loss_gradient or a smaller L")
+    working = _working_memory.block(1, L, d, params.d_k, params.d_ff, dtype.itemsize, hessian=True, outer=False)
+    require_output_fits(shape, dtype, f"the block Jacobian with respect to {wrt}", "use loss_gradient or a smaller L",
+                        working=working)
+    what = f"the block Jacobian with respect to {wrt}"
     if _backend.on_device(X3):
-        return _gpu.block_jacobian(X3, W, eps, p)
+        return require_finite(_gpu.block_jacobian(X3, W, eps, p), what)
     out = np.empty(shape, dtype=dtype)
     _core.block_jacobian(X3, *W, eps, p, out)
-    return out
+    return require_finite(out, what)
 
 
+@returns_callers_kind
 def block_output_hessian(X: Any, params: BlockParams, wrt_i: str, wrt_j: str, *, eps: float = 0.0) -> np.ndarray:
     """d2 Z / dW_i dW_j for one sample, in the paper's layout (L*d*n_i, n_j).
 
@@ -183,9 +213,12 @@ def block_output_hessian(X: Any, params: BlockParams, wrt_i: str, wrt_j: str, *,
     X3, W, dtype = _batch(X, params, single=True)
     L, d = X3.shape[1:]
     shape = (L * d * params.sizes[i], params.sizes[j])
-    require_output_fits(shape, dtype, f"d2Z/d{wrt_i}d{wrt_j}", "use loss_hessian, which contracts it with the loss")
+    pair = params.sizes[i] + (params.sizes[j] if i != j else 0)
+    working = _working_memory.block(1, L, d, params.d_k, params.d_ff, dtype.itemsize, hessian=True) + pair**2 * dtype.itemsize
+    require_output_fits(shape, dtype, f"d2Z/d{wrt_i}d{wrt_j}", "use loss_hessian, which contracts it with the loss",
+                        working=working)
     if _backend.on_device(X3):
-        return _gpu.block_output_hessian(X3, W, eps, i, j)
+        return require_finite(_gpu.block_output_hessian(X3, W, eps, i, j), f"d2Z/d{wrt_i}d{wrt_j}")
     out = np.empty(shape, dtype=dtype)
     _core.block_output_hessian(X3, *W, eps, i, j, out)
     return out
@@ -195,20 +228,29 @@ def _loss_inputs(X, target, params, loss, eps):
     params = _check_params(params)
     loss = choice(loss, "loss", tuple(_LOSSES))
     eps = nonneg_scalar(eps, "eps")
-    X3, W, dtype = _batch(X, params)
+    if loss == "mse":  # a float target takes part in the dtype promotion like every other array
+        target = float_array(target, "target")
+    X3, W, dtype = _batch(X, params, promote_with=(target,) if loss == "mse" else ())
     _backend.on_device(X3, target)  # TypeError for a target on the other side of X
-    values, classes = _target(target, loss, X3, np.ndim(X) == 3, dtype)
+    batched = len(as_array(X, "X").shape) == 3
+    values, classes = _target(target, loss, X3, batched, dtype)
     return params, X3, W, dtype, eps, _LOSSES[loss], values, classes
 
 
+@returns_callers_kind
 def loss_value(X: Any, target: Any, params: BlockParams, *, loss: str = "mse", eps: float = 0.0) -> float:
     """The loss of the block output: mean over the batch of the per-sample loss."""
     params, X3, W, dtype, eps, kind, values, classes = _loss_inputs(X, target, params, loss, eps)
+    B, L, d = X3.shape
+    require_output_fits((1,), dtype, "the loss", "pass fewer samples at a time",
+                        working=_working_memory.block(B, L, d, params.d_k, params.d_ff, dtype.itemsize, hessian=False))
     if _backend.on_device(X3):
-        return _gpu.loss_value(X3, W, eps, kind, values, classes)
+        value = float(_gpu.loss_value(X3, W, eps, kind, values, classes))
+        return float(require_finite(np.asarray(value), "the loss value"))
     return float(_core.loss_gradient(X3, *W, eps, kind, values, classes, None))
 
 
+@returns_callers_kind
 def loss_gradient(X: Any, target: Any, params: BlockParams, *, loss: str = "mse", eps: float = 0.0) -> np.ndarray:
     """Gradient of the loss with respect to all five matrices, flattened like ``params.flatten()``: (P,).
 
@@ -217,13 +259,17 @@ def loss_gradient(X: Any, target: Any, params: BlockParams, *, loss: str = "mse"
     A batch X (B, L, d) gives the gradient of the batch-mean loss.
     """
     params, X3, W, dtype, eps, kind, values, classes = _loss_inputs(X, target, params, loss, eps)
+    B, L, d = X3.shape
+    require_output_fits((params.size,), dtype, "the loss gradient", "pass fewer samples at a time",
+                        working=_working_memory.block(B, L, d, params.d_k, params.d_ff, dtype.itemsize, hessian=False))
     if _backend.on_device(X3):
-        return _gpu.loss_gradient(X3, W, eps, kind, values, classes)
+        return require_finite(_gpu.loss_gradient(X3, W, eps, kind, values, classes), "the loss gradient")
     out = np.empty(params.size, dtype=dtype)
     _core.loss_gradient(X3, *W, eps, kind, values, classes, out)
     return out
 
 
+@returns_callers_kind
 def loss_hessian(
     X: Any,
     target: Any,
@@ -258,16 +304,24 @@ def loss_hessian(
         _param_index(n)
     names = tuple(n for n in PARAM_NAMES if n in names)  # the Hessian follows the canonical order
     P = sum(s for s, keep in zip(params.sizes, selected) if keep)
+    B, L, d = X3.shape
+    working = _working_memory.block(B, L, d, params.d_k, params.d_ff, dtype.itemsize, hessian=True, outer=part != "functional")
     if out is None:
         require_output_fits(
             (P, P), dtype, f"the loss Hessian over {', '.join(names)} (P = {P})",
             "pass wrt=(...) with fewer parameters, e.g. wrt=('W_Q', 'W_K'), or a preallocated out=",
+            working=working,
         )
     else:
+        require_output_fits((P, P), dtype, f"the loss Hessian over {', '.join(names)} (P = {P})",
+                            "pass fewer samples or tokens at a time", working=working, into_out=True)
         _backend.on_device(X3, out)  # TypeError for an out on the other side of X
-        out = output_array(out, (P, P), dtype, (X3, *W, values, classes))
+        # Checked against the caller's own arrays: the copies made above cannot overlap out.
+        callers = (("X", X), *zip(PARAM_NAMES, params._sources), ("target", target))
+        out = output_array(out, (P, P), dtype, callers)
     if _backend.on_device(X3):
-        H = _gpu.loss_hessian(X3, W, eps, kind, values, classes, part_code, selected, out)
+        H = require_finite(_gpu.loss_hessian(X3, W, eps, kind, values, classes, part_code, selected, out),
+                           "the loss Hessian")
     else:
         H = np.empty((P, P), dtype=dtype) if out is None else out
         _core.loss_hessian(X3, *W, eps, kind, values, classes, part_code, selected, H)

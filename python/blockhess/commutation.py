@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 
 from . import _backend, _core, _gpu
-from ._validate import common_dtype, contiguous, float_array, require_output_fits
+from ._interop import returns_callers_kind
+from ._validate import common_dtype, contiguous, float_array, require_finite, require_output_fits
 
 
 def _dim(value: Any, name: str) -> int:
@@ -35,6 +36,7 @@ def _float_dtype(dtype: Any) -> np.dtype:
     return dt
 
 
+@returns_callers_kind
 def vec_r(A: Any) -> np.ndarray:
     """Row-major vectorisation of a 2-D array: ``vec_r(A)[i*n + j] = A[i, j]`` (a new 1-D array)."""
     A = float_array(A, "A", ndim=2)
@@ -43,6 +45,7 @@ def vec_r(A: Any) -> np.ndarray:
     return np.array(A, dtype=A.dtype, order="C").reshape(-1)
 
 
+@returns_callers_kind
 def unvec_r(v: Any, m: int, n: int) -> np.ndarray:
     """Inverse of :func:`vec_r`: the ``(m, n)`` array whose rows are stacked in ``v`` (a new array)."""
     m, n = _dim(m, "m"), _dim(n, "n")
@@ -54,14 +57,18 @@ def unvec_r(v: Any, m: int, n: int) -> np.ndarray:
     return np.array(v, dtype=v.dtype, order="C").reshape(m, n)
 
 
+@returns_callers_kind
 def commutation_permutation(m: int, n: int) -> np.ndarray:
     """The index map of ``K_{m,n}``: int64 ``perm`` with ``(K_{m,n} v)[r] = v[perm[r]]``."""
     m, n = _dim(m, "m"), _dim(n, "n")
+    require_output_fits((m * n,), np.dtype(np.int64), "the commutation permutation",
+                        "use blockhess.commute(v, m, n), which permutes without it")
     out = np.empty(m * n, dtype=np.int64)
     _core.commutation_permutation(m, n, out)
     return out
 
 
+@returns_callers_kind
 def commutation_matrix(m: int, n: int, *, dtype: Any = np.float64, like: Any = None) -> np.ndarray:
     """The dense commutation matrix ``K_{m,n}``, shape ``(m*n, m*n)``.
 
@@ -80,6 +87,7 @@ def commutation_matrix(m: int, n: int, *, dtype: Any = np.float64, like: Any = N
     return out
 
 
+@returns_callers_kind
 def commute(v: Any, m: int, n: int) -> np.ndarray:
     """``K_{m,n} v`` without forming ``K_{m,n}``.
 
@@ -91,6 +99,7 @@ def commute(v: Any, m: int, n: int) -> np.ndarray:
     if v.shape[0] != m * n:
         raise ValueError(f"v must have m*n = {m * n} rows for m={m}, n={n}, got shape {v.shape}")
     _backend.on_device(v)
+    require_output_fits(v.shape, v.dtype, "K_{m,n} v", "pass fewer columns of v at a time")
     v = contiguous(v, v.dtype)
     if _backend.on_device(v):
         return _gpu.commute(v, m, n)
@@ -99,6 +108,7 @@ def commute(v: Any, m: int, n: int) -> np.ndarray:
     return out
 
 
+@returns_callers_kind
 def kron_apply(A: Any, B: Any, X: Any) -> np.ndarray:
     """``(A ⊗ B) vec_r(X) = vec_r(A X B^T)`` without forming ``A ⊗ B``.
 
@@ -120,8 +130,11 @@ def kron_apply(A: Any, B: Any, X: Any) -> np.ndarray:
     dtype = common_dtype(A, B, X)
     A, B = contiguous(A, dtype), contiguous(B, dtype)
     X = contiguous(X, dtype).reshape(m, n)
+    # The core works on aligned copies of A, B, X and the result, and forms A X or X B^T between.
+    working = (p * m + q * n + m * n + p * q + max(p * n, m * q)) * dtype.itemsize
+    require_output_fits((p * q,), dtype, "(A ⊗ B) vec_r(X)", "apply it to smaller operands", working=working)
     if _backend.on_device(A, B, X):
-        return _gpu.kron_apply(A, B, X)
+        return require_finite(_gpu.kron_apply(A, B, X), "(A ⊗ B) vec_r(X)")
     out = np.empty(p * q, dtype=dtype)
     _core.kron_apply(A, B, X, out)
-    return out
+    return require_finite(out, "(A ⊗ B) vec_r(X)")

@@ -12,8 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from . import _backend, _core, _gpu
-from ._validate import choice, common_dtype, contiguous, float_array, require_output_fits
+from . import _backend, _core, _gpu, _working_memory
+from ._interop import returns_callers_kind
+from ._validate import choice, common_dtype, contiguous, float_array, require_finite, require_output_fits
 
 _LAYOUTS = ("dense", "blocks")
 
@@ -37,16 +38,21 @@ def _prepare(Y: Any, W_1: Any, W_2: Any):
     return contiguous(Y, dtype), contiguous(W_1, dtype), contiguous(W_2, dtype), dtype
 
 
+@returns_callers_kind
 def ffn(Y: Any, W_1: Any, W_2: Any) -> np.ndarray:
     """``relu(Y W_1) W_2``, shape (L, d_out)."""
     Y, W_1, W_2, dtype = _prepare(Y, W_1, W_2)
+    (L, d), d_ff, d_out = Y.shape, W_1.shape[1], W_2.shape[1]
+    require_output_fits((L, d_out), dtype, "the FFN output", "pass fewer tokens at a time",
+                        working=_working_memory.ffn(L, d, d_ff, d_out, dtype.itemsize))
     if _backend.on_device(Y, W_1, W_2):
-        return _gpu.ffn(Y, W_1, W_2)
-    out = np.empty((Y.shape[0], W_2.shape[1]), dtype=dtype)
+        return require_finite(_gpu.ffn(Y, W_1, W_2), "the FFN output")
+    out = np.empty((L, d_out), dtype=dtype)
     _core.ffn_forward(Y, W_1, W_2, out)
-    return out
+    return require_finite(out, "the FFN output")
 
 
+@returns_callers_kind
 def ffn_jacobian(Y: Any, W_1: Any, W_2: Any, wrt: str, *, layout: str = "dense") -> Any:
     """Exact Jacobian of ``FFN(Y)`` (L, d_out) with respect to ``wrt``.
 
@@ -78,27 +84,34 @@ def ffn_jacobian(Y: Any, W_1: Any, W_2: Any, wrt: str, *, layout: str = "dense")
         shape, kind, hint = (L * d_out, L * d), 2, 'use layout="blocks"'
     else:
         shape, kind, hint = (L, d_out, d), 3, "use fewer tokens"
-    require_output_fits(shape, dtype, f"the FFN Jacobian with respect to {wrt}", hint)
+    what = f"the FFN Jacobian with respect to {wrt}" + (" (blocks)" if layout == "blocks" else "")
+    require_output_fits(shape, dtype, what, hint, working=_working_memory.ffn(L, d, d_ff, d_out, dtype.itemsize))
     if _backend.on_device(Y, W_1, W_2):
-        return _gpu.ffn_jacobian(Y, W_1, W_2, wrt, layout)
+        return require_finite(_gpu.ffn_jacobian(Y, W_1, W_2, wrt, layout), what)
     out = np.empty(shape, dtype=dtype)
     _core.ffn_jacobian(Y, W_1, W_2, kind, out)
-    return out
+    return require_finite(out, what)
 
 
 def _kron_factors(Y: Any, W_1: Any, W_2: Any, wrt: str, dtype: np.dtype):
-    L, d_ff, d_out = Y.shape[0], W_1.shape[1], W_2.shape[1]
+    (L, d), d_ff, d_out = Y.shape, W_1.shape[1], W_2.shape[1]
+    what = f"the Kronecker factors of the FFN Jacobian with respect to {wrt}"
+    # U and V together: (L, d) and (L, d_out, d_ff) for W_1, (L, d_ff) and an identity for W_2.
+    factors = (L * d + L * d_out * d_ff,) if wrt == "W_1" else (L * d_ff + d_out * d_out,)
+    require_output_fits(factors, dtype, what, "pass fewer tokens at a time",
+                        working=_working_memory.ffn(L, d, d_ff, d_out, dtype.itemsize))
     if _backend.on_device(Y, W_1, W_2):
-        return _gpu.ffn_jacobian(Y, W_1, W_2, wrt, "kron")
+        return tuple(require_finite(f, what) for f in _gpu.ffn_jacobian(Y, W_1, W_2, wrt, "kron"))
     if wrt == "W_1":
         V = np.empty((L, d_out, d_ff), dtype=dtype)
         _core.ffn_jacobian(Y, W_1, W_2, 4, V)
-        return Y.copy(), V
+        return Y.copy(), require_finite(V, what)
     U = np.empty((L, d_ff), dtype=dtype)
     _core.ffn_jacobian(Y, W_1, W_2, 5, U)
-    return U, np.broadcast_to(np.eye(d_out, dtype=dtype), (L, d_out, d_out))
+    return require_finite(U, what), np.broadcast_to(np.eye(d_out, dtype=dtype), (L, d_out, d_out))
 
 
+@returns_callers_kind
 def ffn_cross_hessian(Y: Any, W_1: Any, W_2: Any, *, layout: str = "dense") -> np.ndarray:
     """Exact cross second derivative ``d2 FFN / dW_1 dW_2``.
 
@@ -115,9 +128,10 @@ def ffn_cross_hessian(Y: Any, W_1: Any, W_2: Any, *, layout: str = "dense") -> n
         shape, kind, hint = (L * d_out * d * d_ff, d_ff * d_out), 1, 'use layout="blocks"'
     else:
         shape, kind, hint = (L, d, d_ff), 0, "use fewer tokens"
-    require_output_fits(shape, dtype, f"the {layout} FFN cross second derivative", hint)
+    what = "the dense FFN cross second derivative" if layout == "dense" else "the FFN cross second-derivative blocks"
+    require_output_fits(shape, dtype, what, hint, working=_working_memory.ffn(L, d, d_ff, d_out, dtype.itemsize))
     if _backend.on_device(Y, W_1, W_2):
-        return _gpu.ffn_cross_hessian(Y, W_1, W_2, layout)
+        return require_finite(_gpu.ffn_cross_hessian(Y, W_1, W_2, layout), what)
     out = np.empty(shape, dtype=dtype)
     _core.ffn_cross_hessian(Y, W_1, W_2, kind, out)
-    return out
+    return require_finite(out, what)

@@ -10,13 +10,15 @@ from typing import Any
 
 import numpy as np
 
-from . import _backend, _core, _gpu
+from . import _backend, _core, _gpu, _working_memory
+from ._interop import returns_callers_kind
 from ._validate import (
     choice,
     common_dtype,
     contiguous,
     float_array,
     nonneg_scalar,
+    require_finite,
     require_output_fits,
 )
 
@@ -42,16 +44,20 @@ def _prepare(X: Any, eps: Any, gamma: Any = None, beta: Any = None, G: Any = Non
     return (contiguous(X, dtype), eps, dtype, *[contiguous(v, dtype) for v in extras])
 
 
+@returns_callers_kind
 def layernorm(X: Any, eps: float = 0.0, gamma: Any = None, beta: Any = None) -> np.ndarray:
     """LN(X) row by row: ``gamma * (X - mean) / sqrt(var + eps) + beta``; same shape and dtype as X."""
     X, eps, dtype, gamma, beta, _ = _prepare(X, eps, gamma, beta)
+    require_output_fits(X.shape, dtype, "LN(X)", "pass fewer rows at a time",
+                        working=_working_memory.layernorm(X.shape[0], 1, dtype.itemsize))
     if _backend.on_device(X, gamma, beta):
-        return _gpu.layernorm(X, eps, gamma, beta)
+        return require_finite(_gpu.layernorm(X, eps, gamma, beta), "LN(X)")
     out = np.empty_like(X)
     _core.layernorm_forward(X, eps, gamma, beta, out)
-    return out
+    return require_finite(out, "LN(X)")
 
 
+@returns_callers_kind
 def layernorm_jacobian(
     X: Any, *, eps: float = 0.0, gamma: Any = None, layout: str = "dense", wrt: str = "X"
 ) -> np.ndarray:
@@ -64,18 +70,22 @@ def layernorm_jacobian(
     wrt = choice(wrt, "wrt", ("X", "gamma", "beta"))
     X, eps, dtype, gamma, _, _ = _prepare(X, eps, gamma)
     L, d = X.shape
-    if wrt == "X":
-        shape, kind = ((L * d, L * d), 1) if layout == "dense" else ((L, d, d), 0)
-        require_output_fits(shape, dtype, "the dense LayerNorm Jacobian", 'use layout="blocks"')
+    if wrt == "X" and layout == "dense":
+        shape, kind, what, hint = (L * d, L * d), 1, "the dense LayerNorm Jacobian", 'use layout="blocks"'
+    elif wrt == "X":
+        shape, kind, what, hint = (L, d, d), 0, "the LayerNorm Jacobian blocks", "pass fewer rows at a time"
     else:
         shape, kind = (L * d, d), (2 if wrt == "gamma" else 3)
+        what, hint = f"the LayerNorm Jacobian with respect to {wrt}", "pass fewer rows at a time"
+    require_output_fits(shape, dtype, what, hint, working=_working_memory.layernorm(L, d, dtype.itemsize))
     if _backend.on_device(X, gamma):
-        return _gpu.layernorm_jacobian(X, eps, gamma, layout, wrt)
+        return require_finite(_gpu.layernorm_jacobian(X, eps, gamma, layout, wrt), what)
     out = np.empty(shape, dtype=dtype)
     _core.layernorm_jacobian(X, eps, gamma, kind, out)
-    return out
+    return require_finite(out, what)
 
 
+@returns_callers_kind
 def layernorm_hessian(X: Any, *, eps: float = 0.0, gamma: Any = None, layout: str = "dense") -> np.ndarray:
     """Exact second derivative of LN(X) with respect to X.
 
@@ -85,18 +95,22 @@ def layernorm_hessian(X: Any, *, eps: float = 0.0, gamma: Any = None, layout: st
     layout = choice(layout, "layout", _LAYOUTS)
     X, eps, dtype, gamma, _, _ = _prepare(X, eps, gamma)
     L, d = X.shape
-    shape, kind = (((L * d) ** 2, L * d), 1) if layout == "dense" else ((L, d, d, d), 0)
-    require_output_fits(
-        shape, dtype, "the dense LayerNorm second derivative",
-        'use layout="blocks" or layernorm_hessian_contract',
-    )
+    if layout == "dense":
+        shape, kind, what = ((L * d) ** 2, L * d), 1, "the dense LayerNorm second derivative"
+        hint = 'use layout="blocks" or layernorm_hessian_contract'
+    else:
+        shape, kind, what = (L, d, d, d), 0, "the LayerNorm second-derivative blocks"
+        hint = "use layernorm_hessian_contract, or pass fewer rows at a time"
+    require_output_fits(shape, dtype, what, hint,
+                        working=_working_memory.layernorm(L, d, dtype.itemsize, dense_hessian=layout == "dense"))
     if _backend.on_device(X, gamma):
-        return _gpu.layernorm_hessian(X, eps, gamma, layout)
+        return require_finite(_gpu.layernorm_hessian(X, eps, gamma, layout), what)
     out = np.empty(shape, dtype=dtype)
     _core.layernorm_hessian(X, eps, gamma, kind, out)
-    return out
+    return require_finite(out, what)
 
 
+@returns_callers_kind
 def layernorm_hessian_contract(X: Any, G: Any, *, eps: float = 0.0, gamma: Any = None) -> np.ndarray:
     """Second derivative contracted with an output cotangent G (L, d): ``C[i] = sum_a G[i,a] H_i[a]``.
 
@@ -106,8 +120,11 @@ def layernorm_hessian_contract(X: Any, G: Any, *, eps: float = 0.0, gamma: Any =
     if G is None:
         raise TypeError("G must be an array of shape (L, d), got None")
     L, d = X.shape
+    what = "the contracted LayerNorm second derivative"
+    require_output_fits((L, d, d), dtype, what, "pass fewer rows at a time",
+                        working=_working_memory.layernorm(L, d, dtype.itemsize))
     if _backend.on_device(X, G, gamma):
-        return _gpu.layernorm_hessian_contract(X, G, eps, gamma)
+        return require_finite(_gpu.layernorm_hessian_contract(X, G, eps, gamma), what)
     out = np.empty((L, d, d), dtype=dtype)
     _core.layernorm_hessian_contract(X, eps, gamma, G, out)
-    return out
+    return require_finite(out, what)

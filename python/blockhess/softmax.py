@@ -11,8 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from . import _backend, _core, _gpu
-from ._validate import choice, contiguous, float_array, require_output_fits
+from . import _backend, _core, _gpu, _working_memory
+from ._interop import returns_callers_kind
+from ._validate import choice, contiguous, float_array, require_finite, require_output_fits
 
 _LAYOUTS = ("dense", "blocks")
 
@@ -26,23 +27,31 @@ def _prepare(T: Any):
     return contiguous(T, T.dtype)
 
 
-def _require_fits(shape, dtype, layout: str, what: str) -> None:
+def _require_fits(shape, dtype, layout: str, what: str, m: int, n: int) -> str:
+    """Checks the budget; returns how the result is named in messages."""
+    working = _working_memory.softmax(m, n, np.dtype(dtype).itemsize)
     if layout == "dense":
-        require_output_fits(shape, dtype, f"the dense softmax {what}", 'use layout="blocks"')
+        what = f"the dense softmax {what}"
+        require_output_fits(shape, dtype, what, 'use layout="blocks"', working=working)
     else:
-        require_output_fits(shape, dtype, f"the softmax {what} blocks", "pass fewer rows of T at a time")
+        what = f"the softmax {what} blocks"
+        require_output_fits(shape, dtype, what, "pass fewer rows of T at a time", working=working)
+    return what
 
 
+@returns_callers_kind
 def softmax(T: Any) -> np.ndarray:
     """``softmax(T)`` over each row (the last axis); same shape and dtype as ``T``."""
     T = _prepare(T)
+    require_output_fits(T.shape, T.dtype, "softmax(T)", "pass fewer rows of T at a time")
     if _backend.on_device(T):
-        return _gpu.softmax(T)
+        return require_finite(_gpu.softmax(T), "softmax(T)")
     out = np.empty_like(T)
     _core.softmax_forward(T, out)
-    return out
+    return require_finite(out, "softmax(T)")
 
 
+@returns_callers_kind
 def softmax_jacobian(T: Any, *, layout: str = "dense") -> np.ndarray:
     """Exact Jacobian of the row softmax, ``d vec_r A / d vec_r T``.
 
@@ -53,14 +62,15 @@ def softmax_jacobian(T: Any, *, layout: str = "dense") -> np.ndarray:
     T = _prepare(T)
     m, n = T.shape
     shape, kind = ((m * n, m * n), 1) if layout == "dense" else ((m, n, n), 0)
-    _require_fits(shape, T.dtype, layout, "Jacobian")
+    what = _require_fits(shape, T.dtype, layout, "Jacobian", m, n)
     if _backend.on_device(T):
-        return _gpu.softmax_jacobian(T, layout)
+        return require_finite(_gpu.softmax_jacobian(T, layout), what)
     out = np.empty(shape, dtype=T.dtype)
     _core.softmax_jacobian(T, kind, out)
-    return out
+    return require_finite(out, what)
 
 
+@returns_callers_kind
 def softmax_hessian(T: Any, *, layout: str = "dense") -> np.ndarray:
     """Exact second derivative of the row softmax with respect to ``T``.
 
@@ -73,9 +83,9 @@ def softmax_hessian(T: Any, *, layout: str = "dense") -> np.ndarray:
     m, n = T.shape
     N = m * n
     shape, kind = ((N * N, N), 1) if layout == "dense" else ((m, n, n, n), 0)
-    _require_fits(shape, T.dtype, layout, "second derivative")
+    what = _require_fits(shape, T.dtype, layout, "second derivative", m, n)
     if _backend.on_device(T):
-        return _gpu.softmax_hessian(T, layout)
+        return require_finite(_gpu.softmax_hessian(T, layout), what)
     out = np.empty(shape, dtype=T.dtype)
     _core.softmax_hessian(T, kind, out)
-    return out
+    return require_finite(out, what)

@@ -1,0 +1,54 @@
+"""Working memory of the core's calls, in bytes: what each C++ entry point allocates besides its
+result, so that the memory budget covers every allocation that grows with the input.
+
+Each function mirrors the buffers of the C++ code named in its docstring (a slight over-count is
+intended: the budget is a guard, not an accountant). tests/test_trust.py checks them against the
+peak memory of real calls.
+"""
+
+from __future__ import annotations
+
+# kron::accumulate packs at most 2^22 Gamma entries per chunk and forms per-task products of about
+# the same size on each of (at most) a few threads.
+_KRON_CHUNK = 2**22
+
+
+def layernorm(L: int, d: int, itemsize: int, *, dense_hessian: bool = False) -> int:
+    """bind_layernorm.cpp: y (L, d) and sigma (L); a (d, d, d) row for the dense second derivative."""
+    return itemsize * (L * d + L + (d**3 if dense_hessian else 0))
+
+
+def softmax(m: int, n: int, itemsize: int) -> int:
+    """bind_softmax.cpp: A (m, n)."""
+    return itemsize * m * n
+
+
+def attention(L: int, d: int, dk: int, dv: int, itemsize: int, wrt: str | None = None) -> int:
+    """attention.hpp: input copies, Q, K, V, logits and A (L, L), F; plus the Jacobian's own arrays."""
+    cache = 2 * L * L + L * (d + 2 * dk + 2 * dv) + d * (2 * dk + dv)
+    extra = {None: 0, "W_Q": L * dk + L * dv * dk, "W_K": L * d + L * dv * d, "W_V": L * d, "X": 2 * L * d}[wrt]
+    return itemsize * (cache + extra)
+
+
+def ffn(L: int, d: int, f: int, e: int, itemsize: int) -> int:
+    """ffn.hpp: copies of Y and W_1, H = Y W_1, W_2 and the (L, e) product."""
+    return itemsize * (L * d + d * f + L * f + f * e + L * e + 2 * f)
+
+
+def block(B: int, L: int, d: int, dk: int, dff: int, itemsize: int, *, hessian: bool, outer: bool = True) -> int:
+    """block.hpp, block_hessian.hpp, loss.hpp: forward caches, the reverse pass, the loss derivatives,
+    and for a Hessian the per-token factors, the Omega sandwiches and kron::accumulate's chunks."""
+    n = B * L
+    P = 2 * d * dk + d * d + 2 * d * dff
+    forward = P + 3 * B * L * L + n * (6 * d + 2 * dk + 2 * dff + 2)  # X, Q, K, V, A, F, Y, H1, R, S, Z
+    reverse = 2 * B * L * L + n * (3 * d + dff)  # gS, gH1, gY, gF, gA, gT
+    loss = n * d * (d + 1 if outer else 1)
+    total = forward + reverse + loss
+    if hessian:
+        vectors = n * (3 * d + dk + dff)
+        matrices = n * d * (dk + 3 * d + dff) + 2 * n * d * (dk + 2 * d)  # US, then UF and UY
+        omegas = 3 * n * d * d
+        widest = max(d, dk, dff)
+        kron = 3 * min(n * widest * widest, _KRON_CHUNK)
+        total += vectors + matrices + omegas + kron
+    return itemsize * total

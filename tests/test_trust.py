@@ -1,0 +1,416 @@
+"""Inputs blockhess must not trust: aliasing with out=, LayerNorm rows at the edge of the float
+range or constant up to rounding, finite inputs with non-finite results, mixed dtypes, masked
+arrays, np.matrix, byte order, alignment, PyTorch tensors, the memory budget and the bindings."""
+
+import math
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+import reference as ref
+import torch
+
+import blockhess
+from blockhess import _core
+
+L, D, DK, DFF = 5, 4, 3, 6
+
+
+def _block(rng, B=None, scale=0.6):
+    X, W, target, classes = ref.random_block(rng, L, D, DK, DFF, B=B, scale=scale)
+    return X, blockhess.BlockParams(*W), target, classes
+
+
+# --- 1. out= must never alias the caller's arrays ----------------------------------------------
+
+@pytest.mark.parametrize("which", ["X", "target", "W_V"])
+def test_out_sharing_memory_with_a_non_contiguous_input_is_refused(rng, which):
+    X, params, target, _ = _block(rng)
+    P = params.size
+    big = np.zeros((P, P))
+    # An F-ordered view of out's own memory: the internal C-contiguous copy cannot show the overlap.
+    if which == "X":
+        X = np.asfortranarray(X)
+        view = big.reshape(-1)[: X.size].reshape(X.shape[::-1]).T
+        view[...] = X
+        X = view
+    elif which == "target":
+        view = big.reshape(-1)[: target.size].reshape(target.shape[::-1]).T
+        view[...] = target
+        target = view
+    else:
+        W = list(params.arrays)
+        view = big.reshape(-1)[: W[2].size].reshape(W[2].shape[::-1]).T
+        view[...] = W[2]
+        W[2] = view
+        params = blockhess.BlockParams(*W)
+    assert not view.flags.c_contiguous
+    before = big.copy()
+    with pytest.raises(ValueError, match=f"out shares memory with {which}"):
+        blockhess.loss_hessian(X, target, params, out=big)
+    assert np.array_equal(big, before)  # the caller's data is untouched
+
+
+def test_out_separate_from_inputs_is_written(rng):
+    X, params, target, _ = _block(rng)
+    out = np.empty((params.size, params.size))
+    H = blockhess.loss_hessian(np.asfortranarray(X), target, params, out=out)
+    assert H is out
+    assert np.array_equal(out, blockhess.loss_hessian(X, target, params))
+
+
+# --- LayerNorm rows: constant up to rounding, and at extreme scales ----------------------------
+
+@pytest.mark.parametrize("call", ["layernorm", "jacobian", "hessian", "contract", "block"])
+def test_row_constant_up_to_rounding_is_refused(rng, call):
+    X = rng.standard_normal((3, 3))
+    X[1] = 0.1  # the mean of (0.1, 0.1, 0.1) rounds, so the computed variance is ~1e-34, not 0
+    match = r"row 1 .*zero variance.*constant up to rounding.*eps > 0"
+    with pytest.raises(ValueError, match=match):
+        if call == "layernorm":
+            blockhess.layernorm(X)
+        elif call == "jacobian":
+            blockhess.layernorm_jacobian(X, layout="blocks")
+        elif call == "hessian":
+            blockhess.layernorm_hessian(X, layout="blocks")
+        elif call == "contract":
+            blockhess.layernorm_hessian_contract(X, np.ones_like(X))
+        else:  # the first LayerNorm of a block with W_V = 0 sees X itself
+            W = [np.zeros((3, 3))] * 5
+            blockhess.block_forward(X, blockhess.BlockParams(*W))
+    # With eps > 0 the same rows are fine and the result is finite.
+    assert np.isfinite(blockhess.layernorm_jacobian(X, eps=1e-5, layout="blocks")).all()
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_a_genuinely_varying_row_is_not_refused(dtype):
+    X = np.array([[1.0, 1.0 + 1e-3, 1.0 - 1e-3]], dtype=dtype)
+    J = blockhess.layernorm_jacobian(X, layout="blocks")
+    assert np.isfinite(J).all()
+
+
+@pytest.mark.parametrize("scale", [1e155, 1e-160, 1e300, 1e-300, 2.0**-1070])
+def test_layernorm_is_scale_safe(rng, scale):
+    X = rng.standard_normal((4, 6))
+    Xs = X * scale
+    unscaled = Xs / scale  # X up to the rounding of Xs (exact for a power of two)
+    # LN is scale invariant (eps = 0): LN(sX) = LN(X), J(sX) = J(X) / s.
+    assert ref.rel_err(blockhess.layernorm(Xs), blockhess.layernorm(unscaled)) <= 1e-13
+    J = blockhess.layernorm_jacobian(unscaled, layout="blocks")
+    magnitude = math.log10(np.abs(J).max()) - math.log10(scale)  # of the largest entry of J(sX)
+    if magnitude < 300:
+        Js = blockhess.layernorm_jacobian(Xs, layout="blocks")
+        assert ref.rel_err(Js * scale, J) <= 1e-13
+    elif magnitude > 309:  # the Jacobian itself lies beyond the float range: an error, not Inf
+        with pytest.raises(blockhess.NonFiniteError, match="LayerNorm Jacobian blocks"):
+            blockhess.layernorm_jacobian(Xs, layout="blocks")
+
+
+def test_layernorm_at_tiny_scale_matches_autograd_of_the_rescaled_row(rng):
+    X = rng.standard_normal((3, 5))
+    Xs = X * 1e-160  # squaring the row underflows: the old variance lost all its digits
+    unscaled = Xs / 1e-160
+    Zs = blockhess.layernorm(Xs)
+    assert ref.rel_err(Zs, ref.layernorm(ref.t(unscaled)).numpy()) <= 1e-14
+    J = blockhess.layernorm_jacobian(Xs, layout="blocks")
+    expected = ref.jacobian(lambda x: ref.layernorm(x), ref.t(unscaled)).reshape(3, 5, 3, 5)
+    expected = np.stack([expected[i, :, i, :] for i in range(3)])
+    assert ref.rel_err(J * 1e-160, expected) <= 1e-13
+
+
+def test_layernorm_with_eps_at_extreme_scales(rng):
+    X = rng.standard_normal((2, 4))
+    centred = X - X.mean(axis=1, keepdims=True)
+    # Far above sqrt(eps), eps no longer matters: LN(sX, eps) = LN(X, eps / s^2) = LN(X).
+    assert ref.rel_err(blockhess.layernorm(X * 1e200, eps=1e-5), blockhess.layernorm(X)) <= 1e-13
+    # Far below, the variance does not matter: sigma = sqrt(eps), Z = (x - mean) / sqrt(eps).
+    Z = blockhess.layernorm(X * 1e-200, eps=1e-5)
+    assert ref.rel_err(Z, centred * 1e-200 / math.sqrt(1e-5)) <= 1e-13
+    # Below the float range altogether (2^-1074 scale): Z is 0 to within that range, never NaN.
+    Z = blockhess.layernorm(X * 2.0**-1070, eps=1e-5)
+    assert np.isfinite(Z).all() and np.abs(Z).max() < 1e-300
+
+
+def test_layernorm_second_derivative_beyond_the_range_is_an_error(rng):
+    X = rng.standard_normal((3, 4)) * 1e-160  # d2/dx2 ~ 1 / sigma^2 ~ 1e320
+    with pytest.raises(blockhess.NonFiniteError, match="LayerNorm second-derivative blocks"):
+        blockhess.layernorm_hessian(X, layout="blocks")
+
+
+# --- finite inputs, non-finite results ----------------------------------------------------------
+
+def test_huge_weights_name_the_stage_that_overflowed(rng):
+    X, params, target, _ = _block(rng)
+    W = [w * 1e160 for w in params.arrays]
+    big = blockhess.BlockParams(*W)
+    for call in (
+        lambda: blockhess.loss_hessian(X, target, big),
+        lambda: blockhess.loss_gradient(X, target, big),
+        lambda: blockhess.loss_value(X, target, big),
+        lambda: blockhess.block_forward(X, big),
+        lambda: blockhess.block_jacobian(X, big, "W_Q"),
+    ):
+        with pytest.raises(blockhess.NonFiniteError, match="attention weights"):
+            call()
+    assert issubclass(blockhess.NonFiniteError, ValueError)
+
+
+def test_huge_target_names_the_loss(rng):
+    X, params, target, _ = _block(rng)
+    with pytest.raises(blockhess.NonFiniteError, match="loss"):
+        blockhess.loss_hessian(X, target * 1e200, params)
+
+
+def test_component_overflow_is_an_error(rng):
+    X = rng.standard_normal((4, 3))
+    W = rng.standard_normal((3, 3)) * 1e160
+    with pytest.raises(blockhess.NonFiniteError, match="attention output"):
+        blockhess.attention(X, W, W, W)
+    with pytest.raises(blockhess.NonFiniteError, match="FFN"):
+        blockhess.ffn(X * 1e200, W, W)
+    with pytest.raises(blockhess.NonFiniteError):
+        blockhess.kron_apply(W, W, np.full((3, 3), 1e160))
+
+
+# --- dtypes and array kinds ------------------------------------------------------------------------
+
+def test_every_array_argument_takes_part_in_dtype_promotion(rng):
+    X, params, target, _ = _block(rng)
+    p32 = blockhess.BlockParams(*(w.astype(np.float32) for w in params.arrays))
+    X32 = X.astype(np.float32)
+    H = blockhess.loss_hessian(X32, target, p32)  # float64 target
+    assert H.dtype == np.float64
+    assert blockhess.loss_gradient(X32, target, p32).dtype == np.float64
+    assert blockhess.loss_hessian(X32, target.astype(np.float32), p32).dtype == np.float32
+    # The promoted result is the float64 computation on the float32 values.
+    p64 = blockhess.BlockParams(*(w.astype(np.float64) for w in p32.arrays))
+    assert np.array_equal(H, blockhess.loss_hessian(X32.astype(np.float64), target, p64))
+
+
+def _every_function(X):
+    """(name, call) for each public function taking the (L, D) array X."""
+    W = np.eye(D)
+    return [
+        ("layernorm", lambda a: blockhess.layernorm(a)),
+        ("layernorm_jacobian", lambda a: blockhess.layernorm_jacobian(a, layout="blocks")),
+        ("softmax_jacobian", lambda a: blockhess.softmax_jacobian(a, layout="blocks")),
+        ("attention", lambda a: blockhess.attention(a, W, W, W)),
+        ("ffn", lambda a: blockhess.ffn(a, W, W)),
+        ("block_forward", lambda a: blockhess.block_forward(a, blockhess.BlockParams(W, W, W, W, W))),
+        ("loss_hessian", lambda a: blockhess.loss_hessian(a, X, blockhess.BlockParams(W, W, W, W, W))),
+        ("kron_apply", lambda a: blockhess.kron_apply(W, W, a[:D])),
+    ]
+
+
+@pytest.mark.parametrize("index", range(8))
+def test_masked_arrays_are_refused_everywhere(rng, index):
+    X = rng.standard_normal((L, D))
+    name, call = _every_function(X)[index]
+    masked = np.ma.masked_array(X.copy(), mask=np.zeros_like(X, dtype=bool))
+    masked.data[0, 0] = np.nan
+    masked.mask[0, 0] = True
+    with pytest.raises(TypeError, match="masked array"):
+        call(masked)
+
+
+@pytest.mark.parametrize("index", range(8))
+def test_np_matrix_and_big_endian_are_accepted_everywhere(rng, index):
+    X = rng.standard_normal((L, D))
+    name, call = _every_function(X)[index]
+    expected = call(X)
+    with warnings.catch_warnings():  # np.matrix is pending deprecation; researchers still hold it
+        warnings.simplefilter("ignore", PendingDeprecationWarning)
+        matrix = np.asmatrix(X)
+    got_matrix = call(matrix)
+    got_swapped = call(X.astype(">f8"))
+    for got in (got_matrix, got_swapped):
+        assert type(got) is np.ndarray
+        assert np.array_equal(got, expected), name
+
+
+# --- bit reproducibility whatever the alignment -----------------------------------------------------
+
+def _at_offset(a, offset_bytes):
+    """A copy of a whose data starts offset_bytes past a 64-byte boundary."""
+    raw = np.empty(a.nbytes + 128, dtype=np.uint8)
+    start = (-raw.ctypes.data) % 64 + offset_bytes
+    out = raw[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out
+
+
+@pytest.mark.parametrize("offset", [8, 16, 24, 40])
+def test_equal_inputs_give_equal_bits_whatever_the_alignment(rng, offset):
+    L_, d, dk = 37, 19, 13
+    X, WQ, WK, WV = (rng.standard_normal(s) for s in [(L_, d), (d, dk), (d, dk), (d, d)])
+    W1, W2 = rng.standard_normal((d, 23)), rng.standard_normal((23, d))
+    calls = [
+        lambda *a: blockhess.attention(*a[:4]),
+        lambda *a: blockhess.attention_jacobian(*a[:4], "W_Q"),
+        lambda *a: blockhess.attention_jacobian(*a[:4], "W_K"),
+        lambda *a: blockhess.attention_jacobian(*a[:4], "X"),
+        lambda *a: blockhess.ffn(a[0], a[4], a[5]),
+        lambda *a: blockhess.ffn_jacobian(a[0], a[4], a[5], "W_1", layout="kron")[1],
+        lambda *a: blockhess.kron_apply(a[1], a[2], a[0][:dk, :dk]),
+    ]
+    args = (X, WQ, WK, WV, W1, W2)
+    shifted = tuple(_at_offset(a, offset) for a in args)
+    for call in calls:
+        assert np.array_equal(call(*args), call(*shifted))
+
+
+# --- PyTorch tensors ----------------------------------------------------------------------------------
+
+def test_torch_cpu_tensors_in_and_out(rng):
+    X = rng.standard_normal((L, D))
+    Xt = torch.tensor(X, requires_grad=True)
+    J = blockhess.layernorm_jacobian(Xt, layout="blocks")
+    assert isinstance(J, torch.Tensor) and J.dtype == torch.float64
+    assert np.array_equal(J.numpy(), blockhess.layernorm_jacobian(X, layout="blocks"))
+    U, V = blockhess.ffn_jacobian(Xt, torch.eye(D, dtype=torch.float64), torch.eye(D, dtype=torch.float64),
+                                  "W_2", layout="kron")
+    assert isinstance(U, torch.Tensor) and isinstance(V, torch.Tensor)
+
+
+def test_torch_block_and_out_tensor(rng):
+    X, params, target, classes = _block(rng)
+    tparams = blockhess.BlockParams(*(torch.from_numpy(w) for w in params.arrays))
+    H = blockhess.loss_hessian(torch.from_numpy(X), torch.from_numpy(target), tparams)
+    assert isinstance(H, torch.Tensor)
+    assert np.array_equal(H.numpy(), blockhess.loss_hessian(X, target, params))
+    out = torch.empty(params.size, params.size, dtype=torch.float64)
+    assert blockhess.loss_hessian(X, target, tparams, out=out) is out
+    assert torch.equal(out, H)
+    blocks = blockhess.loss_hessian(X, torch.from_numpy(classes), tparams, loss="cross_entropy", layout="blocks")
+    assert all(isinstance(b, torch.Tensor) for b in blocks.values())
+    assert isinstance(tparams.flatten(), torch.Tensor)
+    assert isinstance(blockhess.loss_value(torch.from_numpy(X), torch.from_numpy(target), tparams), float)
+
+
+def test_torch_tensor_with_an_unsupported_dtype_names_the_argument(rng):
+    with pytest.raises(TypeError, match="X must have dtype float32 or float64, got torch.bfloat16"):
+        blockhess.layernorm(torch.zeros(3, 4, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="gamma must have dtype float32 or float64, got float16"):
+        blockhess.layernorm(torch.zeros(3, 4), gamma=torch.ones(4, dtype=torch.float16))
+
+
+# --- the memory budget --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value", ["inf", "nan", "0.5", "1e3.5", "lots", "-5", "0", "4 parsecs"])
+def test_bad_budget_in_the_environment_fails_at_use_not_import(value):
+    code = ("import blockhess, numpy as np\n"
+            "try:\n    blockhess.layernorm(np.ones((2, 3)) * np.arange(3))\n"
+            "except ValueError as e:\n    print('ValueError:', e)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={"BLOCKHESS_MEMORY_BUDGET": value, "PATH": ""}, check=True)
+    assert "ValueError: the environment variable BLOCKHESS_MEMORY_BUDGET must be a positive whole number" in done.stdout
+    assert repr(value) in done.stdout
+
+
+@pytest.mark.parametrize("value,nbytes", [(np.int64(2**20), 2**20), (4e9, 4 * 10**9), ("8GiB", 8 * 2**30),
+                                          ("512 MB", 512 * 10**6), (1024, 1024)])
+def test_budget_accepts_byte_counts(value, nbytes):
+    with blockhess.memory_budget(value):
+        assert blockhess.get_memory_budget() == nbytes
+
+
+@pytest.mark.parametrize("value", [math.inf, math.nan, 0.5, 1.5, -1, 0, "x"])
+def test_budget_refuses_non_byte_counts(value):
+    with pytest.raises(ValueError, match="positive whole number of bytes"):
+        blockhess.set_memory_budget(value)
+
+
+def test_budget_messages_say_what_was_asked_and_what_fits(rng):
+    X = rng.standard_normal((8, 16))
+    with blockhess.memory_budget(1000):
+        with pytest.raises(blockhess.OutputTooLargeError) as err:
+            blockhess.layernorm_jacobian(X, layout="blocks")
+    msg = str(err.value)
+    assert "blocks" in msg and "dense" not in msg
+    assert "1000 bytes" in msg and "0.00 GiB" not in msg and "KiB" in msg
+
+
+def test_budget_covers_working_memory_not_just_the_output(rng):
+    # L = 20000 tokens with only the 9 entries of W_Q: the (L, L) attention matrices alone are 9.6 GB.
+    X = rng.standard_normal((20000, 3))
+    W = [rng.standard_normal(s) for s in [(3, 3), (3, 3), (3, 3), (3, 2), (2, 3)]]
+    with pytest.raises(blockhess.OutputTooLargeError, match="working memory"):
+        blockhess.loss_hessian(X, X, blockhess.BlockParams(*W), wrt=("W_Q",))
+    with pytest.raises(blockhess.OutputTooLargeError, match="working memory"):
+        blockhess.attention(X, W[0], W[1], W[2])
+    with blockhess.memory_budget(2**20), pytest.raises(blockhess.OutputTooLargeError):
+        blockhess.layernorm_jacobian(rng.standard_normal((200, 30)), wrt="gamma")
+    with blockhess.memory_budget(2**20), pytest.raises(blockhess.OutputTooLargeError):
+        blockhess.ffn_jacobian(rng.standard_normal((200, 30)), np.ones((30, 50)), np.ones((50, 30)), "W_1",
+                               layout="kron")
+    with blockhess.memory_budget(2**20), pytest.raises(blockhess.OutputTooLargeError):
+        blockhess.commutation_permutation(1000, 1000)
+
+
+def test_huge_eps_is_a_value_error(rng):
+    with pytest.raises(ValueError, match="eps must be finite"):
+        blockhess.layernorm(rng.standard_normal((2, 3)), eps=10**400)
+
+
+# --- the bindings check what they write ------------------------------------------------------------
+
+def test_bindings_check_every_array_they_write_or_read():
+    X = np.random.default_rng(0).standard_normal((3, 4))
+    small = np.empty(2)
+    with pytest.raises(ValueError, match="'out' has the wrong shape"):
+        _core.layernorm_jacobian(X, 0.0, None, 0, small)
+    with pytest.raises(ValueError, match="'out' has the wrong shape"):
+        _core.layernorm_hessian(X, 0.0, None, 1, small)
+    with pytest.raises(ValueError, match="'gamma' has the wrong shape"):
+        _core.layernorm_forward(X, 0.0, np.ones(2), None, np.empty((3, 4)))
+    with pytest.raises(ValueError, match="'beta' has the wrong shape"):
+        _core.layernorm_forward(X, 0.0, None, np.ones(9), np.empty((3, 4)))
+    with pytest.raises(ValueError, match="'gamma' has the wrong shape"):
+        _core.layernorm_jacobian(X, 0.0, np.ones(1), 2, np.empty((12, 4)))
+    with pytest.raises(ValueError, match="m and n must be >= 1"):
+        _core.commutation_dense(-1, -1, np.empty((1, 1)))
+    W = [np.eye(4)] * 5
+    X3 = X[None]
+    with pytest.raises(ValueError, match="class index out of range"):
+        _core.loss_gradient(X3, *W, 0.0, 1, None, np.full((1, 3), 7, dtype=np.int64), None)
+
+
+MEASURE_PEAK = r"""
+import re, sys, numpy as np, blockhess
+from blockhess import _working_memory
+
+
+def high_water_mark():  # VmHWM belongs to this process's memory (ru_maxrss may carry the parent's)
+    with open("/proc/self/status") as status:
+        return int(re.search(r"VmHWM:\s+(\d+) kB", status.read()).group(1)) * 1024
+
+
+L, d, dk, dff, kind = int(sys.argv[1]), 8, 4, 8, sys.argv[2]
+rng = np.random.default_rng(0)
+X = rng.standard_normal((L, d))
+W = [rng.standard_normal(s) / 3 for s in [(d, dk), (d, dk), (d, d), (d, dff), (dff, d)]]
+params = blockhess.BlockParams(*W)
+blockhess.loss_hessian(X[:4], X[:4], params, wrt=("W_Q",))  # warm up: every lazy allocation is done
+before = high_water_mark()
+if kind == "hessian":
+    blockhess.loss_hessian(X, X, params, wrt=("W_Q",))
+    estimate = _working_memory.block(1, L, d, dk, dff, 8, hessian=True)
+else:
+    blockhess.attention_jacobian(X, W[0], W[1], W[2], "W_V")
+    estimate = _working_memory.attention(L, d, dk, d, 8, "W_V") + L * d * d * d * 8
+peak = high_water_mark() - before
+print(peak, estimate)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+@pytest.mark.parametrize("kind", ["hessian", "attention"])
+def test_working_memory_estimate_covers_the_measured_peak(kind):
+    # L = 1500 tokens: the (L, L) matrices (18 MB each) dominate everything else.
+    done = subprocess.run([sys.executable, "-c", MEASURE_PEAK, "1500", kind], capture_output=True, text=True,
+                          check=True)
+    peak, estimate = map(int, done.stdout.split())
+    assert peak <= estimate + 16 * 2**20  # what the budget counts covers what the call takes
+    assert estimate <= 4 * peak + 16 * 2**20  # and is not a wild over-count
