@@ -58,5 +58,7 @@ void bind_commutation(py::module_& m);
 void bind_attention(py::module_& m);
 void bind_ffn(py::module_& m);
 void bind_block(py::module_& m);
+void bind_checks(py::module_& m);
+void bind_threads(py::module_& m);
 
 }  // namespace blockhess::bind
