@@ -1,4 +1,4 @@
-"""How much blockhess and PyTorch slow down when other processes keep every core busy (issue 9).
+"""How much blockhess and PyTorch slow down when other processes keep every core busy.
 
     python benchmarks/busy_machine.py                  # about a minute on 2 cores
     python benchmarks/busy_machine.py --json out.json  # also save the numbers
