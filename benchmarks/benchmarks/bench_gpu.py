@@ -7,7 +7,7 @@ GPU memory and accuracy are track_* benchmarks. float64 unless a parameter says 
 The same workloads drive benchmarks/gpu_bench.py (the script of benchmarks/gpu_check.sh), which
 also measures achieved memory bandwidth against a device-to-device copy.
 
-Targets (issue 5, H200): LayerNorm Jacobian blocks at (L, d) = (128, 256) written at >= 70 % of the
+Targets (H200): LayerNorm Jacobian blocks at (L, d) = (128, 256) written at >= 70 % of the
 memory bandwidth; full block loss Hessian at (L, d, d_k, d_ff) = (16, 32, 32, 64) >= 20x faster
 than torch.func.hessian.
 """

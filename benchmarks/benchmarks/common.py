@@ -25,7 +25,7 @@ SEED = 20240611
 THREADS = 2
 EPS = 0.0  # LayerNorm eps everywhere (the blockhess default)
 
-# Sizes (issue 4).
+# Sizes: small enough for torch autograd to finish, large enough to show the scaling.
 LN_JACOBIAN_SHAPES = [(16, 64), (64, 128)]  # (L, d)
 LN_HESSIAN_SHAPES = [(8, 32), (16, 64)]  # (L, d)
 FFN_SHAPES = [(16, 64, 256), (49, 16, 64)]  # (L, d, d_ff)
