@@ -5,7 +5,7 @@
 
 In one run: the MNIST block loss Hessian (L=49, d=16, d_k=16, d_ff=64, MSE, float64) by
 ``blockhess.loss_hessian`` and by ``torch.func.hessian`` (the suite's implementations,
-``benchmarks/benchmarks/common.py``), plus blockhess's LayerNorm Jacobian at (64, 128), timed first on
+``benchmarks/benchmarks/_workloads.py``), plus blockhess's LayerNorm Jacobian at (64, 128), timed first on
 the quiet machine, then with one busy-loop process (pure Python ``while True``) per core running
 beside them. Each time is the median of several calls after a warm-up call. The slowdown factor is
 t(busy) / t(quiet); the target is blockhess's slowdown no worse than torch's. PyTorch runs with one
@@ -31,9 +31,9 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "benchmarks"))
+sys.path.insert(0, HERE)  # the suite, importable as the package `benchmarks`
 
-import common  # noqa: E402
+from benchmarks import _harness, _settings, _torch_methods, _workloads  # noqa: E402
 
 SHAPE = (49, 16, 16, 64)  # (L, d, d_k, d_ff): the paper's MNIST block
 LN_SHAPE = (64, 128)
@@ -141,8 +141,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     n_cores = cores()
-    common.THREADS = n_cores  # torch.set_num_threads(n_cores), set on its first import (below)
-    torch = common.torch()
+    _settings.THREADS = n_cores  # torch.set_num_threads(n_cores), set on its first import (below)
+    torch = _torch_methods.torch()
     import blockhess
     import numpy as np
 
@@ -150,19 +150,19 @@ def main(argv=None) -> int:
         getattr(blockhess, "_core", None), "get_num_threads", None)
     bh_threads = get_threads() if get_threads else f"OpenMP default (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')})"
 
-    bench = common.BLOCK_HESSIAN
+    bench = _workloads.BLOCK_HESSIAN
     methods = {
         "blockhess.loss_hessian": (bench.build("blockhess", SHAPE), args.repeats),
         "torch.func.hessian": (bench.build("hessian", SHAPE), args.torch_repeats),
     }
     if not args.no_layernorm:
-        ln = common.LN_JACOBIAN
+        ln = _workloads.LN_JACOBIAN
         methods["blockhess.layernorm_jacobian blocks (64,128)"] = (ln.build("blockhess_blocks", LN_SHAPE), 4 * args.repeats)
         methods["blockhess.layernorm_jacobian dense (64,128)"] = (ln.build("blockhess_dense", LN_SHAPE), args.repeats)
 
     ours = methods["blockhess.loss_hessian"][0]()
-    ref = common.to_numpy(methods["torch.func.hessian"][0]())
-    err = common.rel_error(ours, ref)
+    ref = _harness.to_numpy(methods["torch.func.hessian"][0]())
+    err = _harness.rel_error(ours, ref)
     if not err < 1e-10:
         print(f"blockhess and torch disagree: relative error {err:.2e}", file=sys.stderr)
         return 1

@@ -8,7 +8,7 @@ By default the report goes to build/report/ (ignored by git), so a run never cha
 The copy the README shows lives in docs/performance/ and is regenerated on purpose with
 ``python benchmarks/report.py --out docs/performance``.
 
-Uses the same inputs and method implementations as the asv suite (``benchmarks/benchmarks/common.py``).
+Uses the same inputs and method implementations as the asv suite (``benchmarks/benchmarks/_workloads.py``).
 Each method is called once to warm up (its output is kept to check blockhess against autograd), then
 timed timeit-style: each sample runs the call enough times to last >= 20 ms, and the median of up to
 5 samples (at least one, fewer for slow calls, within a per-method time budget) is reported: first
@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_OUT = os.path.join(os.path.dirname(HERE), "build", "report")  # untracked (.gitignore: build/)
 OMP_POLICY_AT_START = os.environ.get("OMP_WAIT_POLICY")  # libgomp reads it once, at load
-sys.path.insert(0, os.path.join(HERE, "benchmarks"))
+sys.path.insert(0, HERE)  # the suite, importable as the package `benchmarks`
 
-import common  # noqa: E402
+from benchmarks import _harness, _peak_memory, _torch_methods, _workloads  # noqa: E402
 import numpy as np  # noqa: E402
 
 # (bench, params) of the quick subset: every performance target plus one size of each benchmark.
@@ -82,7 +82,7 @@ class Row:
 
 def full_subset():
     out = []
-    for bench in common.BENCHES.values():
+    for bench in _workloads.BENCHES.values():
         combos = [()]
         for values in bench.params:
             combos = [c + (v,) for c in combos for v in values]
@@ -119,7 +119,7 @@ def measure(fn):
 def run(subset, log, quick: bool) -> list[Row]:
     rows: list[Row] = []
     for bench_name, params in subset:
-        bench = common.BENCHES[bench_name]
+        bench = _workloads.BENCHES[bench_name]
         ours_out: dict[str, object] = {}
         group: list[Row] = []
         # blockhess first, so that its outputs can be checked against the autograd references
@@ -151,7 +151,7 @@ def run(subset, log, quick: bool) -> list[Row]:
                     mine = ours_out.pop(layout)
                     if layout != m.layout:
                         mine = bench.densify(layout, mine, *params)
-                    ours_row.error = common.rel_error(mine, out)
+                    ours_row.error = _harness.rel_error(mine, out)
             del out
             log(f"  {bench_name} {params} {m.name}: {fmt_time(row.seconds)} ({row.samples} samples)")
         ours_out.clear()
@@ -243,7 +243,7 @@ def targets(rows, peaks) -> list[tuple[str, str, str, str]]:
             out.append((desc, "n/a", "<= 2 x output + O(L d max n_i)", "not measured"))
             continue
         L, d = shape[:2]
-        slack = 8 * L * d * max(common.BLOCK_HESSIAN.sizes(shape))  # one (L d, max n_i) float64 array
+        slack = 8 * L * d * max(_workloads.BLOCK_HESSIAN.sizes(shape))  # one (L d, max n_i) float64 array
         inc = m["peak"] - m["base"]
         ok = inc <= 2 * m["nbytes"] + 8 * slack
         out.append((desc, f"{inc / 2**20:.1f} MiB = {inc / m['nbytes']:.2f} x output ({m['nbytes'] / 2**20:.1f} MiB)",
@@ -295,7 +295,7 @@ def machine() -> str:
     except ImportError:
         versions.append("blockhess not installed")
     try:
-        versions.append(f"torch {common.torch().__version__} ({common.torch().get_num_threads()} threads)")
+        versions.append(f"torch {_torch_methods.torch().__version__} ({_torch_methods.torch().get_num_threads()} threads)")
     except NotImplementedError:
         versions.append("torch not installed")
     try:
@@ -319,7 +319,7 @@ def markdown(rows, target_rows, header: str) -> str:
              "|---|---|---|---|---|---|"]
     notes: list[str] = []
     for r in rows:
-        bench = common.BENCHES[r.bench]
+        bench = _workloads.BENCHES[r.bench]
         m = bench.method(r.method)
         if r.seconds is not None:
             time_s = fmt_time(r.seconds)
@@ -355,7 +355,7 @@ def chart(rows, path: str) -> None:
     bars = []  # (label, ratio, kind, target or None)
     groups = list(dict.fromkeys((r.bench, r.params) for r in rows))
     for b, p in groups:
-        bench = common.BENCHES[b]
+        bench = _workloads.BENCHES[b]
         for r in rows:
             if (r.bench, r.params) != (b, p):
                 continue
@@ -406,7 +406,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=DEFAULT_OUT,
                         help="output folder (default: build/report/ in the repository, untracked; "
                              "docs/performance is the copy the README shows)")
-    parser.add_argument("--only", nargs="*", choices=sorted(common.BENCHES), help="restrict to these benchmarks")
+    parser.add_argument("--only", nargs="*", choices=sorted(_workloads.BENCHES), help="restrict to these benchmarks")
     parser.add_argument("--no-peak", action="store_true", help="skip the peak-memory subprocess measurement")
     args = parser.parse_args(argv)
 
@@ -425,7 +425,7 @@ def main(argv=None) -> int:
     if not args.no_peak and (not args.only or "block_hessian" in args.only):
         for shape in [(49, 16, 16, 64), (16, 32, 32, 64)]:
             try:
-                peaks[shape] = common.peak_memory("block_hessian", "blockhess", shape)
+                peaks[shape] = _peak_memory.peak_memory("block_hessian", "blockhess", shape)
             except (NotImplementedError, Exception) as err:  # noqa: BLE001 - report, never crash
                 log(f"  peak memory {shape}: n/a ({err})")
                 peaks[shape] = None

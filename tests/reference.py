@@ -1,13 +1,17 @@
-"""Independent references for the tests: PyTorch autograd in float64, written from the model
-definitions in spec §1 (never from blockhess's formulas), plus finite differences."""
+"""Independent references for the tests: PyTorch autograd in float64 of the model written from its
+definition in spec §1 (blockhess._torch_reference, never blockhess's formulas), plus finite
+differences and generic helpers."""
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 import torch
 from torch.func import hessian, jacrev
+
+import blockhess._torch_reference as torch_reference
+from blockhess._torch_reference import PARAM_NAMES, attention, ffn, layernorm, softmax_rows, unflatten  # noqa: F401
+from blockhess._torch_reference import block as transformer_block  # noqa: F401
+from blockhess._torch_reference import loss as block_loss  # noqa: F401
 
 torch.set_default_dtype(torch.float64)
 
@@ -23,31 +27,6 @@ def rel_err(a, b, scale: float = 1e-300) -> float:
     b = np.asarray(b, dtype=np.float64)
     assert a.shape == b.shape, (a.shape, b.shape)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), scale))
-
-
-def layernorm(X, eps=0.0, gamma=None, beta=None):
-    mu = X.mean(-1, keepdim=True)
-    var = ((X - mu) ** 2).mean(-1, keepdim=True)
-    Z = (X - mu) / torch.sqrt(var + eps)
-    if gamma is not None:
-        Z = Z * gamma
-    if beta is not None:
-        Z = Z + beta
-    return Z
-
-
-def softmax_rows(T):
-    return torch.softmax(T, dim=-1)
-
-
-def attention(X, WQ, WK, WV):
-    dk = WQ.shape[1]
-    T = X @ WQ @ WK.T @ X.T / math.sqrt(dk)
-    return softmax_rows(T) @ X @ WV
-
-
-def ffn(Y, W1, W2):
-    return torch.relu(Y @ W1) @ W2
 
 
 def jacobian(f, x):
@@ -96,9 +75,6 @@ def commutation_from_definition(m, n):
 
 # ---- the post-LN Transformer block of spec §1.5, written from the model definition ----
 
-PARAM_NAMES = ("W_Q", "W_K", "W_V", "W_1", "W_2")
-
-
 def random_block(rng, L, d, dk, dff, B=None, scale=0.6):
     """Random input, MSE target, class target and weights of a block (float64 numpy)."""
     lead = (L,) if B is None else (B, L)
@@ -110,50 +86,11 @@ def random_block(rng, L, d, dk, dff, B=None, scale=0.6):
     return X, weights, target, classes
 
 
-def transformer_block(X, WQ, WK, WV, W1, W2, eps=0.0):
-    """Z for X of shape (L, d) or (B, L, d)."""
-    dk = WQ.shape[1]
-    T = X @ WQ @ WK.T @ X.transpose(-1, -2) / math.sqrt(dk)
-    F = torch.softmax(T, dim=-1) @ X @ WV
-    Y = layernorm(X + F, eps)
-    S = torch.relu(Y @ W1) @ W2 + Y
-    return layernorm(S, eps)
-
-
-def unflatten(v, shapes):
-    out, o = [], 0
-    for s in shapes:
-        n = s[0] * s[1]
-        out.append(v[o:o + n].reshape(s))
-        o += n
-    return out
-
-
-def block_loss(Z, target, loss):
-    """Batch-mean loss: mse = mean (Z - target)^2; cross_entropy = mean over tokens of -log softmax."""
-    if loss == "mse":
-        return ((Z - target) ** 2).mean()
-    logits = Z.reshape(-1, Z.shape[-1])
-    return torch.nn.functional.cross_entropy(logits, target.reshape(-1), reduction="mean")
-
-
 def block_loss_derivatives(X, weights, target, loss, eps):
-    """(gradient, full Hessian, outer part J^T H_l J) of the loss over all five flattened weights."""
-    shapes = [w.shape for w in weights]
-    Xt = t(X)
-    tgt = t(target) if loss == "mse" else torch.as_tensor(np.asarray(target, dtype=np.int64))
-    v0 = torch.cat([t(w).reshape(-1) for w in weights])
-
-    def Z_of(v):
-        return transformer_block(Xt, *unflatten(v, shapes), eps=eps)
-
-    def loss_of(v):
-        return block_loss(Z_of(v), tgt, loss)
-
-    grad = torch.func.grad(loss_of)(v0).numpy()
-    full = hessian(loss_of)(v0).numpy()
-    Z0 = Z_of(v0)
-    J = jacrev(Z_of)(v0).reshape(Z0.numel(), -1)
-    HZ = hessian(lambda z: block_loss(z.reshape(Z0.shape), tgt, loss))(Z0.reshape(-1))
-    outer = (J.T @ HZ @ J).numpy()
-    return grad, full, outer
+    """(gradient, full Hessian, outer part J^T H_l J) of the loss over all five flattened weights,
+    in float64 numpy."""
+    X, target, weights = torch_reference.as_problem(X, target, weights, loss, dtype=torch.float64)
+    grad = torch_reference.loss_gradient(X, target, weights, loss, eps)
+    full = torch_reference.loss_hessian(X, target, weights, loss, eps, part="full")
+    outer = torch_reference.loss_hessian(X, target, weights, loss, eps, part="outer")
+    return grad.numpy(), full.numpy(), outer.numpy()

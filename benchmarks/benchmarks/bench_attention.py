@@ -1,6 +1,6 @@
 """Attention Jacobians w.r.t. W_Q, W_K, W_V: blockhess vs PyTorch autograd vs the allocation floor."""
 
-from .common import ATTENTION_JACOBIAN
+from ._workloads import ATTENTION_JACOBIAN
 
 
 class TimeAttentionJacobian:

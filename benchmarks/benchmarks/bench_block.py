@@ -3,7 +3,9 @@ autograd.functional.hessian(vectorize=True), plus the numpy J^T J GEMM and alloc
 
 import numpy as np
 
-from .common import BLOCK_HESSIAN, blockhess_api, peak_memory
+from ._harness import blockhess_api
+from ._peak_memory import peak_memory
+from ._workloads import BLOCK_HESSIAN
 
 
 class TimeBlockLossHessian:

@@ -1,6 +1,6 @@
 """FFN Jacobians w.r.t. W_1 and W_2: blockhess vs PyTorch autograd vs the allocation floor."""
 
-from .common import FFN_JACOBIAN
+from ._workloads import FFN_JACOBIAN
 
 
 class TimeFFNJacobian:

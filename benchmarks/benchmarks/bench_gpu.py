@@ -91,27 +91,23 @@ def blockhess_block_hessian(shape):
     return lambda: blockhess.loss_hessian(Xd, Td, params)
 
 
+def torch_reference():
+    """blockhess._torch_reference: the block in PyTorch (NotImplementedError where this commit lacks it)."""
+    torch_cuda()
+    try:
+        from blockhess import _torch_reference
+    except ImportError as err:
+        raise NotImplementedError(f"blockhess._torch_reference is not available at this commit: {err}") from err
+    return _torch_reference
+
+
 def torch_block_hessian(shape):
     """Zero-argument callable: torch.func.hessian of the same loss on the same GPU (float64)."""
-    torch = torch_cuda()
-    X, target, W = block_inputs(shape)
-    dev = torch.device(TORCH_DEVICE)
-    t = lambda a: torch.as_tensor(a, dtype=torch.float64, device=dev)  # noqa: E731
-    Xt, Tt = t(X), t(target)
-    shapes = [w.shape for w in W]
-    sizes = [w.size for w in W]
-    w0 = torch.cat([t(w).reshape(-1) for w in W])
-    dk = W[0].shape[1]
-    ln = lambda x: torch.nn.functional.layer_norm(x, x.shape[-1:], eps=0.0)  # noqa: E731
-
-    def loss(w):
-        WQ, WK, WV, W1, W2 = (p.reshape(s) for p, s in zip(w.split(sizes), shapes))
-        A = torch.softmax((Xt @ WQ) @ (Xt @ WK).T / math.sqrt(dk), dim=-1)
-        Y = ln(Xt + A @ (Xt @ WV))
-        Z = ln(Y + torch.relu(Y @ W1) @ W2)
-        return ((Z - Tt) ** 2).mean()
-
+    torch, reference = torch_cuda(), torch_reference()
+    X, target, W = reference.as_problem(*block_inputs(shape), "mse", dtype=torch.float64, device=TORCH_DEVICE)
+    loss = reference.loss_of_flat(X, target, [w.shape for w in W], "mse", fused=True)
     hess = torch.func.hessian(loss)
+    w0 = reference.flatten(W)
     return lambda: hess(w0)
 
 
@@ -140,10 +136,9 @@ def kernel_ln_blocks(shape, dtype=np.float64, tile_elems=0):
 
 
 def torch_ln_blocks(shape):
-    torch = torch_cuda()
+    torch, reference = torch_cuda(), torch_reference()
     X = torch.as_tensor(ln_input(shape), device=TORCH_DEVICE)
-    f = lambda x: torch.nn.functional.layer_norm(x, x.shape[-1:], eps=0.0)  # noqa: E731
-    jac = torch.func.vmap(torch.func.jacrev(f))
+    jac = torch.func.vmap(torch.func.jacrev(lambda x: reference.layernorm(x, fused=True)))
     return lambda: jac(X)
 
 

@@ -1,6 +1,6 @@
 """LayerNorm Jacobian and second derivative: blockhess vs PyTorch autograd vs the allocation floor."""
 
-from .common import LN_HESSIAN, LN_JACOBIAN
+from ._workloads import LN_HESSIAN, LN_JACOBIAN
 
 
 class TimeLayerNormJacobian:

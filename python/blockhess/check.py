@@ -143,31 +143,11 @@ def _torch_reference(X, target, weights, cfg: Config, progress=None):
     """torch.func.hessian of the loss of the block written directly in PyTorch, float64."""
     import torch
 
-    shapes = [w.shape for w in weights]
-    Xt = torch.as_tensor(np.asarray(X, dtype=np.float64))
-    if cfg.loss == "mse":
-        tgt = torch.as_tensor(np.asarray(target, dtype=np.float64))
-    else:
-        tgt = torch.as_tensor(np.asarray(target, dtype=np.int64))
+    from . import _torch_reference as reference
 
-    def layernorm(S):
-        centred = S - S.mean(-1, keepdim=True)
-        return centred / torch.sqrt((centred**2).mean(-1, keepdim=True) + cfg.eps)
-
-    def loss_of(v):
-        ws, o = [], 0
-        for r, c in shapes:
-            ws.append(v[o:o + r * c].reshape(r, c))
-            o += r * c
-        WQ, WK, WV, W1, W2 = ws
-        T = Xt @ WQ @ WK.T @ Xt.transpose(-1, -2) / math.sqrt(cfg.d_k)
-        Y = layernorm(Xt + torch.softmax(T, dim=-1) @ Xt @ WV)
-        Z = layernorm(torch.relu(Y @ W1) @ W2 + Y)
-        if cfg.loss == "mse":
-            return ((Z - tgt) ** 2).mean()
-        return torch.nn.functional.cross_entropy(Z.reshape(-1, cfg.d), tgt.reshape(-1))
-
-    v0 = torch.cat([torch.as_tensor(np.asarray(w, dtype=np.float64)).reshape(-1) for w in weights])
+    X, target, weights = reference.as_problem(X, target, weights, cfg.loss, dtype=torch.float64)
+    loss_of = reference.loss_of_flat(X, target, [w.shape for w in weights], cfg.loss, cfg.eps)
+    v0 = reference.flatten(weights)
     hess = torch.func.hessian(loss_of)
     hess(v0)  # warm-up
     if progress:

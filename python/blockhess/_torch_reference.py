@@ -1,0 +1,188 @@
+"""The post-LN Transformer block (docs/derivation.md §2.1) and its loss derivatives, written directly in PyTorch.
+
+    T = X W_Q W_K^T X^T / sqrt(d_k),  A = softmax_rows(T),  F = A X W_V
+    Y = LN(X + F),  S = relu(Y W_1) W_2 + Y,  Z = LN(S)
+
+LN is row-wise over the last axis, population variance, ``eps`` inside the square root, no affine
+parameters inside the block. Losses: "mse" = mean of (Z - target)^2 over every entry (and sample);
+"cross_entropy" = mean over tokens (and samples) of the cross-entropy of the rows of Z as logits.
+
+The one independent reference of the package: the tests, ``blockhess check`` and the benchmarks
+compare blockhess's closed forms against it. Derivatives come from autograd, never from blockhess's
+formulas. Private, and it imports torch: ``import blockhess`` never imports it.
+
+Device- and dtype-agnostic: tensors are computed on where they are, in their dtype; NumPy arrays
+are accepted and converted with ``torch.as_tensor``. ``weights`` are W_Q, W_K, W_V, W_1, W_2; a flat
+parameter vector holds them in that order, each vec_r'd (``reshape(-1)``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.func import grad, hessian, jacrev, jvp, vjp
+
+from .block import PARAM_NAMES  # the parameter registry (params.hpp), the one table of names
+LOSSES = ("mse", "cross_entropy")
+PARTS = ("full", "outer", "functional")
+
+
+# ---- the block ------------------------------------------------------------------------------------
+
+
+def layernorm(x, eps=0.0, gamma=None, beta=None, *, fused=False):
+    """(x - mean) / sqrt(population variance + eps) over the last axis, then * gamma + beta.
+
+    fused=True computes the same function with ``torch.nn.functional.layer_norm`` (2-5x faster under
+    ``jacrev``: the benchmarks' baselines use it)."""
+    if fused:
+        return torch.nn.functional.layer_norm(x, x.shape[-1:], gamma, beta, eps)
+    mean = x.mean(-1, keepdim=True)
+    variance = ((x - mean) ** 2).mean(-1, keepdim=True)
+    z = (x - mean) / torch.sqrt(variance + eps)
+    if gamma is not None:
+        z = z * gamma
+    if beta is not None:
+        z = z + beta
+    return z
+
+
+def softmax_rows(T):
+    return torch.softmax(T, dim=-1)
+
+
+def attention(X, WQ, WK, WV):
+    """F = softmax_rows(Q K^T / sqrt(d_k)) V with Q, K, V = X W_Q, X W_K, X W_V, for X of shape (L, d)
+    or (B, L, d)."""
+    T = (X @ WQ) @ (X @ WK).transpose(-1, -2) / math.sqrt(WQ.shape[1])
+    return softmax_rows(T) @ (X @ WV)
+
+
+def ffn(Y, W1, W2):
+    """relu(Y W_1) W_2 (no biases)."""
+    return torch.relu(Y @ W1) @ W2
+
+
+def block(X, WQ, WK, WV, W1, W2, eps=0.0, *, fused=False):
+    """Z of the block for X of shape (L, d) or (B, L, d)."""
+    Y = layernorm(X + attention(X, WQ, WK, WV), eps, fused=fused)
+    return layernorm(ffn(Y, W1, W2) + Y, eps, fused=fused)
+
+
+def loss(Z, target, kind):
+    """"mse": mean (Z - target)^2; "cross_entropy": mean over tokens of -log softmax(Z row)[class]."""
+    if kind == "mse":
+        return ((Z - target) ** 2).mean()
+    if kind == "cross_entropy":
+        return torch.nn.functional.cross_entropy(Z.reshape(-1, Z.shape[-1]), target.reshape(-1))
+    raise ValueError(f"kind must be one of {LOSSES}, got {kind!r}")
+
+
+# ---- inputs and flat parameter vectors ------------------------------------------------------------
+
+
+def as_problem(X, target, weights, kind, *, dtype=None, device=None):
+    """(X, target, weights) as tensors: float ones in ``dtype`` (default: X's), on ``device`` (default:
+    X's); for "cross_entropy" the target as int64 class indices."""
+    X = torch.as_tensor(X, dtype=dtype, device=device)
+    weights = [torch.as_tensor(w, dtype=X.dtype, device=X.device) for w in weights]
+    target_dtype = torch.int64 if kind == "cross_entropy" else X.dtype
+    return X, torch.as_tensor(target, dtype=target_dtype, device=X.device), weights
+
+
+def flatten(weights):
+    return torch.cat([w.reshape(-1) for w in weights])
+
+
+def unflatten(v, shapes):
+    """The matrices of the given shapes, in order, from the flat vector v (views; one split, whose
+    backward is one concatenation rather than a zero-padded vector per matrix)."""
+    pieces = v.split([rows * cols for rows, cols in shapes])
+    return [piece.reshape(shape) for piece, shape in zip(pieces, shapes)]
+
+
+def loss_of_flat(X, target, shapes, kind, eps=0.0, *, fused=False):
+    """The loss as a function of the flat vector of all five weights (for torch.func.hessian)."""
+    return lambda v: loss(block(X, *unflatten(v, shapes), eps=eps, fused=fused), target, kind)
+
+
+def _selected(wrt):
+    """Indices of the named weights, in the canonical order."""
+    names = PARAM_NAMES if wrt is None else tuple(wrt)
+    unknown = [n for n in names if n not in PARAM_NAMES]
+    if isinstance(wrt, str) or not names or unknown or len(set(names)) != len(names):
+        raise ValueError(f"wrt must be a non-empty sequence of distinct names from {PARAM_NAMES}, got {wrt!r}")
+    return [i for i, n in enumerate(PARAM_NAMES) if n in names]
+
+
+def _output_of_flat(X, weights, eps, wrt):
+    """(Z as a function of the flat vector of the weights named in wrt, the others fixed; that vector)."""
+    chosen = _selected(wrt)
+    shapes = [weights[i].shape for i in chosen]
+
+    def output_of(v):
+        ws = list(weights)
+        for i, w in zip(chosen, unflatten(v, shapes)):
+            ws[i] = w
+        return block(X, *ws, eps=eps)
+
+    return output_of, flatten([weights[i] for i in chosen])
+
+
+def _hvp(f, x, v):
+    """(d^2 f / dx^2) v by double backward (reverse over reverse)."""
+    x = x.detach().requires_grad_(True)
+    with torch.enable_grad():
+        (g,) = torch.autograd.grad(f(x), x, create_graph=True)
+        (hv,) = torch.autograd.grad(g, x, grad_outputs=v)
+    return hv.detach()
+
+
+# ---- loss derivatives -----------------------------------------------------------------------------
+
+
+def loss_gradient(X, target, weights, kind="mse", eps=0.0, wrt=None):
+    """Gradient of the loss over the flat vector of the weights named in wrt (default: all five)."""
+    X, target, weights = as_problem(X, target, weights, kind)
+    output_of, v0 = _output_of_flat(X, weights, eps, wrt)
+    return grad(lambda v: loss(output_of(v), target, kind))(v0)
+
+
+def loss_hessian(X, target, weights, kind="mse", eps=0.0, part="full", wrt=None):
+    """(P, P) loss Hessian over the weights named in wrt. part "full": torch.func.hessian of the
+    loss; "outer" (Gauss-Newton): J^T H_loss J with J = jacrev of Z and H_loss the loss's Hessian in
+    Z; "functional": full - outer."""
+    if part not in PARTS:
+        raise ValueError(f"part must be one of {PARTS}, got {part!r}")
+    X, target, weights = as_problem(X, target, weights, kind)
+    output_of, v0 = _output_of_flat(X, weights, eps, wrt)
+    if part != "outer":
+        full = hessian(lambda v: loss(output_of(v), target, kind))(v0)
+        if part == "full":
+            return full
+    Z = output_of(v0)
+    J = jacrev(output_of)(v0).reshape(Z.numel(), -1)
+    H_loss = hessian(lambda z: loss(z.reshape(Z.shape), target, kind))(Z.reshape(-1))
+    outer = J.T @ H_loss @ J
+    return outer if part == "outer" else full - outer
+
+
+def loss_hvp(X, target, weights, v, kind="mse", eps=0.0, part="full", wrt=None):
+    """Loss Hessian (over the weights named in wrt) times the flat vector v, without forming it.
+    part "full": double backward; "outer": J^T (H_loss (J v)) with torch.func.jvp / vjp of Z and
+    double backward of the loss in Z; "functional": full - outer."""
+    if part not in PARTS:
+        raise ValueError(f"part must be one of {PARTS}, got {part!r}")
+    X, target, weights = as_problem(X, target, weights, kind)
+    output_of, v0 = _output_of_flat(X, weights, eps, wrt)
+    v = torch.as_tensor(v, dtype=v0.dtype, device=v0.device).reshape(v0.shape)
+    if part != "outer":
+        full = _hvp(lambda w: loss(output_of(w), target, kind), v0, v)
+        if part == "full":
+            return full
+    Z, Jv = jvp(output_of, (v0,), (v,))
+    H_loss_Jv = _hvp(lambda z: loss(z, target, kind), Z.detach(), Jv)
+    _, pullback = vjp(output_of, v0)
+    (outer,) = pullback(H_loss_Jv)
+    return outer if part == "outer" else full - outer
