@@ -1,4 +1,4 @@
-// The post-LN Transformer block of spec §1.5, for a batch of B samples:
+// The post-LN Transformer block of docs/derivation.md §2.1, for a batch of B samples:
 //   T = X W_Q W_K^T X^T / sqrt(d_k),  A = softmax_rows(T),  F = A X W_V,
 //   Y = LN(X + F),  R = relu(Y W_1),  S = R W_2 + Y,  Z = LN(S)
 // (no biases, LayerNorm without affine parameters, optional eps). This header holds the forward
@@ -19,25 +19,10 @@
 #include "blockhess/finite.hpp"
 #include "blockhess/layernorm.hpp"
 #include "blockhess/parallel.hpp"
+#include "blockhess/params.hpp"
 #include "blockhess/softmax.hpp"
 
 namespace blockhess::block {
-
-// The five weight matrices, in the order of the Hessian's rows and columns.
-enum Param : int { W_Q = 0, W_K = 1, W_V = 2, W_1 = 3, W_2 = 4 };
-constexpr int kNumParams = 5;
-
-struct Dims {
-  index_t L = 0, d = 0, dk = 0, dff = 0;
-
-  index_t rows(int p) const { return p == W_2 ? dff : d; }
-  index_t cols(int p) const { return p == W_Q || p == W_K ? dk : p == W_1 ? dff : d; }
-  index_t size(int p) const { return rows(p) * cols(p); }
-  void check() const {
-    if (L < 1 || d < 1 || dk < 1 || dff < 1)
-      throw std::invalid_argument("block: L, d, d_k and d_ff must all be >= 1");
-  }
-};
 
 template <class T>
 struct Weights {
@@ -123,16 +108,6 @@ Forward<T> forward(const Dims& dims, index_t B, const T* X, const Weights<T>& W,
   return f;
 }
 
-// Vector-Jacobian product of a LayerNorm row (no affine): J^T g = (g - mean(g) - y (y.g)/d) / sigma.
-template <class T>
-void layernorm_vjp_row(const T* y, T sigma, const T* g, index_t d, T* out) {
-  T mean = 0, yg = 0;
-  for (index_t a = 0; a < d; ++a) mean += g[a], yg += y[a] * g[a];
-  mean /= static_cast<T>(d);
-  yg /= static_cast<T>(d);
-  for (index_t a = 0; a < d; ++a) out[a] = (g[a] - mean - y[a] * yg) / sigma;
-}
-
 // Carry gZ (B*L, d) back through the block.
 template <class T>
 Reverse<T> reverse(const Forward<T>& f, const T* gZ) {
@@ -140,14 +115,14 @@ Reverse<T> reverse(const Forward<T>& f, const T* gZ) {
   const index_t L = D.L, d = D.d, dff = D.dff, n = f.tokens();
   Reverse<T> r;
   r.gS.resize(n * d), r.gH1.resize(n * dff), r.gY.resize(n * d), r.gF.resize(n * d), r.gA.resize(f.B * L * L), r.gT.resize(f.B * L * L);
-  for (index_t t = 0; t < n; ++t) layernorm_vjp_row(f.Z.data() + t * d, f.sigma2[t], gZ + t * d, d, r.gS.data() + t * d);
+  for (index_t t = 0; t < n; ++t) layernorm::vjp_row(f.Z.data() + t * d, f.sigma2[t], gZ + t * d, d, r.gS.data() + t * d);
   MapM<T> gH1(r.gH1.data(), n, dff);
   gH1.noalias() = MapC<T>(r.gS.data(), n, d) * MapC<T>(f.weight(W_2), dff, d).transpose();
   for (index_t k = 0; k < n * dff; ++k)
     if (!(f.H1[k] > T(0))) r.gH1[k] = T(0);  // relu'(0) is taken as 0
   MapM<T>(r.gY.data(), n, d).noalias() = gH1 * MapC<T>(f.weight(W_1), d, dff).transpose();
   MapM<T>(r.gY.data(), n, d) += MapC<T>(r.gS.data(), n, d);
-  for (index_t t = 0; t < n; ++t) layernorm_vjp_row(f.Y.data() + t * d, f.sigma1[t], r.gY.data() + t * d, d, r.gF.data() + t * d);
+  for (index_t t = 0; t < n; ++t) layernorm::vjp_row(f.Y.data() + t * d, f.sigma1[t], r.gY.data() + t * d, d, r.gF.data() + t * d);
   for (index_t b = 0; b < f.B; ++b) {
     MapM<T>(r.gA.data() + b * L * L, L, L).noalias() =
         MapC<T>(r.gF.data() + b * L * d, L, d) * MapC<T>(f.V.data() + b * L * d, L, d).transpose();

@@ -5,8 +5,8 @@
 //       + <gZ, LN2''[dS,dS]> + <gY, LN1''[dF,dF]>       LayerNorm curvature
 //       + 2<gS, dR dW_2> + 2<gH1, dY dW_1>              FFN bilinear terms (relu'' = 0 a.e.)
 //       + 2<gF, dA dV> + <gA, softmax''[dT,dT]> + 2<gT, dQ dK^T>/sqrt(d_k)   attention
-// (g* are the cotangents of block.hpp's reverse pass.) This is spec §3.8 with the corrected
-// xi / Phi blocks of §3.2 and §3.7 (errata E3-E8), written as a sum over the block's nodes.
+// (g* are the cotangents of block.hpp's reverse pass.) This is docs/derivation.md §4.1 with the corrected
+// xi / Phi blocks of its §4.3 (errata E3-E8), written as a sum over the block's nodes.
 //
 // Every first derivative factorises per token t into a vector on one index of the parameter and a
 // small matrix on the other (see kron_sum.hpp). With Jc_t = J_SY,t J_Y,t (d x d):
@@ -32,7 +32,6 @@
 namespace blockhess::block {
 
 enum class Part : int { full = 0, outer = 1, functional = 2 };
-using Selection = std::array<bool, kNumParams>;
 
 // Per-token factorisations of the five parameter Jacobians (see the header comment).
 template <class T>
@@ -109,15 +108,6 @@ Factors<T> factorize(const Forward<T>& f) {
   return fa;
 }
 
-// Offsets of the selected parameters in the flattened vector; returns the total size.
-inline index_t offsets(const Dims& D, const Selection& wrt, std::array<index_t, kNumParams>& off) {
-  index_t total = 0;
-  for (int p = 0; p < kNumParams; ++p) {
-    off[p] = total;
-    if (wrt[p]) total += D.size(p);
-  }
-  return total;
-}
 
 namespace detail {
 

@@ -1,4 +1,4 @@
-// Loss value, gradient and Hessian of the Transformer block over a batch (spec §3.8, H^(k)).
+// Loss value, gradient and Hessian of the Transformer block over a batch (docs/derivation.md §4, H^(k)).
 #pragma once
 
 #include <cstdint>
@@ -33,9 +33,7 @@ T loss_gradient(const Dims& D, index_t B, const T* X, const Weights<T>& W, T eps
   require_finite_loss(ld, B * D.L * D.d);
   if (grad) {
     weight_gradient(f, reverse(f, ld.gZ.data()), grad);
-    index_t P = 0;
-    for (int p = 0; p < kNumParams; ++p) P += D.size(p);
-    require_finite(grad, P, "block: the loss gradient");
+    require_finite(grad, D.total_size(), "block: the loss gradient");
   }
   return ld.value;
 }
