@@ -8,6 +8,7 @@
 
 #include "blockhess/block.hpp"
 #include "blockhess/block_hessian.hpp"
+#include "blockhess/block_hvp.hpp"
 #include "blockhess/block_loss.hpp"
 
 namespace blockhess::bind {
@@ -41,7 +42,8 @@ Problem<T> problem(const carray<T>& X, const carray<T>& WQ, const carray<T>& WK,
 }
 
 block::Selection selection(const std::vector<bool>& wrt) {
-  if (wrt.size() != block::kNumParams) throw std::invalid_argument("block: wrt needs 5 flags");
+  if (wrt.size() != block::kNumParams)
+    throw std::invalid_argument("block: wrt needs one flag per parameter (" + std::to_string(block::kNumParams) + ")");
   block::Selection s{};
   for (int k = 0; k < block::kNumParams; ++k) s[k] = wrt[k];
   return s;
@@ -124,9 +126,7 @@ void bind_for(py::module_& m) {
         const auto p = problem(X, WQ, WK, WV, W1, W2);
         T* o = nullptr;
         if (out) {
-          index_t total = 0;
-          for (int k = 0; k < block::kNumParams; ++k) total += p.dims.size(k);
-          require_shape(*out, {total}, "out");
+          require_shape(*out, {p.dims.total_size()}, "out");
           o = mutable_ptr(*out);
         }
         const auto tgt = target<T>(p, kind, values, classes);
@@ -157,11 +157,56 @@ void bind_for(py::module_& m) {
       py::arg("W_1").noconvert(), py::arg("W_2").noconvert(), py::arg("eps"), py::arg("kind"),
       py::arg("values").noconvert().none(true), py::arg("classes").noconvert().none(true), py::arg("part"),
       py::arg("wrt"), py::arg("out").noconvert());
+
+  // The loss Hessian as an operator: the forward and reverse passes are computed once, at
+  // construction; apply(V, out) writes H V for V of shape (P,) or (P, k).
+  using Operator = block::HessianOperator<T>;
+  py::class_<Operator>(m, sizeof(T) == 8 ? "HessianOperator64" : "HessianOperator32")
+      .def(py::init([](A X, A WQ, A WK, A WV, A W1, A W2, T eps, int kind, const optional_carray<T>& values,
+                       const opt_classes& classes, int part, const std::vector<bool>& wrt) {
+             const auto p = problem(X, WQ, WK, WV, W1, W2);
+             const auto sel = selection(wrt);
+             if (part < 0 || part > 2) throw std::invalid_argument("HessianOperator: bad part");
+             const auto tgt = target<T>(p, kind, values, classes);
+             py::gil_scoped_release release;
+             return new Operator(p.dims, p.B, X.data(), p.weights, eps, tgt, static_cast<block::Part>(part), sel);
+           }),
+           py::arg("X").noconvert(), py::arg("W_Q").noconvert(), py::arg("W_K").noconvert(),
+           py::arg("W_V").noconvert(), py::arg("W_1").noconvert(), py::arg("W_2").noconvert(), py::arg("eps"),
+           py::arg("kind"), py::arg("values").noconvert().none(true), py::arg("classes").noconvert().none(true),
+           py::arg("part"), py::arg("wrt"))
+      .def_property_readonly("size", &Operator::size)
+      .def_property_readonly("loss_value", &Operator::loss_value)
+      .def(
+          "apply",
+          [](const Operator& op, const carray<T>& V, carray<T>& out) {
+            const index_t P = op.size();
+            if (V.ndim() < 1 || V.ndim() > 2 || V.shape(0) != P) throw std::invalid_argument("apply: V must be (P,) or (P, k)");
+            const index_t k = V.ndim() == 2 ? V.shape(1) : 1;
+            if (out.ndim() != V.ndim() || out.shape(0) != P || (V.ndim() == 2 && out.shape(1) != k))
+              throw std::invalid_argument("apply: out must have the shape of V");
+            T* o = mutable_ptr(out);
+            py::gil_scoped_release release;
+            op.apply_columns(V.data(), k, o);
+          },
+          py::arg("V").noconvert(), py::arg("out").noconvert());
 }
 
 }  // namespace
 
 void bind_block(py::module_& m) {
+  m.def(
+      "block_parameters",
+      [](index_t d, index_t dk, index_t dff) {
+        const block::Dims D{1, d, dk, dff};
+        D.check();
+        py::list table;
+        for (int p = 0; p < block::kNumParams; ++p)
+          table.append(py::make_tuple(block::kParamNames[p], py::make_tuple(D.rows(p), D.cols(p))));
+        return table;
+      },
+      "The block's parameters in order: [(name, (rows, cols))] for widths d, d_k, d_ff (params.hpp).",
+      py::arg("d"), py::arg("d_k"), py::arg("d_ff"));
   for_each_float([&](auto* tag) { bind_for<std::remove_pointer_t<decltype(tag)>>(m); });
 }
 

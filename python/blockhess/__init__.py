@@ -40,12 +40,16 @@ from .block import (
     loss_hessian,
     loss_value,
 )
+from .hvp import HessianOperator, hessian_operator, loss_hvp
 
 __version__ = _version("blockhess")
 
 __all__ = [
     # the Transformer block and its loss
     "BlockParams",
+    "HessianOperator",
+    "hessian_operator",
+    "loss_hvp",
     "block_forward",
     "block_jacobian",
     "block_output_hessian",

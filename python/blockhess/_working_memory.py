@@ -52,3 +52,14 @@ def block(B: int, L: int, d: int, dk: int, dff: int, itemsize: int, *, hessian: 
         kron = 3 * min(n * widest * widest, _KRON_CHUNK)
         total += vectors + matrices + omegas + kron
     return itemsize * total
+
+
+def hvp(B: int, L: int, d: int, dk: int, dff: int, itemsize: int, columns: int, threads: int) -> int:
+    """block_hvp.hpp: the operator keeps the forward caches, the loss gradient and the reverse pass;
+    each product in flight (one per thread) holds the tangents of the forward and reverse passes and
+    a copy of its column and product."""
+    n = B * L
+    P = 2 * d * dk + d * d + 2 * d * dff
+    kept = block(B, L, d, dk, dff, itemsize, hessian=False, outer=False) // itemsize
+    per_product = 3 * B * L * L + n * (2 * dk + 10 * d + 4 * dff) + 2 * L * L + 2 * P
+    return itemsize * (kept + per_product * max(1, min(columns, threads)))

@@ -1,4 +1,4 @@
-"""The post-LN Transformer block (spec §1.5) and the exact derivatives of its output and loss.
+"""The post-LN Transformer block (docs/derivation.md §2.1) and the exact derivatives of its output and loss.
 
     T = X W_Q W_K^T X^T / sqrt(d_k),  A = softmax_rows(T),  F = A X W_V
     Y = LN(X + F),  S = relu(Y W_1) W_2 + Y,  Z = LN(S)
@@ -27,7 +27,14 @@ from ._validate import (
     require_output_fits,
 )
 
-PARAM_NAMES = ("W_Q", "W_K", "W_V", "W_1", "W_2")
+
+
+def _parameter_table(d: int, d_k: int, d_ff: int) -> list[tuple[str, tuple[int, int]]]:
+    """[(name, shape)] of the block's parameters in order, from the core's registry (params.hpp)."""
+    return [(str(name), (int(rows), int(cols))) for name, (rows, cols) in _core.block_parameters(d, d_k, d_ff)]
+
+
+PARAM_NAMES = tuple(name for name, _ in _parameter_table(1, 1, 1))
 _LOSSES = {"mse": 0, "cross_entropy": 1}
 _PARTS = {"full": 0, "outer": 1, "functional": 2}
 
@@ -47,7 +54,9 @@ class BlockParams:
         _backend.on_device(*arrays)
         d, d_k = arrays[0].shape
         d_ff = arrays[3].shape[1]
-        expected = {"W_Q": (d, d_k), "W_K": (d, d_k), "W_V": (d, d), "W_1": (d, d_ff), "W_2": (d_ff, d)}
+        if min(d, d_k, d_ff) < 1:
+            raise ValueError(f"d, d_k and d_ff must be >= 1, got {(d, d_k, d_ff)}")
+        expected = dict(_parameter_table(d, d_k, d_ff))
         for name, w in zip(PARAM_NAMES, arrays):
             if w.shape != expected[name]:
                 got = ", ".join(f"{n} {tuple(a.shape)}" for n, a in zip(PARAM_NAMES, arrays))
@@ -55,8 +64,6 @@ class BlockParams:
                     f"{name} must have shape {expected[name]} (from W_Q of shape {(d, d_k)} and W_1 "
                     f"with d_ff = {d_ff}); got {got}"
                 )
-        if min(d, d_k, d_ff) < 1:
-            raise ValueError(f"d, d_k and d_ff must be >= 1, got {(d, d_k, d_ff)}")
         self.dtype = common_dtype(*arrays)
         self._arrays = tuple(contiguous(w, self.dtype) for w in arrays)
         self.d, self.d_k, self.d_ff = d, d_k, d_ff
@@ -115,6 +122,18 @@ def _param_index(name: Any) -> int:
     if name not in PARAM_NAMES:
         raise ValueError(f"parameter name must be one of {', '.join(PARAM_NAMES)}, got {name!r}")
     return PARAM_NAMES.index(name)
+
+
+def _selection(params: BlockParams, wrt: Any) -> tuple[tuple[str, ...], list[bool], int]:
+    """(names in the canonical order, a flag per parameter, their total size P) for ``wrt``."""
+    names = PARAM_NAMES if wrt is None else tuple(wrt)
+    if isinstance(wrt, str) or not names or len(set(names)) != len(names):
+        raise ValueError(f"wrt must be a non-empty sequence of distinct names from {PARAM_NAMES}, got {wrt!r}")
+    for n in names:
+        _param_index(n)
+    selected = [n in names for n in PARAM_NAMES]
+    names = tuple(n for n in PARAM_NAMES if n in names)  # the Hessian follows the canonical order
+    return names, selected, sum(s for s, keep in zip(params.sizes, selected) if keep)
 
 
 def _check_params(params: Any) -> BlockParams:
@@ -224,13 +243,14 @@ def block_output_hessian(X: Any, params: BlockParams, wrt_i: str, wrt_j: str, *,
     return out
 
 
-def _loss_inputs(X, target, params, loss, eps):
+def _loss_inputs(X, target, params, loss, eps, promote_with=()):
     params = _check_params(params)
     loss = choice(loss, "loss", tuple(_LOSSES))
     eps = nonneg_scalar(eps, "eps")
     if loss == "mse":  # a float target takes part in the dtype promotion like every other array
         target = float_array(target, "target")
-    X3, W, dtype = _batch(X, params, promote_with=(target,) if loss == "mse" else ())
+    floats = (target,) if loss == "mse" else ()
+    X3, W, dtype = _batch(X, params, promote_with=(*floats, *promote_with))
     _backend.on_device(X3, target)  # TypeError for a target on the other side of X
     batched = len(as_array(X, "X").shape) == 3
     values, classes = _target(target, loss, X3, batched, dtype)
@@ -296,14 +316,7 @@ def loss_hessian(
     params, X3, W, dtype, eps, kind, values, classes = _loss_inputs(X, target, params, loss, eps)
     part_code = _PARTS[choice(part, "part", tuple(_PARTS))]
     layout = choice(layout, "layout", ("dense", "blocks"))
-    names = PARAM_NAMES if wrt is None else tuple(wrt)
-    if isinstance(wrt, str) or not names or len(set(names)) != len(names):
-        raise ValueError(f"wrt must be a non-empty sequence of distinct names from {PARAM_NAMES}, got {wrt!r}")
-    selected = [n in names for n in PARAM_NAMES]
-    for n in names:
-        _param_index(n)
-    names = tuple(n for n in PARAM_NAMES if n in names)  # the Hessian follows the canonical order
-    P = sum(s for s, keep in zip(params.sizes, selected) if keep)
+    names, selected, P = _selection(params, wrt)
     B, L, d = X3.shape
     working = _working_memory.block(B, L, d, params.d_k, params.d_ff, dtype.itemsize, hessian=True, outer=part != "functional")
     if out is None:

@@ -1,4 +1,4 @@
-// Row-wise LayerNorm and its exact first and second derivatives (spec §3.3-3.4).
+// Row-wise LayerNorm and its exact first and second derivatives (docs/derivation.md §3.1).
 //
 // Z_ia = gamma_a * y_ia + beta_a,  y_ia = (x_ia - mu_i) / sigma_i,  sigma_i = sqrt(var_i + eps),
 // population variance. Only same-row derivatives are nonzero, so everything is stored per row:
@@ -164,6 +164,31 @@ BLOCKHESS_HD void hessian_contract_row(const T* y, T sigma, const T* gamma, cons
       C[c * d + b] = v;
     }
   }
+}
+
+// Vector-Jacobian product of one row without affine parameters: u = J^T g = (g - mean(g) - y mean(y g)) / sigma.
+// J is symmetric, so this is also the Jacobian-vector product (the row's tangent for an input tangent g).
+template <class T>
+BLOCKHESS_HD void vjp_row(const T* y, T sigma, const T* g, index_t d, T* u) {
+  T mean = 0, yg = 0;
+  for (index_t a = 0; a < d; ++a) mean += g[a], yg += y[a] * g[a];
+  mean /= static_cast<T>(d);
+  yg /= static_cast<T>(d);
+  for (index_t a = 0; a < d; ++a) u[a] = (g[a] - mean - y[a] * yg) / sigma;
+}
+
+// Tangent of u = vjp_row(y, sigma, g) with g fixed while the row's input moves by ds, its output
+// by dy = J ds (sigma moves by mean(y ds)): the LayerNorm curvature in a Hessian-vector product,
+// sum_a g_a H[a,:,:] ds in O(d) instead of the d x d contraction.
+//   du = -(mean(y g) dy + mean(dy g) y + mean(y ds) u) / sigma
+template <class T>
+BLOCKHESS_HD void vjp_tangent_row(const T* y, T sigma, const T* g, const T* u, const T* ds, const T* dy, index_t d,
+                                  T* du) {
+  T yg = 0, dyg = 0, yds = 0;
+  for (index_t a = 0; a < d; ++a) yg += y[a] * g[a], dyg += dy[a] * g[a], yds += y[a] * ds[a];
+  const T inv_d = T(1) / static_cast<T>(d);
+  yg *= inv_d, dyg *= inv_d, yds *= inv_d;
+  for (index_t a = 0; a < d; ++a) du[a] = -(yg * dy[a] + dyg * y[a] + yds * u[a]) / sigma;
 }
 
 namespace detail {

@@ -1,5 +1,5 @@
 // Losses on the block output Z (B samples of L tokens, d features), averaged over the batch:
-//   mse:            l = 1/(B L d) sum (Z - target)^2                     (spec §1.6, per sample 1/(L d))
+//   mse:            l = 1/(B L d) sum (Z - target)^2                     (docs/derivation.md §2.2, per sample 1/(L d))
 //   cross_entropy:  l = 1/(B L) sum_t [logsumexp(Z_t) - Z_t[class_t]]    (each row of Z is a logit vector)
 // Both are separable over tokens, so their Hessian with respect to Z is one d x d block per token.
 #pragma once
@@ -63,6 +63,27 @@ Derivatives<T> derivatives(Kind kind, index_t B, index_t L, index_t d, const T* 
         for (index_t b = 0; b < d; ++b) out.hessZ[(t * d + a) * d + b] = c * ((a == b ? p[a] : T(0)) - p[a] * p[b]);
   }
   return out;
+}
+
+// out = (d2l/dZ^2) dZ without forming the per-token d x d blocks: the outer part's seed in a
+// Hessian-vector product. mse: 2/(B L d) dZ; cross_entropy: 1/(B L) (p * dz - p (p.dz)) per row,
+// p = softmax(Z_t).
+template <class T>
+void hessian_apply(Kind kind, index_t B, index_t L, index_t d, const T* Z, const T* dZ, T* out) {
+  const index_t n = B * L;
+  if (kind == Kind::mse) {
+    const T c2 = 2 * (T(1) / static_cast<T>(B * L * d));
+    for (index_t k = 0; k < n * d; ++k) out[k] = c2 * dZ[k];
+    return;
+  }
+  const T c = T(1) / static_cast<T>(B * L);
+  Buffer<T> p(d);
+  for (index_t t = 0; t < n; ++t) {
+    softmax::forward_row(Z + t * d, d, p.data());
+    T pdz = 0;
+    for (index_t a = 0; a < d; ++a) pdz += p[a] * dZ[t * d + a];
+    for (index_t a = 0; a < d; ++a) out[t * d + a] = c * p[a] * (dZ[t * d + a] - pdz);
+  }
 }
 
 }  // namespace blockhess::loss

@@ -89,6 +89,16 @@ BLOCKHESS_HD void vjp_row(const T* a, const T* g, index_t n, T* gt) {
   for (index_t k = 0; k < n; ++k) gt[k] = a[k] * (g[k] - ag);
 }
 
+// Tangent of vjp_row as the row moves: the derivative of gt = a * (g - a.g) when a moves by da
+// and g by dg (da = J_i dt, the softmax's own tangent). The Hessian-vector product's reverse pass.
+//   dgt = da * (g - a.g) + a * (dg - da.g - a.dg)
+template <class T>
+BLOCKHESS_HD void vjp_tangent_row(const T* a, const T* da, const T* g, const T* dg, index_t n, T* dgt) {
+  T ag = 0, dag = 0, adg = 0;
+  for (index_t k = 0; k < n; ++k) ag += a[k] * g[k], dag += da[k] * g[k], adg += a[k] * dg[k];
+  for (index_t k = 0; k < n; ++k) dgt[k] = da[k] * (g[k] - ag) + a[k] * (dg[k] - dag - adg);
+}
+
 // ---- Whole matrices: T (m, n), softmax over each of the m rows. ----
 
 namespace detail {

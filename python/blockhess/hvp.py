@@ -1,0 +1,135 @@
+"""Matrix-free curvature of the block's loss: exact Hessian-vector products, and the Hessian as a
+linear operator, without ever forming the (P, P) matrix.
+
+The product is closed form (forward over reverse in the C++ core, see block_hvp.hpp): no autograd,
+no finite differences, memory O(B L (L + d + d_ff)) plus the vectors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import _backend, _core, _working_memory
+from ._interop import is_torch_tensor, returns_callers_kind, to_torch
+from ._threads import get_num_threads
+from ._validate import choice, contiguous, float_array, require_output_fits
+from .block import _LOSSES, _PARTS, BlockParams, _loss_inputs, _selection
+
+
+class HessianOperator:
+    """The loss Hessian (or its outer / functional part) over the parameters in ``wrt`` as a
+    linear operator of shape (P, P). Built by :func:`hessian_operator`; the forward and reverse
+    passes are computed once, so each product costs only the product.
+
+    ``op @ v``, ``op.matvec(v)`` for v of shape (P,), ``op.matmat(V)`` for V of shape (P, k). Vectors
+    are converted to the operator's dtype; results are NumPy arrays, or torch tensors for torch
+    inputs. ``op.to_scipy()`` gives a ``scipy.sparse.linalg.LinearOperator`` (for ``eigsh``, ``cg``).
+    """
+
+    def __init__(self, core_operator: Any, dtype: np.dtype, names: tuple[str, ...], part: str, loss: str) -> None:
+        self._op = core_operator
+        self.dtype = np.dtype(dtype)
+        self.names = names
+        self.part = part
+        self.loss = loss
+        self.shape = (int(core_operator.size), int(core_operator.size))
+
+    @property
+    def loss_value(self) -> float:
+        """The loss at the point where the Hessian is taken."""
+        return float(self._op.loss_value)
+
+    def __repr__(self) -> str:
+        return (f"HessianOperator(shape={self.shape}, dtype={self.dtype}, loss={self.loss!r}, "
+                f"part={self.part!r}, wrt={self.names})")
+
+    def _apply(self, V: Any, ndim: int) -> np.ndarray:
+        V = float_array(V, "V" if ndim == 2 else "v", ndim=ndim)
+        if _backend.is_device_array(V):
+            raise TypeError("the Hessian operator is built on the CPU; pass vectors as NumPy arrays "
+                            "(or CPU torch tensors), e.g. cupy.asnumpy(v)")
+        P = self.shape[0]
+        if V.shape[0] != P:
+            what = "V" if ndim == 2 else "v"
+            raise ValueError(f"{what} must have {P} rows (the parameters in wrt={self.names}), got shape {tuple(V.shape)}")
+        V = contiguous(V, self.dtype)
+        out = np.empty(V.shape, dtype=self.dtype)
+        self._op.apply(V, out)
+        return out
+
+    def matvec(self, v: Any) -> Any:
+        """H v for v of shape (P,)."""
+        product = self._apply(v, 1)
+        return to_torch(product) if is_torch_tensor(v) else product
+
+    def matmat(self, V: Any) -> Any:
+        """H V for V of shape (P, k); the k products run in parallel."""
+        product = self._apply(V, 2)
+        return to_torch(product) if is_torch_tensor(V) else product
+
+    def __matmul__(self, V: Any) -> Any:
+        return self.matmat(V) if len(getattr(V, "shape", ())) == 2 else self.matvec(V)
+
+    def to_scipy(self) -> Any:
+        """A ``scipy.sparse.linalg.LinearOperator`` over this operator (scipy is optional)."""
+        try:
+            from scipy.sparse.linalg import LinearOperator
+        except ImportError as err:  # pragma: no cover - scipy is in the test extra
+            raise ImportError("to_scipy() needs scipy: pip install scipy") from err
+        return LinearOperator(self.shape, matvec=self.matvec, matmat=self.matmat, rmatvec=self.matvec,
+                              dtype=self.dtype)
+
+
+def hessian_operator(
+    X: Any,
+    target: Any,
+    params: BlockParams,
+    *,
+    loss: str = "mse",
+    part: str = "full",
+    eps: float = 0.0,
+    wrt: tuple[str, ...] | None = None,
+) -> HessianOperator:
+    """The exact loss Hessian as a linear operator, for Hessian-vector products at sizes where the
+    dense (P, P) matrix would not fit. Arguments as in :func:`blockhess.loss_hessian`."""
+    return _build(X, target, params, loss, part, eps, wrt, columns=1)
+
+
+def _build(X, target, params, loss, part, eps, wrt, columns, promote_with=()) -> HessianOperator:
+    params, X3, W, dtype, eps, kind, values, classes = _loss_inputs(X, target, params, loss, eps, promote_with)
+    part = choice(part, "part", tuple(_PARTS))
+    names, selected, P = _selection(params, wrt)
+    if _backend.on_device(X3):
+        raise TypeError("hessian_operator and loss_hvp run on the CPU only so far; pass NumPy arrays "
+                        "(cupy.asnumpy) or use loss_hessian on the GPU")
+    B, L, d = X3.shape
+    working = _working_memory.hvp(B, L, d, params.d_k, params.d_ff, dtype.itemsize, columns, get_num_threads())
+    require_output_fits((P, columns), dtype, f"the Hessian-vector products over {', '.join(names)} (P = {P})",
+                        "pass fewer samples or tokens at a time, or fewer vectors", working=working)
+    core_class = _core.HessianOperator64 if dtype == np.float64 else _core.HessianOperator32
+    core_operator = core_class(X3, *W, eps, kind, values, classes, _PARTS[part], selected)
+    return HessianOperator(core_operator, dtype, names, part, choice(loss, "loss", tuple(_LOSSES)))
+
+
+@returns_callers_kind
+def loss_hvp(
+    X: Any,
+    target: Any,
+    params: BlockParams,
+    V: Any,
+    *,
+    loss: str = "mse",
+    part: str = "full",
+    eps: float = 0.0,
+    wrt: tuple[str, ...] | None = None,
+) -> np.ndarray:
+    """H @ V, exact and matrix-free: the loss Hessian (``part`` "full", "outer" or "functional")
+    over the parameters in ``wrt`` times V of shape (P,) or (P, k), rows ordered like
+    ``params.flatten()`` restricted to ``wrt``. V takes part in the dtype promotion. For many
+    products at the same point, build :func:`hessian_operator` once."""
+    V_array = float_array(V, "V", ndim=(1, 2))
+    columns = V_array.shape[1] if V_array.ndim == 2 else 1
+    op = _build(X, target, params, loss, part, eps, wrt, columns, promote_with=(V_array,))
+    return op._apply(V_array, V_array.ndim)
