@@ -1,4 +1,4 @@
-"""Single-head self-attention and its exact Jacobians (spec §1.2, §3.2).
+"""Single-head self-attention and its exact Jacobians (docs/derivation.md §2.1, §3.3).
 
 ``F = softmax(X W_Q W_K^T X^T / sqrt(d_k)) X W_V`` with ``X`` (L, d), ``W_Q`` and ``W_K`` (d, d_k),
 ``W_V`` (d, d_v): no mask, no biases, no output projection. The paper has ``d_v = d``; any ``d_v``

@@ -1,4 +1,4 @@
-"""Row-major vectorisation, commutation matrices and Kronecker products (spec §2.1-2.3).
+"""Row-major vectorisation, commutation matrices and Kronecker products (docs/derivation.md §1).
 
 ``vec_r(A) = A.reshape(-1)``; ``K_{m,n}`` is the permutation with ``K_{m,n} vec(A) = vec(A^T)`` for
 ``A`` of shape ``(m, n)``, i.e. ``(K_{m,n})[i*n + j, j*m + i] = 1``; hence

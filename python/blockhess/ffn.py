@@ -1,8 +1,8 @@
-"""The FFN sublayer ``relu(Y W_1) W_2`` (no residual, no biases) and its exact derivatives (spec §3.5).
+"""The FFN sublayer ``relu(Y W_1) W_2`` (no residual, no biases) and its exact derivatives (docs/derivation.md §3.4).
 
 ``Y`` (L, d), ``W_1`` (d, d_ff), ``W_2`` (d_ff, d_out); the paper has ``d_out = d``. Derivatives
 are in the vec_r numerator layout. ReLU convention: the derivative at exactly 0 is taken as 0
-(as in PyTorch), and ReLU's second derivative is 0 (spec Lemma 1), so the derivatives are exact
+(as in PyTorch), and ReLU's second derivative is 0 (docs/derivation.md §3.4), so the derivatives are exact
 wherever no pre-activation ``Y W_1`` is exactly 0.
 """
 

@@ -1,4 +1,4 @@
-"""LayerNorm: forward pass and exact first and second derivatives (spec §3.3-3.4).
+"""LayerNorm: forward pass and exact first and second derivatives (docs/derivation.md §3.1).
 
 Row-wise over the last axis, population variance, optional ``eps``, ``gamma`` and ``beta``.
 Derivatives are with respect to ``X`` in the row-major (vec_r) numerator layout of the spec.
@@ -89,8 +89,8 @@ def layernorm_jacobian(
 def layernorm_hessian(X: Any, *, eps: float = 0.0, gamma: Any = None, layout: str = "dense") -> np.ndarray:
     """Exact second derivative of LN(X) with respect to X.
 
-    ``layout="dense"`` gives the spec's layout ``((L*d)**2, L*d)`` (row index = (output, first
-    input)); ``layout="blocks"`` gives ``(L, d, d, d)`` with ``[i, a, b, c] = d2 Z_ia / dX_ib dX_ic``.
+    ``layout="dense"`` gives the paper's layout ``((L*d)**2, L*d)`` (docs/derivation.md §1.1; row
+    index = (output, first input)); ``layout="blocks"`` gives ``(L, d, d, d)`` with ``[i, a, b, c] = d2 Z_ia / dX_ib dX_ic``.
     """
     layout = choice(layout, "layout", _LAYOUTS)
     X, eps, dtype, gamma, _, _ = _prepare(X, eps, gamma)

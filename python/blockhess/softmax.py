@@ -1,4 +1,4 @@
-"""Row softmax and its exact first and second derivatives (spec §3.2; Ormaniec et al. Lemma C.1).
+"""Row softmax and its exact first and second derivatives (docs/derivation.md §3.2; Ormaniec et al. Lemma C.1).
 
 ``A = softmax(T)`` row by row for ``T`` of shape ``(m, n)`` (``L x L`` in the paper, any ``m x n``
 here). Row ``i`` of ``A`` depends only on row ``i`` of ``T``, so the derivatives are block diagonal;
@@ -74,8 +74,8 @@ def softmax_jacobian(T: Any, *, layout: str = "dense") -> np.ndarray:
 def softmax_hessian(T: Any, *, layout: str = "dense") -> np.ndarray:
     """Exact second derivative of the row softmax with respect to ``T``.
 
-    ``layout="dense"`` gives the spec's layout ``((m*n)**2, m*n)`` (row index = (output, first
-    input)); ``layout="blocks"`` gives ``(m, n, n, n)`` with
+    ``layout="dense"`` gives the paper's layout ``((m*n)**2, m*n)`` (docs/derivation.md §1.1; row
+    index = (output, first input)); ``layout="blocks"`` gives ``(m, n, n, n)`` with
     ``[i, j, k, l] = d2 A[i,j] / dT[i,k] dT[i,l]``, symmetric in ``(k, l)``.
     """
     layout = choice(layout, "layout", _LAYOUTS)

@@ -1,4 +1,4 @@
-// Single-head self-attention and its exact Jacobians (spec §1.2, §3.2; Noci et al. Lemma A.2).
+// Single-head self-attention and its exact Jacobians (docs/derivation.md §2.1, §3.3; Noci et al. Lemma A.2).
 //
 //   Q = X W_Q, K = X W_K, V = X W_V,  T = Q K^T / sqrt(d_k),  A = softmax_row(T),  F = A V.
 //   X (L, d), W_Q and W_K (d, d_k), W_V (d, d_v); F (L, d_v). Row t of X is x_t, of Q is q_t.

@@ -1,4 +1,4 @@
-// Commutation matrices and Kronecker products in the row-major (vec_r) convention (spec §2.1-2.3).
+// Commutation matrices and Kronecker products in the row-major (vec_r) convention (docs/derivation.md §1).
 //
 //   K_{m,n} vec(A) = vec(A^T) for A (m, n);  explicitly (K_{m,n})_{i n + j, j m + i} = 1.
 //   Hence vec_r(A^T) = K_{n,m} vec_r(A), and K_{n,m} K_{m,n} = I.

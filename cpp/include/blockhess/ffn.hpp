@@ -1,4 +1,4 @@
-// The FFN sublayer without residual or biases, FFN(Y) = relu(Y W_1) W_2 (spec §1.4, §3.5), and its
+// The FFN sublayer without residual or biases, FFN(Y) = relu(Y W_1) W_2 (docs/derivation.md §2.1, §3.4), and its
 // exact derivatives. Y (L, d), W_1 (d, f), W_2 (f, e); the paper has e = d. H = Y W_1 are the
 // pre-activations and D_t = diag(1[H[t,:] > 0]) the ReLU mask of token t.
 //

@@ -1,7 +1,7 @@
 // The one assembly primitive behind every block of the Transformer-block Hessian.
 //
 // Inside a block every parameter's derivative factorises per token t into a vector on one of the
-// parameter's two matrix indices and a small matrix on the other (spec §3.8: "sums over tokens of
+// parameter's two matrix indices and a small matrix on the other (docs/derivation.md §4.2: "sums over tokens of
 // Kronecker products"). A block of the Hessian is therefore
 //
 //     H[(p1,q1), (p2,q2)] += scale * sum_t  u_t[o_i] * w_t[o_j] * Gamma_t[r_i, r_j]

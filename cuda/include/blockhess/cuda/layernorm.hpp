@@ -1,4 +1,4 @@
-// LayerNorm on the GPU: plain C++ launchers (no CUDA types), spec §3.3-3.4.
+// LayerNorm on the GPU: plain C++ launchers (no CUDA types), docs/derivation.md §3.1.
 //
 // Every pointer is a device pointer to a C-contiguous array; gamma, beta and sigma may be null.
 // Every launcher is asynchronous on `stream` (a cudaStream_t passed as an integer; 0 = legacy

@@ -1,4 +1,4 @@
-// Row softmax on the GPU: plain C++ launchers (no CUDA types), spec §3.2.
+// Row softmax on the GPU: plain C++ launchers (no CUDA types), docs/derivation.md §3.2.
 //
 // T (m, n) holds logits and A = softmax(T) row by row. The derivative launchers take A (compute it
 // once with forward()). Device pointers to C-contiguous arrays; asynchronous on `stream`;
