@@ -1,7 +1,7 @@
 """Settings of the CPU suite: seeds, threads, LayerNorm eps, problem sizes and the dense-output limit.
 
-float64 throughout and THREADS threads for every library (OpenMP for blockhess,
-``torch.set_num_threads`` for PyTorch, numpy's BLAS for the GEMM floor).
+float64 unless a benchmark says otherwise, and THREADS threads for every library (blockhess's own
+thread pool, ``torch.set_num_threads`` for PyTorch, numpy's BLAS for the GEMM floor).
 """
 
 SEED = 20240611

@@ -19,6 +19,7 @@
 #include "blockhess/finite.hpp"
 #include "blockhess/layernorm.hpp"
 #include "blockhess/parallel.hpp"
+#include "blockhess/parallel_product.hpp"
 #include "blockhess/params.hpp"
 #include "blockhess/softmax.hpp"
 
@@ -79,18 +80,18 @@ Forward<T> forward(const Dims& dims, index_t B, const T* X, const Weights<T>& W,
   // range (weights near 1e160 make X W_Q W_K^T X^T infinite, and softmax then NaN) end in an error
   // naming that stage, before a later one (a LayerNorm) misreads the non-finite values.
   const MapC<T> Xm(f.X, n, d);
-  MapM<T>(f.Q.data(), n, dk).noalias() = Xm * MapC<T>(f.weight(W_Q), d, dk);
-  MapM<T>(f.K.data(), n, dk).noalias() = Xm * MapC<T>(f.weight(W_K), d, dk);
-  MapM<T>(f.V.data(), n, d).noalias() = Xm * MapC<T>(f.weight(W_V), d, d);
+  product(MapM<T>(f.Q.data(), n, dk), Xm, MapC<T>(f.weight(W_Q), d, dk), T(1), false);
+  product(MapM<T>(f.K.data(), n, dk), Xm, MapC<T>(f.weight(W_K), d, dk), T(1), false);
+  product(MapM<T>(f.V.data(), n, d), Xm, MapC<T>(f.weight(W_V), d, d), T(1), false);
   require_finite(f.Q.data(), n * dk, "block: the queries X W_Q");
   require_finite(f.K.data(), n * dk, "block: the keys X W_K");
   require_finite(f.V.data(), n * d, "block: the values X W_V");
   const T scale = f.inv_sqrt_dk();
   for (index_t b = 0; b < B; ++b) {
     MapM<T> A(f.A.data() + b * L * L, L, L);
-    A.noalias() = scale * MapC<T>(f.Q.data() + b * L * dk, L, dk) * MapC<T>(f.K.data() + b * L * dk, L, dk).transpose();
+    product(A, MapC<T>(f.Q.data() + b * L * dk, L, dk), MapC<T>(f.K.data() + b * L * dk, L, dk).transpose(), scale, false);
     for (index_t i = 0; i < L; ++i) softmax::forward_row(A.data() + i * L, L, A.data() + i * L);
-    MapM<T>(f.F.data() + b * L * d, L, d).noalias() = A * MapC<T>(f.V.data() + b * L * d, L, d);
+    product(MapM<T>(f.F.data() + b * L * d, L, d), A, MapC<T>(f.V.data() + b * L * d, L, d), T(1), false);
   }
   require_finite(f.A.data(), B * L * L, "block: the attention weights softmax(X W_Q W_K^T X^T / sqrt(d_k))");
   require_finite(f.F.data(), n * d, "block: the attention output A X W_V");
@@ -98,10 +99,10 @@ Forward<T> forward(const Dims& dims, index_t B, const T* X, const Weights<T>& W,
   MapM<T>(S.data(), n, d) = Xm + MapC<T>(f.F.data(), n, d);
   require_finite(S.data(), n * d, "block: the residual X + F");
   layernorm::normalize(S.data(), n, d, eps, f.Y.data(), f.sigma1.data());
-  MapM<T>(f.H1.data(), n, dff).noalias() = MapC<T>(f.Y.data(), n, d) * MapC<T>(f.weight(W_1), d, dff);
+  product(MapM<T>(f.H1.data(), n, dff), MapC<T>(f.Y.data(), n, d), MapC<T>(f.weight(W_1), d, dff), T(1), false);
   require_finite(f.H1.data(), n * dff, "block: the FFN pre-activations Y W_1");
   MapM<T>(f.R.data(), n, dff) = MapC<T>(f.H1.data(), n, dff).cwiseMax(T(0));
-  MapM<T>(S.data(), n, d).noalias() = MapC<T>(f.R.data(), n, dff) * MapC<T>(f.weight(W_2), dff, d);
+  product(MapM<T>(S.data(), n, d), MapC<T>(f.R.data(), n, dff), MapC<T>(f.weight(W_2), dff, d), T(1), false);
   MapM<T>(S.data(), n, d) += MapC<T>(f.Y.data(), n, d);
   require_finite(S.data(), n * d, "block: the FFN output with its residual relu(Y W_1) W_2 + Y");
   layernorm::normalize(S.data(), n, d, eps, f.Z.data(), f.sigma2.data());
@@ -117,15 +118,15 @@ Reverse<T> reverse(const Forward<T>& f, const T* gZ) {
   r.gS.resize(n * d), r.gH1.resize(n * dff), r.gY.resize(n * d), r.gF.resize(n * d), r.gA.resize(f.B * L * L), r.gT.resize(f.B * L * L);
   for (index_t t = 0; t < n; ++t) layernorm::vjp_row(f.Z.data() + t * d, f.sigma2[t], gZ + t * d, d, r.gS.data() + t * d);
   MapM<T> gH1(r.gH1.data(), n, dff);
-  gH1.noalias() = MapC<T>(r.gS.data(), n, d) * MapC<T>(f.weight(W_2), dff, d).transpose();
+  product(gH1, MapC<T>(r.gS.data(), n, d), MapC<T>(f.weight(W_2), dff, d).transpose(), T(1), false);
   for (index_t k = 0; k < n * dff; ++k)
     if (!(f.H1[k] > T(0))) r.gH1[k] = T(0);  // relu'(0) is taken as 0
-  MapM<T>(r.gY.data(), n, d).noalias() = gH1 * MapC<T>(f.weight(W_1), d, dff).transpose();
+  product(MapM<T>(r.gY.data(), n, d), gH1, MapC<T>(f.weight(W_1), d, dff).transpose(), T(1), false);
   MapM<T>(r.gY.data(), n, d) += MapC<T>(r.gS.data(), n, d);
   for (index_t t = 0; t < n; ++t) layernorm::vjp_row(f.Y.data() + t * d, f.sigma1[t], r.gY.data() + t * d, d, r.gF.data() + t * d);
   for (index_t b = 0; b < f.B; ++b) {
-    MapM<T>(r.gA.data() + b * L * L, L, L).noalias() =
-        MapC<T>(r.gF.data() + b * L * d, L, d) * MapC<T>(f.V.data() + b * L * d, L, d).transpose();
+    product(MapM<T>(r.gA.data() + b * L * L, L, L), MapC<T>(r.gF.data() + b * L * d, L, d),
+            MapC<T>(f.V.data() + b * L * d, L, d).transpose(), T(1), false);
   }
   for (index_t t = 0; t < n; ++t) softmax::vjp_row(f.A.data() + t * L, r.gA.data() + t * L, L, r.gT.data() + t * L);
   require_finite(r.gS.data(), n * d, "block: the reverse pass through the second LayerNorm");
@@ -151,8 +152,9 @@ void weight_gradient(const Forward<T>& f, const Reverse<T>& r, T* out) {
     gV.noalias() += X.transpose() * (A.transpose() * gF);
   }
   T* o = out + 2 * d * dk + d * d;
-  MapM<T>(o, d, dff).noalias() = MapC<T>(f.Y.data(), n, d).transpose() * MapC<T>(r.gH1.data(), n, dff);
-  MapM<T>(o + d * dff, dff, d).noalias() = MapC<T>(f.R.data(), n, dff).transpose() * MapC<T>(r.gS.data(), n, d);
+  product(MapM<T>(o, d, dff), MapC<T>(f.Y.data(), n, d).transpose(), MapC<T>(r.gH1.data(), n, dff), T(1), false);
+  product(MapM<T>(o + d * dff, dff, d), MapC<T>(f.R.data(), n, dff).transpose(), MapC<T>(r.gS.data(), n, d), T(1),
+          false);
 }
 
 }  // namespace blockhess::block

@@ -14,7 +14,11 @@
 #pragma once
 
 #include <Eigen/Core>
+#include <algorithm>
 #include <array>
+#include <memory>
+#include <mutex>
+#include <vector>
 
 #include "blockhess/block.hpp"
 #include "blockhess/block_hessian.hpp"
@@ -47,7 +51,16 @@ class HessianOperator {
   T loss_value() const { return value_; }
 
   // out = H v for one vector v of length size().
-  void apply(const T* v, T* out) const;
+  void apply(const T* v, T* out) const {
+    Scratch& ws = acquire();
+    try {
+      apply(v, out, ws);
+    } catch (...) {
+      release(ws);
+      throw;
+    }
+    release(ws);
+  }
 
   // out = H V for V of shape (size(), k), both row-major. Columns are independent products, run in
   // parallel; each is computed the same way whichever thread runs it (bit-reproducible).
@@ -57,14 +70,37 @@ class HessianOperator {
     const Dims& D = f_.dims;
     const index_t work = f_.tokens() * (D.L + D.d) * (D.d + D.dk + D.dff) * 4;
     blockhess::detail::parallel_for(k, work, [&](index_t j) {
-      Buffer<T> column(P), product(P);
+      Buffer<T> column(P), result(P);
       for (index_t i = 0; i < P; ++i) column[i] = V[i * k + j];
-      apply(column.data(), product.data());
-      for (index_t i = 0; i < P; ++i) out[i * k + j] = product[i];
+      apply(column.data(), result.data());
+      for (index_t i = 0; i < P; ++i) out[i * k + j] = result[i];
     });
   }
 
  private:
+  // The tangents of one product in flight. Kept by the operator and reused (one per concurrent
+  // product), so that repeated products do not fault in fresh pages every time.
+  struct Scratch {
+    Buffer<T> dQ, dK, dV, dT, dA, dF, dY, dH1, dR, dS, dZ;  // forward tangent
+    Buffer<T> dgZ, dgS, du, dgH1, dgY, dgF, dgA, dgT;       // tangent of the reverse pass
+    Buffer<T> inner_q, inner_k, inner_v;                    // per-sample products for W_Q, W_K, W_V
+  };
+  Scratch& acquire() const {
+    std::lock_guard<std::mutex> lock(scratch_mutex_);
+    if (idle_scratch_.empty()) {
+      scratch_.push_back(std::make_unique<Scratch>());
+      return *scratch_.back();
+    }
+    Scratch* ws = idle_scratch_.back();
+    idle_scratch_.pop_back();
+    return *ws;
+  }
+  void release(Scratch& ws) const {
+    std::lock_guard<std::mutex> lock(scratch_mutex_);
+    idle_scratch_.push_back(&ws);
+  }
+  void apply(const T* v, T* out, Scratch& ws) const;
+
   Forward<T> f_;
   Buffer<T> gZ_;
   Reverse<T> r_;
@@ -74,10 +110,13 @@ class HessianOperator {
   std::array<index_t, kNumParams> offset_{};
   index_t size_ = 0;
   T value_ = 0;
+  mutable std::mutex scratch_mutex_;
+  mutable std::vector<std::unique_ptr<Scratch>> scratch_;
+  mutable std::vector<Scratch*> idle_scratch_;
 };
 
 template <class T>
-void HessianOperator<T>::apply(const T* v, T* out) const {
+void HessianOperator<T>::apply(const T* v, T* out, Scratch& ws) const {
   const Forward<T>& f = f_;
   const Reverse<T>& r = r_;
   const Dims& D = f.dims;
@@ -95,19 +134,31 @@ void HessianOperator<T>::apply(const T* v, T* out) const {
       if (!(f.H1[k] > T(0))) m[k] = T(0);
   };
 
+  auto sized = [](Buffer<T>& buffer, index_t size) -> Buffer<T>& {
+    buffer.resize(static_cast<size_t>(size));
+    return buffer;
+  };
+  // X dW, or zero for a weight that wrt leaves out.
+  auto input_times = [&](Buffer<T>& out_buffer, int p, index_t cols) -> Buffer<T>& {
+    sized(out_buffer, n * cols);
+    if (dW[p]) product(MapM<T>(out_buffer.data(), n, cols), X, MapC<T>(dW[p], d, cols), T(1), false);
+    else std::fill(out_buffer.begin(), out_buffer.end(), T(0));
+    return out_buffer;
+  };
+
   // 1. Forward tangent.
-  Buffer<T> dQ(n * dk, T(0)), dK(n * dk, T(0)), dV(n * d, T(0));
-  if (dW[W_Q]) product(MapM<T>(dQ.data(), n, dk), X, MapC<T>(dW[W_Q], d, dk), T(1), false);
-  if (dW[W_K]) product(MapM<T>(dK.data(), n, dk), X, MapC<T>(dW[W_K], d, dk), T(1), false);
-  if (dW[W_V]) product(MapM<T>(dV.data(), n, d), X, MapC<T>(dW[W_V], d, d), T(1), false);
-  Buffer<T> dA(B * L * L), dF(n * d);
+  const Buffer<T>& dQ = input_times(ws.dQ, W_Q, dk);
+  const Buffer<T>& dK = input_times(ws.dK, W_K, dk);
+  const Buffer<T>& dV = input_times(ws.dV, W_V, d);
+  Buffer<T>& dA = sized(ws.dA, B * L * L);
+  Buffer<T>& dF = sized(ws.dF, n * d);
   {
-    Mat<T> dT(L, L);
+    MapM<T> dT(sized(ws.dT, L * L).data(), L, L);
     for (index_t b = 0; b < B; ++b) {
       const MapC<T> Qb(f.Q.data() + b * L * dk, L, dk), Kb(f.K.data() + b * L * dk, L, dk);
       const MapC<T> dQb(dQ.data() + b * L * dk, L, dk), dKb(dK.data() + b * L * dk, L, dk);
-      product(MapM<T>(dT.data(), L, L), dQb, Kb.transpose(), s, false);
-      product(MapM<T>(dT.data(), L, L), Qb, dKb.transpose(), s, true);
+      product(dT, dQb, Kb.transpose(), s, false);
+      product(dT, Qb, dKb.transpose(), s, true);
       const T* A = f.A.data() + b * L * L;
       T* dAb = dA.data() + b * L * L;
       for (index_t i = 0; i < L; ++i) softmax::vjp_row(A + i * L, dT.data() + i * L, L, dAb + i * L);  // J is symmetric
@@ -116,7 +167,11 @@ void HessianOperator<T>::apply(const T* v, T* out) const {
       product(dFb, MapC<T>(A, L, L), MapC<T>(dV.data() + b * L * d, L, d), T(1), true);
     }
   }
-  Buffer<T> dY(n * d), dH1(n * dff), dR(n * dff), dS(n * d), dZ(n * d);
+  Buffer<T>& dY = sized(ws.dY, n * d);
+  Buffer<T>& dH1 = sized(ws.dH1, n * dff);
+  Buffer<T>& dR = ws.dR;
+  Buffer<T>& dS = sized(ws.dS, n * d);
+  Buffer<T>& dZ = sized(ws.dZ, n * d);
   for (index_t t = 0; t < n; ++t)
     layernorm::vjp_row(f.Y.data() + t * d, f.sigma1[t], dF.data() + t * d, d, dY.data() + t * d);
   const MapM<T> dH1m(dH1.data(), n, dff);
@@ -132,9 +187,11 @@ void HessianOperator<T>::apply(const T* v, T* out) const {
     layernorm::vjp_row(f.Z.data() + t * d, f.sigma2[t], dS.data() + t * d, d, dZ.data() + t * d);
 
   // 2. Tangent of the reverse pass.
-  Buffer<T> dgS(n * d, T(0)), du(d);
+  Buffer<T>& dgS = sized(ws.dgS, n * d);
+  Buffer<T>& du = sized(ws.du, d);
+  std::fill(dgS.begin(), dgS.end(), T(0));
   if (seed) {
-    Buffer<T> dgZ(n * d);
+    Buffer<T>& dgZ = sized(ws.dgZ, n * d);
     loss::hessian_apply(kind_, B, L, d, f.Z.data(), dZ.data(), dgZ.data());
     for (index_t t = 0; t < n; ++t)
       layernorm::vjp_row(f.Z.data() + t * d, f.sigma2[t], dgZ.data() + t * d, d, dgS.data() + t * d);
@@ -146,7 +203,9 @@ void HessianOperator<T>::apply(const T* v, T* out) const {
       for (index_t a = 0; a < d; ++a) dgS[t * d + a] += du[a];
     }
   const MapC<T> gS(r.gS.data(), n, d), gH1(r.gH1.data(), n, dff), dgSm(dgS.data(), n, d);
-  Buffer<T> dgH1(n * dff), dgY(n * d), dgF(n * d);
+  Buffer<T>& dgH1 = sized(ws.dgH1, n * dff);
+  Buffer<T>& dgY = sized(ws.dgY, n * d);
+  Buffer<T>& dgF = sized(ws.dgF, n * d);
   const MapM<T> dgH1m(dgH1.data(), n, dff);
   MapM<T> dgYm(dgY.data(), n, d);
   product(dgH1m, dgSm, W2.transpose(), T(1), false);
@@ -163,9 +222,9 @@ void HessianOperator<T>::apply(const T* v, T* out) const {
                                dF.data() + t * d, dY.data() + t * d, d, du.data());
     for (index_t a = 0; a < d; ++a) dgFt[a] += du[a];
   }
-  Buffer<T> dgT(B * L * L);
+  Buffer<T>& dgT = sized(ws.dgT, B * L * L);
   {
-    Mat<T> dgA(L, L);
+    Buffer<T>& dgA = sized(ws.dgA, L * L);
     for (index_t b = 0; b < B; ++b) {
       const MapC<T> Vb(f.V.data() + b * L * d, L, d), dVb(dV.data() + b * L * d, L, d);
       const MapM<T> dgAm(dgA.data(), L, L);
@@ -183,7 +242,8 @@ void HessianOperator<T>::apply(const T* v, T* out) const {
 
   // 3. The weights' cotangent tangents: each weight gradient's derivative, product rule.
   if (dW[W_Q] || dW[W_K] || dW[W_V]) {
-    Mat<T> inner_q(L, dk), inner_k(L, dk), inner_v(L, d);
+    Buffer<T>&inner_q = sized(ws.inner_q, L * dk), &inner_k = sized(ws.inner_k, L * dk);
+    Buffer<T>& inner_v = sized(ws.inner_v, L * d);
     auto zero = [&](int p, index_t rows, index_t cols) {
       if (wrt_[p]) MapM<T>(out + offset_[p], rows, cols).setZero();
     };
