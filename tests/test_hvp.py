@@ -156,6 +156,13 @@ def test_bad_vectors_are_clear_errors(rng):
         blockhess.hessian_operator(X, target, params, wrt=("W_O",))
 
 
+def test_overflowing_product_names_its_stage(rng):
+    X, target, params = _problem(rng, 4, 3, 2, 5, None, "mse")
+    op = blockhess.hessian_operator(X, target, params)
+    with pytest.raises(blockhess.NonFiniteError, match="Hessian-vector product"):
+        op.matvec(np.full(params.size, 1.7e308))
+
+
 def test_memory_budget_covers_the_operator(rng):
     X, target, params = _problem(rng, 4, 3, 2, 5, None, "mse")
     with blockhess.memory_budget(1024):

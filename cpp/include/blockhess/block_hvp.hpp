@@ -281,9 +281,7 @@ void HessianOperator<T>::apply(const T* v, T* out, Scratch& ws) const {
     product(o, R.transpose(), dgSm, T(1), false);
     if (curved) product(o, MapC<T>(dR.data(), n, dff).transpose(), gS, T(1), true);
   }
-  require_finite(out, size_,
-                 "block: the Hessian-vector product (finite inputs and vector drive it past the float range; "
-                 "rescale them)");
+  require_finite(out, size_, "block: the Hessian-vector product H v (a vector of smaller magnitude may fit)");
 }
 
 }  // namespace blockhess::block
