@@ -3,6 +3,7 @@
 #include "binding.hpp"
 
 #include "blockhess/attention.hpp"
+#include "blockhess/finite.hpp"
 
 namespace blockhess::bind {
 namespace {
@@ -45,7 +46,10 @@ void bind_for(py::module_& m) {
         const T *x = X.data(), *wq = WQ.data(), *wk = WK.data(), *wv = WV.data();
         T* o = mutable_ptr(out);
         py::gil_scoped_release release;
-        attention::jacobian(x, wq, wk, wv, s, w, o);
+        FiniteRecord finite;  // every entry checked as it is written
+        attention::jacobian(x, wq, wk, wv, s, w, o, &finite);
+        static const char* const name[] = {"W_Q", "W_K", "W_V", "X"};
+        finite.require<T>(std::string("the attention Jacobian with respect to ") + name[wrt]);
       },
       py::arg("X").noconvert(), py::arg("W_Q").noconvert(), py::arg("W_K").noconvert(),
       py::arg("W_V").noconvert(), py::arg("wrt"), py::arg("out").noconvert());

@@ -3,6 +3,7 @@
 #include "binding.hpp"
 
 #include "blockhess/ffn.hpp"
+#include "blockhess/finite.hpp"
 
 namespace blockhess::bind {
 namespace {
@@ -50,14 +51,24 @@ void bind_for(py::module_& m) {
         const T *y = Y.data(), *w1 = W1.data(), *w2 = W2.data();
         T* o = mutable_ptr(out);
         py::gil_scoped_release release;
+        // Checked finite as written; the W_1 factor relu'(H) W_2 is finite whenever W_2 is.
+        FiniteRecord finite;
         switch (kind) {
-          case 0: ffn::jacobian_w1(y, w1, w2, s, o); break;
-          case 1: ffn::jacobian_w2(y, w1, s, o); break;
-          case 2: ffn::jacobian_y_dense(y, w1, w2, s, o); break;
+          case 0: ffn::jacobian_w1(y, w1, w2, s, o, &finite); break;
+          case 1: ffn::jacobian_w2(y, w1, s, o, &finite); break;
+          case 2: ffn::jacobian_y_dense(y, w1, w2, s, o, &finite); break;
           case 4: ffn::jacobian_w1_factor(y, w1, w2, s, o); break;
-          case 5: ffn::activations(y, w1, s, o); break;
-          default: ffn::jacobian_y_blocks(y, w1, w2, s, o); break;
+          case 5:
+            ffn::activations(y, w1, s, o);
+            finite.check(o, s.L * s.f);
+            break;
+          default: ffn::jacobian_y_blocks(y, w1, w2, s, o, &finite); break;
         }
+        static const char* const stage[] = {"the FFN Jacobian with respect to W_1", "the FFN Jacobian with respect to W_2",
+                                            "the FFN Jacobian with respect to Y", "the FFN Jacobian with respect to Y (blocks)",
+                                            "the Kronecker factors of the FFN Jacobian with respect to W_1",
+                                            "the Kronecker factors of the FFN Jacobian with respect to W_2"};
+        finite.require<T>(stage[kind]);
       },
       py::arg("Y").noconvert(), py::arg("W_1").noconvert(), py::arg("W_2").noconvert(), py::arg("kind"),
       py::arg("out").noconvert());

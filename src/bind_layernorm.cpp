@@ -4,6 +4,7 @@
 
 #include <vector>
 
+#include "blockhess/finite.hpp"
 #include "blockhess/layernorm.hpp"
 
 namespace blockhess::bind {
@@ -42,7 +43,9 @@ void bind_for(py::module_& m) {
         T* z = mutable_ptr(out);
         py::gil_scoped_release release;
         std::vector<T> sigma(static_cast<size_t>(L));
-        layernorm::forward(X.data(), L, d, eps, data_or_null(gamma), data_or_null(beta), z, sigma.data());
+        FiniteRecord finite;
+        layernorm::forward(X.data(), L, d, eps, data_or_null(gamma), data_or_null(beta), z, sigma.data(), &finite);
+        finite.require<T>("LN(X)");
       },
       py::arg("X").noconvert(), py::arg("eps"), py::arg("gamma").noconvert().none(true),
       py::arg("beta").noconvert().none(true), py::arg("out").noconvert());
@@ -64,13 +67,17 @@ void bind_for(py::module_& m) {
         const T* g = data_or_null(gamma);
         py::gil_scoped_release release;
         const auto n = normalized(X, eps);
+        // gamma/beta Jacobians hold y (|y| <= sqrt(d)) and ones: always finite.
+        FiniteRecord finite;
+        FiniteRecord* check = layernorm::jacobian_certainly_finite(n.sigma.data(), g, L, d) ? nullptr : &finite;
         switch (kind) {
-          case 0: layernorm::jacobian_blocks(n.y.data(), n.sigma.data(), g, L, d, o); break;
-          case 1: layernorm::jacobian_dense(n.y.data(), n.sigma.data(), g, L, d, o); break;
+          case 0: layernorm::jacobian_blocks(n.y.data(), n.sigma.data(), g, L, d, o, check); break;
+          case 1: layernorm::jacobian_dense(n.y.data(), n.sigma.data(), g, L, d, o, check); break;
           case 2: layernorm::jacobian_gamma(n.y.data(), L, d, o); break;
           case 3: layernorm::jacobian_beta<T>(L, d, o); break;
           default: throw std::invalid_argument("layernorm_jacobian: unknown kind");
         }
+        finite.require<T>(kind == 0 ? "the LayerNorm Jacobian blocks" : "the dense LayerNorm Jacobian");
       },
       py::arg("X").noconvert(), py::arg("eps"), py::arg("gamma").noconvert().none(true), py::arg("kind"),
       py::arg("out").noconvert());
@@ -91,14 +98,16 @@ void bind_for(py::module_& m) {
         const T* g = data_or_null(gamma);
         py::gil_scoped_release release;
         const auto n = normalized(X, eps);
+        FiniteRecord finite;
         if (kind == 0) {
-          layernorm::hessian_blocks(n.y.data(), n.sigma.data(), g, L, d, o);
+          layernorm::hessian_blocks(n.y.data(), n.sigma.data(), g, L, d, o, &finite);
         } else if (kind == 1) {
           std::vector<T> scratch(static_cast<size_t>(d * d * d));
-          layernorm::hessian_dense(n.y.data(), n.sigma.data(), g, L, d, o, scratch.data());
+          layernorm::hessian_dense(n.y.data(), n.sigma.data(), g, L, d, o, scratch.data(), &finite);
         } else {
           throw std::invalid_argument("layernorm_hessian: unknown kind");
         }
+        finite.require<T>(kind == 0 ? "the LayerNorm second-derivative blocks" : "the dense LayerNorm second derivative");
       },
       py::arg("X").noconvert(), py::arg("eps"), py::arg("gamma").noconvert().none(true), py::arg("kind"),
       py::arg("out").noconvert());
@@ -114,7 +123,9 @@ void bind_for(py::module_& m) {
         const T* g = data_or_null(gamma);
         py::gil_scoped_release release;
         const auto n = normalized(X, eps);
-        layernorm::hessian_contract(n.y.data(), n.sigma.data(), g, G.data(), L, d, o);
+        FiniteRecord finite;
+        layernorm::hessian_contract(n.y.data(), n.sigma.data(), g, G.data(), L, d, o, &finite);
+        finite.require<T>("the contracted LayerNorm second derivative");
       },
       py::arg("X").noconvert(), py::arg("eps"), py::arg("gamma").noconvert().none(true),
       py::arg("G").noconvert(), py::arg("out").noconvert());

@@ -163,6 +163,31 @@ def test_huge_target_names_the_loss(rng):
         blockhess.loss_hessian(X, target * 1e200, params)
 
 
+def test_every_derivative_checks_its_entries_as_it_writes_them(rng):
+    """The derivative functions check each piece of their result for Inf/NaN while writing it (no
+    second pass over a large result): every layout and wrt, with the stage named."""
+    X = rng.standard_normal((4, 3))
+    tiny = X * 1e-160  # LayerNorm's derivatives scale like 1/sigma (Jacobian) and 1/sigma^2
+    cases = [
+        (lambda: blockhess.layernorm_jacobian(tiny * 1e-150, layout="blocks"), "LayerNorm Jacobian blocks"),
+        (lambda: blockhess.layernorm_jacobian(tiny * 1e-150, layout="dense"), "dense LayerNorm Jacobian"),
+        (lambda: blockhess.layernorm_hessian(tiny, layout="dense"), "dense LayerNorm second derivative"),
+        (lambda: blockhess.layernorm_hessian_contract(tiny, np.ones((4, 3))), "contracted LayerNorm"),
+        (lambda: blockhess.layernorm(X, gamma=np.full(3, 1e308), beta=np.full(3, 1e308)), r"LN\(X\)"),
+    ]
+    W = rng.standard_normal((3, 3)) * 1e160
+    for wrt in ("W_Q", "W_K", "X"):
+        cases.append((lambda wrt=wrt: blockhess.attention_jacobian(X * 1e150, W, W, W, wrt),
+                      f"attention Jacobian with respect to {wrt}"))
+    big = rng.standard_normal((3, 5)) * 1e160
+    for wrt, layout in (("W_1", "dense"), ("W_2", "dense"), ("W_2", "kron"), ("Y", "dense"), ("Y", "blocks")):
+        cases.append((lambda wrt=wrt, layout=layout: blockhess.ffn_jacobian(X * 1e160, big, big.T, wrt, layout=layout),
+                      "FFN Jacobian"))
+    for call, stage in cases:
+        with pytest.raises(blockhess.NonFiniteError, match=stage):
+            call()
+
+
 def test_component_overflow_is_an_error(rng):
     X = rng.standard_normal((4, 3))
     W = rng.standard_normal((3, 3)) * 1e160

@@ -89,8 +89,8 @@ def ffn_jacobian(Y: Any, W_1: Any, W_2: Any, wrt: str, *, layout: str = "dense")
     if _backend.on_device(Y, W_1, W_2):
         return require_finite(_gpu.ffn_jacobian(Y, W_1, W_2, wrt, layout), what)
     out = np.empty(shape, dtype=dtype)
-    _core.ffn_jacobian(Y, W_1, W_2, kind, out)
-    return require_finite(out, what)
+    _core.ffn_jacobian(Y, W_1, W_2, kind, out)  # checked finite as written (NonFiniteError)
+    return out
 
 
 def _kron_factors(Y: Any, W_1: Any, W_2: Any, wrt: str, dtype: np.dtype):
@@ -104,11 +104,11 @@ def _kron_factors(Y: Any, W_1: Any, W_2: Any, wrt: str, dtype: np.dtype):
         return tuple(require_finite(f, what) for f in _gpu.ffn_jacobian(Y, W_1, W_2, wrt, "kron"))
     if wrt == "W_1":
         V = np.empty((L, d_out, d_ff), dtype=dtype)
-        _core.ffn_jacobian(Y, W_1, W_2, 4, V)
-        return Y.copy(), require_finite(V, what)
+        _core.ffn_jacobian(Y, W_1, W_2, 4, V)  # relu'(Y W_1) W_2: finite whenever W_2 is
+        return Y.copy(), V
     U = np.empty((L, d_ff), dtype=dtype)
-    _core.ffn_jacobian(Y, W_1, W_2, 5, U)
-    return require_finite(U, what), np.broadcast_to(np.eye(d_out, dtype=dtype), (L, d_out, d_out))
+    _core.ffn_jacobian(Y, W_1, W_2, 5, U)  # checked finite by the core
+    return U, np.broadcast_to(np.eye(d_out, dtype=dtype), (L, d_out, d_out))
 
 
 @returns_callers_kind
@@ -133,5 +133,5 @@ def ffn_cross_hessian(Y: Any, W_1: Any, W_2: Any, *, layout: str = "dense") -> n
     if _backend.on_device(Y, W_1, W_2):
         return require_finite(_gpu.ffn_cross_hessian(Y, W_1, W_2, layout), what)
     out = np.empty(shape, dtype=dtype)
-    _core.ffn_cross_hessian(Y, W_1, W_2, kind, out)
-    return require_finite(out, what)
+    _core.ffn_cross_hessian(Y, W_1, W_2, kind, out)  # Y times 0 or 1: finite whenever Y is
+    return out

@@ -26,6 +26,7 @@
 
 #include "blockhess/buffer.hpp"
 #include "blockhess/config.hpp"
+#include "blockhess/finite.hpp"
 #include "blockhess/eigen.hpp"
 #include "blockhess/parallel.hpp"
 #include "blockhess/softmax.hpp"
@@ -107,7 +108,7 @@ void forward(const T* X, const T* WQ, const T* WK, const T* WV, const Dims& s, T
 
 // J (L d_v, d d_k) = dF / dW_Q.
 template <class T>
-void jacobian_wq(const Cache<T>& f, T* J) {
+void jacobian_wq(const Cache<T>& f, T* J, FiniteRecord* record = nullptr) {
   const index_t L = f.dims.L, d = f.dims.d, dk = f.dims.dk, dv = f.dims.dv;
   const index_t n = d * dk;
   const T* X = f.X.data();
@@ -137,12 +138,13 @@ void jacobian_wq(const Cache<T>& f, T* J) {
         for (index_t k = 0; k < dk; ++k) row[b * dk + k] = xb * Mt[a * dk + k];
       }
     }
+    note_finite(record, J + t * dv * n, dv * n);
   });
 }
 
 // J (L d_v, d d_k) = dF / dW_K.
 template <class T>
-void jacobian_wk(const Cache<T>& f, T* J) {
+void jacobian_wk(const Cache<T>& f, T* J, FiniteRecord* record = nullptr) {
   const index_t L = f.dims.L, d = f.dims.d, dk = f.dims.dk, dv = f.dims.dv;
   const index_t n = d * dk;
   const T* X = f.X.data();
@@ -171,6 +173,7 @@ void jacobian_wk(const Cache<T>& f, T* J) {
         for (index_t k = 0; k < dk; ++k) row[b * dk + k] = nb * qt[k];
       }
     }
+    note_finite(record, J + t * dv * n, dv * n);
   });
 }
 
@@ -192,7 +195,7 @@ void jacobian_wv(const Cache<T>& f, T* J) {
 
 // J (L d_v, L d) = dF / dX.
 template <class T>
-void jacobian_x(const Cache<T>& f, T* J) {
+void jacobian_x(const Cache<T>& f, T* J, FiniteRecord* record = nullptr) {
   const index_t L = f.dims.L, d = f.dims.d, dk = f.dims.dk, dv = f.dims.dv;
   const index_t n = L * d;
   const T *WQ = f.WQ.data(), *WK = f.WK.data(), *WV = f.WV.data();
@@ -222,19 +225,22 @@ void jacobian_x(const Cache<T>& f, T* J) {
         const T* ks = Kt.data() + s * d;
         for (index_t b = 0; b < d; ++b) diag[b] += g * ks[b];
       }
+      note_finite(record, row, n);
     }
   });
 }
 
-// dF / d(wrt) into J of shape (L d_v, dims.n_wrt(wrt)).
+// dF / d(wrt) into J of shape (L d_v, dims.n_wrt(wrt)). With a record, every entry is checked finite
+// as it is written (dF/dW_V holds convex combinations of rows of X: always finite).
 template <class T>
-void jacobian(const T* X, const T* WQ, const T* WK, const T* WV, const Dims& s, Wrt wrt, T* J) {
+void jacobian(const T* X, const T* WQ, const T* WK, const T* WV, const Dims& s, Wrt wrt, T* J,
+              FiniteRecord* record = nullptr) {
   const auto f = forward_cache(X, WQ, WK, WV, s);
   switch (wrt) {
-    case Wrt::W_Q: jacobian_wq(f, J); break;
-    case Wrt::W_K: jacobian_wk(f, J); break;
+    case Wrt::W_Q: jacobian_wq(f, J, record); break;
+    case Wrt::W_K: jacobian_wk(f, J, record); break;
     case Wrt::W_V: jacobian_wv(f, J); break;
-    case Wrt::X: jacobian_x(f, J); break;
+    case Wrt::X: jacobian_x(f, J, record); break;
     default: throw std::invalid_argument("attention::jacobian: unknown wrt");
   }
 }

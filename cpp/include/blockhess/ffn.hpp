@@ -22,6 +22,7 @@
 
 #include "blockhess/buffer.hpp"
 #include "blockhess/config.hpp"
+#include "blockhess/finite.hpp"
 #include "blockhess/eigen.hpp"
 #include "blockhess/parallel.hpp"
 
@@ -71,7 +72,7 @@ void forward(const T* Y, const T* W1, const T* W2, const Dims& s, T* F) {
 
 // B_1 = dF/dW_1, (L e, d f).
 template <class T>
-void jacobian_w1(const T* Y, const T* W1, const T* W2, const Dims& s, T* J) {
+void jacobian_w1(const T* Y, const T* W1, const T* W2, const Dims& s, T* J, FiniteRecord* record = nullptr) {
   const auto H = detail::preactivations(Y, W1, s);
   const index_t d = s.d, f = s.f, e = s.e, n = d * f;
   blockhess::detail::parallel_for(s.L, e * n, [&](index_t t) {
@@ -85,6 +86,7 @@ void jacobian_w1(const T* Y, const T* W1, const T* W2, const Dims& s, T* J) {
         T* out = row + b * f;
         for (index_t g = 0; g < f; ++g) out[g] = yb * masked[detail::sz(g)];
       }
+      note_finite(record, row, n);
     }
   });
 }
@@ -108,10 +110,11 @@ void activations(const T* Y, const T* W1, const Dims& s, T* R) {
   for (index_t k = 0; k < s.L * s.f; ++k) R[k] = H[detail::sz(k)] > T(0) ? H[detail::sz(k)] : T(0);
 }
 
-// B_2 = dF/dW_2 = relu(H) (x) I_e, (L e, f e).
+// B_2 = dF/dW_2 = relu(H) (x) I_e, (L e, f e). Its entries are those of H: the record checks H.
 template <class T>
-void jacobian_w2(const T* Y, const T* W1, const Dims& s, T* J) {
+void jacobian_w2(const T* Y, const T* W1, const Dims& s, T* J, FiniteRecord* record = nullptr) {
   const auto H = detail::preactivations(Y, W1, s);
+  note_finite(record, H.data(), s.L * s.f);
   const index_t f = s.f, e = s.e, n = f * e;
   blockhess::detail::parallel_for(s.L, e * n, [&](index_t t) {
     T* rows = J + t * e * n;
@@ -143,22 +146,26 @@ void jacobian_y_block(const T* ht, const T* W1, const T* W2, const Dims& s, T* o
 
 // dF/dY blocks (L, e, d): block t is W_2^T D_t W_1^T (dF[t]/dY[u] = 0 for u != t).
 template <class T>
-void jacobian_y_blocks(const T* Y, const T* W1, const T* W2, const Dims& s, T* J) {
+void jacobian_y_blocks(const T* Y, const T* W1, const T* W2, const Dims& s, T* J,
+                       FiniteRecord* record = nullptr) {
   const auto H = detail::preactivations(Y, W1, s);
   blockhess::detail::parallel_for(s.L, s.e * s.d * s.f, [&](index_t t) {
     detail::jacobian_y_block(H.data() + t * s.f, W1, W2, s, J + t * s.e * s.d, s.d);
+    note_finite(record, J + t * s.e * s.d, s.e * s.d);
   });
 }
 
 // dF/dY dense (L e, L d), block diagonal.
 template <class T>
-void jacobian_y_dense(const T* Y, const T* W1, const T* W2, const Dims& s, T* J) {
+void jacobian_y_dense(const T* Y, const T* W1, const T* W2, const Dims& s, T* J,
+                      FiniteRecord* record = nullptr) {
   const auto H = detail::preactivations(Y, W1, s);
   const index_t n = s.L * s.d;
   blockhess::detail::parallel_for(s.L, s.e * (n + s.d * s.f), [&](index_t t) {
     T* rows = J + t * s.e * n;
     std::memset(rows, 0, sizeof(T) * detail::sz(s.e * n));
     detail::jacobian_y_block(H.data() + t * s.f, W1, W2, s, rows + t * s.d, n);
+    for (index_t c = 0; c < s.e; ++c) note_finite(record, rows + c * n + t * s.d, s.d);
   });
 }
 

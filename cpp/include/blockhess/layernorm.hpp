@@ -8,12 +8,15 @@
 // with the centring matrix Pc = I - 11^T / d. The (b,c) part of H is symmetric by construction.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <stdexcept>
 #include <string>
 
 #include "blockhess/config.hpp"
+#include "blockhess/finite.hpp"
 #include "blockhess/math.hpp"
 #include "blockhess/parallel.hpp"
 
@@ -210,12 +213,14 @@ void check_sigmas(const T* sigma, index_t L) {
 
 // Z = LN(X) for X of shape (L, d); gamma and beta may be null. sigma (L) is scratch.
 template <class T>
-void forward(const T* X, index_t L, index_t d, T eps, const T* gamma, const T* beta, T* Z, T* sigma) {
+void forward(const T* X, index_t L, index_t d, T eps, const T* gamma, const T* beta, T* Z, T* sigma,
+             FiniteRecord* record = nullptr) {
   detail::check_shape(L, d);
   blockhess::detail::parallel_for(L, d, [&](index_t i) {
     T* z = Z + i * d;
     sigma[i] = normalize_row(X + i * d, d, eps, z);
     for (index_t a = 0; a < d; ++a) z[a] = (gamma ? gamma[a] : T(1)) * z[a] + (beta ? beta[a] : T(0));
+    note_finite(record, z, d);
   });
   detail::check_sigmas(sigma, L);
 }
@@ -228,17 +233,33 @@ void normalize(const T* X, index_t L, index_t d, T eps, T* y, T* sigma) {
   detail::check_sigmas(sigma, L);
 }
 
+// Whether every Jacobian entry is finite without looking at them: |J_ab| = |gamma_a| / sigma
+// |delta_ab - 1/d - y_a y_b / d| < 3 |gamma_a| / sigma, since |y_a y_b| <= |y|^2 = d. When this
+// bound is far inside the float range the per-entry check (a pass as long as the writing) is skipped.
+template <class T>
+bool jacobian_certainly_finite(const T* sigma, const T* gamma, index_t L, index_t d) {
+  T largest_gamma = gamma ? T(0) : T(1), smallest_sigma = sigma[0];
+  if (gamma)
+    for (index_t a = 0; a < d; ++a) largest_gamma = std::max(largest_gamma, std::abs(gamma[a]));
+  for (index_t i = 1; i < L; ++i) smallest_sigma = std::min(smallest_sigma, sigma[i]);
+  const T bound = T(4) * (largest_gamma / smallest_sigma);
+  return bound < std::numeric_limits<T>::max() / T(4);
+}
+
 // Jacobian blocks (L, d, d); y and sigma from normalize().
 template <class T>
-void jacobian_blocks(const T* y, const T* sigma, const T* gamma, index_t L, index_t d, T* J) {
+void jacobian_blocks(const T* y, const T* sigma, const T* gamma, index_t L, index_t d, T* J,
+                     FiniteRecord* record = nullptr) {
   blockhess::detail::parallel_for(L, d * d, [&](index_t i) {
     jacobian_row(y + i * d, sigma[i], gamma, d, J + i * d * d);
+    note_finite(record, J + i * d * d, d * d);
   });
 }
 
 // Dense Jacobian (L d, L d): the row blocks on the diagonal, zeros elsewhere.
 template <class T>
-void jacobian_dense(const T* y, const T* sigma, const T* gamma, index_t L, index_t d, T* J) {
+void jacobian_dense(const T* y, const T* sigma, const T* gamma, index_t L, index_t d, T* J,
+                    FiniteRecord* record = nullptr) {
   const index_t n = L * d;
   blockhess::detail::parallel_for(L, n * d, [&](index_t i) {
     T* rows = J + i * d * n;
@@ -250,25 +271,30 @@ void jacobian_dense(const T* y, const T* sigma, const T* gamma, index_t L, index
       T* row = rows + a * n + i * d;
       for (index_t b = 0; b < d; ++b)
         row[b] = scale * ((a == b ? T(1) : T(0)) - inv_d - yi[a] * yi[b] * inv_d);
+      note_finite(record, row, d);  // the zeros around the block are finite
     }
   });
 }
 
 // Second-derivative blocks (L, d, d, d).
 template <class T>
-void hessian_blocks(const T* y, const T* sigma, const T* gamma, index_t L, index_t d, T* H) {
+void hessian_blocks(const T* y, const T* sigma, const T* gamma, index_t L, index_t d, T* H,
+                    FiniteRecord* record = nullptr) {
   blockhess::detail::parallel_for(L, d * d * d, [&](index_t i) {
     hessian_row(y + i * d, sigma[i], gamma, d, H + i * d * d * d);
+    note_finite(record, H + i * d * d * d, d * d * d);
   });
 }
 
 // Dense second derivative ((L d)^2, L d) in the paper's layout: entry [(o*n + p), q] = d2 Z_o / dx_p dx_q.
 template <class T>
-void hessian_dense(const T* y, const T* sigma, const T* gamma, index_t L, index_t d, T* H, T* scratch_d3) {
+void hessian_dense(const T* y, const T* sigma, const T* gamma, index_t L, index_t d, T* H, T* scratch_d3,
+                   FiniteRecord* record = nullptr) {
   const index_t n = L * d;
   std::memset(H, 0, sizeof(T) * static_cast<size_t>(n * n * n));
   for (index_t i = 0; i < L; ++i) {
     hessian_row(y + i * d, sigma[i], gamma, d, scratch_d3);
+    note_finite(record, scratch_d3, d * d * d);  // the nonzero entries, before they are spread out
     for (index_t a = 0; a < d; ++a)
       for (index_t b = 0; b < d; ++b) {
         const index_t o = i * d + a, p = i * d + b;
@@ -280,9 +306,11 @@ void hessian_dense(const T* y, const T* sigma, const T* gamma, index_t L, index_
 
 // Contraction with an output cotangent G (L, d): C (L, d, d), C_i = sum_a G_ia H_i[a].
 template <class T>
-void hessian_contract(const T* y, const T* sigma, const T* gamma, const T* G, index_t L, index_t d, T* C) {
+void hessian_contract(const T* y, const T* sigma, const T* gamma, const T* G, index_t L, index_t d, T* C,
+                      FiniteRecord* record = nullptr) {
   blockhess::detail::parallel_for(L, d * d, [&](index_t i) {
     hessian_contract_row(y + i * d, sigma[i], gamma, G + i * d, d, C + i * d * d);
+    note_finite(record, C + i * d * d, d * d);
   });
 }
 
