@@ -4,7 +4,7 @@
 // Why not OpenMP: with libgomp's default spin-waits a descheduled thread stalls every barrier, and
 // on a machine whose cores are busy with other processes a 25 ms Hessian took 580 ms. Its wait
 // policy (OMP_WAIT_POLICY) is read once per process and shared with PyTorch, so blockhess cannot
-// change it without changing how PyTorch behaves. This pool never spins for more than a few
+// change it without changing how PyTorch behaves. This pool never spins for more than 50
 // microseconds, and the caller waits only for chunks that another thread has actually claimed:
 // a worker that has not woken up yet (or was descheduled before it joined) simply gets no work,
 // and the caller does it. Which thread runs a chunk never changes a result: every chunk writes
@@ -62,6 +62,11 @@ inline void cpu_relax() {
   asm volatile("yield");
 #endif
 }
+
+// How long an idle worker polls for the next loop before it sleeps. Long enough to catch the next
+// loop of the same call and of a caller's tight loop of small calls (a sleep/wake round trip costs
+// tens of microseconds), short enough that an idle worker on a busy machine soon yields its core.
+constexpr int kWorkerSpinMicroseconds = 50;
 
 // Spins for at most `us` microseconds until pred() holds; returns pred().
 template <class Pred>
@@ -240,8 +245,8 @@ class Pool {
 
   void worker(std::uint64_t seen) {
     for (;;) {
-      // A few microseconds of polling catch back-to-back loops without a sleep/wake round trip.
-      spin_briefly([&] { return published_.load(std::memory_order_acquire) != seen; }, 4);
+      // Polling for a while catches back-to-back loops without a sleep/wake round trip.
+      spin_briefly([&] { return published_.load(std::memory_order_acquire) != seen; }, kWorkerSpinMicroseconds);
       std::shared_ptr<Job> job;
       {
         std::unique_lock<std::mutex> lock(mutex_);
