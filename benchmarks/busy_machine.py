@@ -25,7 +25,6 @@ import json
 import multiprocessing as mp
 import os
 import platform
-import resource
 import statistics
 import sys
 import time
@@ -34,6 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # the suite, importable as the package `benchmarks`
 
 from benchmarks import _harness, _settings, _torch_methods, _workloads  # noqa: E402
+from benchmarks._cpu_load import machine_busy_seconds, own_cpu_seconds  # noqa: E402
 
 SHAPE = (49, 16, 16, 64)  # (L, d, d_k, d_ff): the paper's MNIST block
 LN_SHAPE = (64, 128)
@@ -44,22 +44,6 @@ def cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
         return os.cpu_count() or 1
-
-
-def machine_busy_seconds() -> float | None:
-    """Busy CPU seconds of the whole machine so far (/proc/stat), or None."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-def own_cpu_seconds() -> float:
-    u = resource.getrusage(resource.RUSAGE_SELF)
-    return u.ru_utime + u.ru_stime
 
 
 class CpuShare:

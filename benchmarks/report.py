@@ -37,6 +37,7 @@ OMP_POLICY_AT_START = os.environ.get("OMP_WAIT_POLICY")  # libgomp reads it once
 sys.path.insert(0, HERE)  # the suite, importable as the package `benchmarks`
 
 from benchmarks import _harness, _peak_memory, _torch_methods, _workloads  # noqa: E402
+from benchmarks._cpu_load import machine_busy_seconds, own_cpu_seconds  # noqa: E402
 import numpy as np  # noqa: E402
 
 # (bench, params) of the quick subset: every performance target plus one size of each benchmark.
@@ -252,24 +253,6 @@ def targets(rows, peaks) -> list[tuple[str, str, str, str]]:
     return out
 
 
-def cpu_busy_seconds() -> float | None:
-    """Busy CPU seconds of the whole machine so far (from /proc/stat), or None."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-def own_cpu_seconds() -> float:
-    import resource
-
-    a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
-
-
 def machine() -> str:
     cpu = platform.processor() or "unknown CPU"
     try:
@@ -419,7 +402,7 @@ def main(argv=None) -> int:
     if args.only:
         subset = [s for s in subset if s[0] in args.only]
     t0 = time.perf_counter()
-    busy0, own0 = cpu_busy_seconds(), own_cpu_seconds()
+    busy0, own0 = machine_busy_seconds(), own_cpu_seconds(children=True)
     rows = run(subset, log, quick=not args.full)
     peaks = {}
     if not args.no_peak and (not args.only or "block_hessian" in args.only):
@@ -431,9 +414,10 @@ def main(argv=None) -> int:
                 peaks[shape] = None
     elapsed = time.perf_counter() - t0
     others = ""
-    busy1 = cpu_busy_seconds()
+    busy1 = machine_busy_seconds()
     if busy0 is not None and busy1 is not None:
-        share = max(0.0, (busy1 - busy0) - (own_cpu_seconds() - own0)) / (elapsed * (os.cpu_count() or 1))
+        other_seconds = (busy1 - busy0) - (own_cpu_seconds(children=True) - own0)
+        share = max(0.0, other_seconds) / (elapsed * (os.cpu_count() or 1))
         others = f" Other processes used {100 * share:.0f}% of the CPUs meanwhile."
         if share > 0.1:
             log(f"warning: other processes used {100 * share:.0f}% of the CPUs during the run; timings are noisy")

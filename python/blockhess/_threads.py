@@ -9,9 +9,8 @@ would, instead of waiting for descheduled threads. Results are bit-identical for
 
 from __future__ import annotations
 
-import operator
-
 from . import _core
+from ._validate import positive_int
 
 
 def get_num_threads() -> int:
@@ -29,13 +28,4 @@ def set_num_threads(n: int) -> None:
     Takes effect from the next call; applies to the whole process. Calls made from several Python
     threads at once share the pool: one of them runs in parallel, the others on their own thread.
     """
-    if isinstance(n, bool):
-        raise TypeError(f"set_num_threads: n must be an int, got {n!r}")
-    try:
-        value = operator.index(n)
-    except TypeError:
-        raise TypeError(f"set_num_threads: n must be an int, got {type(n).__name__}") from None
-    limit = int(_core._max_threads)
-    if not 1 <= value <= limit:
-        raise ValueError(f"set_num_threads: n must be between 1 and {limit}, got {value}")
-    _core.set_num_threads(value)
+    _core.set_num_threads(positive_int(n, "set_num_threads: n", most=int(_core._max_threads)))

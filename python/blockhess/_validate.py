@@ -8,6 +8,7 @@ TypeError that names the offending argument.
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any
 
 import numpy as np
@@ -81,6 +82,22 @@ def float_array(x: Any, name: str, *, ndim: int | tuple[int, ...] | None = None)
     if xp is not None and x.size and not bool(xp.isfinite(x).all()):
         raise ValueError(f"{name} contains NaN or Inf")
     return x
+
+
+def positive_int(value: Any, name: str, *, most: int | None = None) -> int:
+    """``value`` as an int >= 1 (and <= ``most``), or TypeError / ValueError naming ``name``. Any
+    integer type (numpy's too) is accepted; bools and floats are not."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an integer, got bool")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__}") from None
+    if most is not None and not 1 <= value <= most:
+        raise ValueError(f"{name} must be between 1 and {most}, got {value}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
 
 
 def common_dtype(*arrays: Any) -> np.dtype:

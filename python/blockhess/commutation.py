@@ -7,26 +7,15 @@
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import numpy as np
 
 from . import _backend, _core, _gpu
 from ._interop import returns_callers_kind
-from ._validate import common_dtype, contiguous, float_array, require_finite, require_output_fits
+from ._validate import common_dtype, contiguous, float_array, positive_int, require_finite, require_output_fits
 
 
-def _dim(value: Any, name: str) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an integer, got bool")
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__}") from None
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return value
 
 
 def _float_dtype(dtype: Any) -> np.dtype:
@@ -48,7 +37,7 @@ def vec_r(A: Any) -> np.ndarray:
 @returns_callers_kind
 def unvec_r(v: Any, m: int, n: int) -> np.ndarray:
     """Inverse of :func:`vec_r`: the ``(m, n)`` array whose rows are stacked in ``v`` (a new array)."""
-    m, n = _dim(m, "m"), _dim(n, "n")
+    m, n = positive_int(m, "m"), positive_int(n, "n")
     v = float_array(v, "v", ndim=1)
     if v.shape != (m * n,):
         raise ValueError(f"v must have shape ({m * n},) to unstack into ({m}, {n}), got {v.shape}")
@@ -60,7 +49,7 @@ def unvec_r(v: Any, m: int, n: int) -> np.ndarray:
 @returns_callers_kind
 def commutation_permutation(m: int, n: int) -> np.ndarray:
     """The index map of ``K_{m,n}``: int64 ``perm`` with ``(K_{m,n} v)[r] = v[perm[r]]``."""
-    m, n = _dim(m, "m"), _dim(n, "n")
+    m, n = positive_int(m, "m"), positive_int(n, "n")
     require_output_fits((m * n,), np.dtype(np.int64), "the commutation permutation",
                         "use blockhess.commute(v, m, n), which permutes without it")
     out = np.empty(m * n, dtype=np.int64)
@@ -76,7 +65,7 @@ def commutation_matrix(m: int, n: int, *, dtype: Any = np.float64, like: Any = N
     Prefer :func:`commute`, which applies it without forming it. With ``like`` a GPU (CuPy) array,
     the matrix is built on that array's device and returned as a CuPy array.
     """
-    m, n = _dim(m, "m"), _dim(n, "n")
+    m, n = positive_int(m, "m"), positive_int(n, "n")
     dtype = _float_dtype(dtype)
     shape = (m * n, m * n)
     require_output_fits(shape, dtype, "the dense commutation matrix", "use blockhess.commute(v, m, n)")
@@ -94,7 +83,7 @@ def commute(v: Any, m: int, n: int) -> np.ndarray:
     ``v`` is a vector of length ``m*n`` or a matrix with ``m*n`` rows (then every column is
     permuted). ``commute(vec_r(A), n, m) == vec_r(A.T)`` for ``A`` of shape (m, n).
     """
-    m, n = _dim(m, "m"), _dim(n, "n")
+    m, n = positive_int(m, "m"), positive_int(n, "n")
     v = float_array(v, "v", ndim=(1, 2))
     if v.shape[0] != m * n:
         raise ValueError(f"v must have m*n = {m * n} rows for m={m}, n={n}, got shape {v.shape}")
