@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_OUT = os.path.join(os.path.dirname(HERE), "build", "report")  # untracked (.gitignore: build/)
-OMP_POLICY_AT_START = os.environ.get("OMP_WAIT_POLICY")  # libgomp reads it once, at load
 sys.path.insert(0, HERE)  # the suite, importable as the package `benchmarks`
 
 from benchmarks import _harness, _peak_memory, _torch_methods, _workloads  # noqa: E402
@@ -292,9 +291,14 @@ def machine() -> str:
             versions.append(f"commit {rev}{' + local changes' if dirty else ''}")
     except OSError:
         pass
-    policy = OMP_POLICY_AT_START or "libgomp default"
+    try:
+        import blockhess
+
+        core = f"blockhess core {blockhess._core.build_info['isa']}, {blockhess.get_num_threads()} threads"
+    except (ImportError, AttributeError, KeyError):
+        core = "blockhess core of unknown build"
     return (f"{cpu}, {os.cpu_count()} cores{mem}; {platform.system()}; " + ", ".join(versions)
-            + f"; float64; OMP_WAIT_POLICY {policy}")
+            + f"; float64; {core}")
 
 
 def markdown(rows, target_rows, header: str) -> str:
