@@ -4,6 +4,7 @@
 #pragma once
 
 #include <blockhess/attention.hpp>
+#include <blockhess/block_hvp.hpp>
 #include <blockhess/block_loss.hpp>
 #include <blockhess/commutation.hpp>
 #include <blockhess/ffn.hpp>
@@ -24,6 +25,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "core_sanitize.hpp"
@@ -518,6 +520,24 @@ void check_block(std::mt19937_64& rng, const BlockCase<T>& bc) {
             ref[(off[p] + a) * Ps + off[q] + b] = H[(full_off[p] + a) * P + full_off[q] + b];
     CHECK(Ps == D.size(blk::W_V) + D.size(blk::W_2) && rel_diff(Hs, ref) < 100 * tol<T>(),
           ctx + " selected parameters = sub-block");
+  }
+
+  // The matrix-free operator (block_hvp.hpp): H V for three columns, in every part, against the
+  // dense Hessian; columns run in parallel on reused scratch, bit-identical at any thread count.
+  {
+    const index_t k = 3;
+    const auto V = randn<T>(rng, P * k);
+    for (auto [part, dense] : {std::pair{blk::Part::full, &H}, {blk::Part::outer, &Ho}, {blk::Part::functional, &Hf}}) {
+      const blk::HessianOperator<T> op(D, bc.B, data.X.data(), W, bc.eps, target, part, all);
+      std::vector<T> HV(P * k), HV1(P * k), ref(P * k, T(0));
+      with_thread_counts([&](int threads) { op.apply_columns(V.data(), k, (threads == 1 ? HV1 : HV).data()); });
+      op.apply_columns(V.data(), k, HV.data());  // a second product reuses the operator's scratch
+      for (index_t i = 0; i < P; ++i)
+        for (index_t j = 0; j < P; ++j)
+          for (index_t c = 0; c < k; ++c) ref[i * k + c] += (*dense)[i * P + j] * V[j * k + c];
+      CHECK(HV == HV1, ctx + " H V independent of the thread count (bit for bit)");
+      CHECK(rel_diff(HV, ref) < 100 * tol<T>(), ctx + " H V = dense H times V");
+    }
   }
 
   if constexpr (std::is_same_v<T, double>) {

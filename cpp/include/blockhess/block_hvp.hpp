@@ -52,14 +52,8 @@ class HessianOperator {
 
   // out = H v for one vector v of length size().
   void apply(const T* v, T* out) const {
-    Scratch& ws = acquire();
-    try {
-      apply(v, out, ws);
-    } catch (...) {
-      release(ws);
-      throw;
-    }
-    release(ws);
+    const ScratchLease lease(*this);
+    apply(v, out, lease.scratch);
   }
 
   // out = H V for V of shape (size(), k), both row-major. Columns are independent products, run in
@@ -99,6 +93,15 @@ class HessianOperator {
     std::lock_guard<std::mutex> lock(scratch_mutex_);
     idle_scratch_.push_back(&ws);
   }
+  // One product's hold on a Scratch, given back however the product ends.
+  struct ScratchLease {
+    explicit ScratchLease(const HessianOperator& op) : owner(op), scratch(op.acquire()) {}
+    ~ScratchLease() { owner.release(scratch); }
+    ScratchLease(const ScratchLease&) = delete;
+    ScratchLease& operator=(const ScratchLease&) = delete;
+    const HessianOperator& owner;
+    Scratch& scratch;
+  };
   void apply(const T* v, T* out, Scratch& ws) const;
 
   Forward<T> f_;
