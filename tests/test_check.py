@@ -29,6 +29,31 @@ def test_check_passes_and_writes_json(tmp_path):
         assert b["rel_error"] <= 1e-10
 
 
+def test_check_verifies_the_matrix_free_product(tmp_path, capsys):
+    out = tmp_path / "report.json"
+    assert check.main([*SMALL, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["hvp_ok"] and report["hvp_rel_error"] <= 1e-12 and report["time_hvp_s"] > 0
+    assert "matrix-free H v (hessian_operator, 4 vectors): relative error" in capsys.readouterr().out
+
+
+def test_a_wrong_matrix_free_product_fails(monkeypatch, capsys):
+    real = check.hessian_operator
+
+    class Off:  # the real operator, off by 1e-6 relative
+        def __init__(self, *args, **kwargs):
+            self.op = real(*args, **kwargs)
+            self.shape = self.op.shape
+
+        def matvec(self, v):
+            return self.op.matvec(v) * (1 + 1e-6)
+
+    monkeypatch.setattr(check, "hessian_operator", Off)
+    assert check.main(SMALL) == 1
+    text = capsys.readouterr().out
+    assert "FAILED" in text and "matrix-free H v" in text.split("above tolerance")[0].splitlines()[-1]
+
+
 def test_check_with_finite_differences_batch_and_cross_entropy(capsys):
     code = check.main([*SMALL, "--batch", "2", "--loss", "cross_entropy", "--eps", "1e-3",
                        "--reference", "finite-differences"])
@@ -393,7 +418,7 @@ def test_one_progress_bar_on_a_terminal(monkeypatch, capsys):
     assert check.main(["--L", "5", "--d", "4", "--d-k", "3", "--d-ff", "6", "--reference", "finite-differences"]) == 0
     shown = terminal.getvalue()
     assert "closed form" in shown and "finite differences" in shown and "per-block" in shown
-    assert "/109" in shown  # one bar: 6 closed-form steps + P = 88 columns + 15 blocks
+    assert "/110" in shown  # one bar: 6 closed-form steps + H v + P = 88 columns + 15 blocks
     assert "[blockhess]" not in shown  # no separate lines
     assert capsys.readouterr().out.rstrip().endswith("OK")
 

@@ -25,6 +25,7 @@ import numpy as np
 
 from ._config import format_bytes
 from .block import PARAM_NAMES, BlockParams, loss_gradient, loss_hessian, loss_value
+from .hvp import hessian_operator
 
 # Relative Frobenius error allowed against each reference, by dtype.
 TOLERANCE = {
@@ -36,6 +37,10 @@ TOLERANCE = {
 
 # Relative tolerance of outer + functional == full (both parts come from the same closed form).
 SPLIT_TOLERANCE = {"float64": 1e-12, "float32": 1e-4}
+# Relative tolerance of the matrix-free product H V against the dense H times V (one closed form
+# against another, both in the check's dtype).
+HVP_TOLERANCE = {"float64": 1e-12, "float32": 1e-4}
+HVP_VECTORS = 4
 
 # The absolute floor of every comparison: error <= tolerance * max(||reference||_F, floor), with
 # tolerance * floor = NOISE_MULTIPLE * the problem's rounding-noise scale (_rounding_noise).
@@ -110,6 +115,12 @@ class Report:
     reference_norm: float = 0.0  # ||H_ref||_F
     # The pass criterion is abs_error <= tolerance * max(reference_norm, error_floor).
     error_floor: float = 0.0
+    # The matrix-free product (hessian_operator) on HVP_VECTORS random vectors against the dense H:
+    # ||H V - dense H V||_F / ||dense H V||_F (None where that norm is rounding noise, or on the
+    # GPU, where the operator does not run yet), and the time of one product.
+    hvp_rel_error: float | None = None
+    time_hvp_s: float | None = None
+    hvp_ok: bool = True
 
 
 class UsageError(Exception):
@@ -361,7 +372,7 @@ def run_check(cfg: Config, progress: _Progress | None = None) -> tuple[Report, d
     slices = params.slices()
     pairs = [(a, b) for i, a in enumerate(PARAM_NAMES) for b in PARAM_NAMES[i:]]
     closed_form = f"closed form, P = {P} ({cfg.device}, {cfg.dtype})"
-    bar.start(6 + (2 if reference == "torch" else P) + len(pairs), closed_form)
+    bar.start(7 + (2 if reference == "torch" else P) + len(pairs), closed_form)
     bar.phase(closed_form)
     kwargs = dict(loss=cfg.loss, eps=cfg.eps)
     loss_hessian(Xd, target_d, params, **kwargs)  # warm-up
@@ -382,6 +393,9 @@ def run_check(cfg: Config, progress: _Progress | None = None) -> tuple[Report, d
     bar.advance()
     full = _to_host(full)
     value = float(loss_value(Xd, target_d, params, **kwargs))
+    bar.phase("matrix-free H v")
+    hvp = _check_hvp(X, target, weights, full, cfg) if cfg.device == "cpu" else None
+    bar.advance()
 
     if reference == "torch":
         bar.phase("reference: torch.func.hessian")
@@ -432,13 +446,32 @@ def run_check(cfg: Config, progress: _Progress | None = None) -> tuple[Report, d
         speedup=t_ref / max(best, resolution, 1e-12), blocks=blocks,
         abs_error=abs_error, reference_norm=ref_norm, error_floor=floor,
     )
+    if hvp is not None:
+        hv_error, hv_scale, report.time_hvp_s = hvp
+        report.hvp_rel_error = hv_error / hv_scale if hv_scale > noise else None
+        report.hvp_ok = hv_error <= HVP_TOLERANCE[cfg.dtype] * max(hv_scale, floor)
     report.ok = bool(
-        abs_error <= tolerance * max(ref_norm, floor)
+        report.hvp_ok
+        and abs_error <= tolerance * max(ref_norm, floor)
         and all(blk.ok for blk in blocks)
         and report.max_asymmetry == 0.0
         and split_residual <= split_tol * max(full_norm, split_noise / split_tol)
     )
     return report, {"full": full, "slices": slices}
+
+
+def _check_hvp(X, target, weights, full: np.ndarray, cfg: Config) -> tuple[float, float, float]:
+    """(||H V - full V||_F, ||full V||_F, seconds per product) for the matrix-free operator on
+    HVP_VECTORS random unit vectors."""
+    op = hessian_operator(X, target, BlockParams(*weights), loss=cfg.loss, eps=cfg.eps)
+    V = np.random.default_rng(cfg.seed + 1).standard_normal((op.shape[0], HVP_VECTORS)).astype(full.dtype)
+    V /= np.linalg.norm(V, axis=0)
+    op.matvec(V[:, 0])  # warm-up
+    t0 = time.perf_counter()
+    HV = np.stack([op.matvec(V[:, j]) for j in range(HVP_VECTORS)], axis=1)
+    seconds = (time.perf_counter() - t0) / HVP_VECTORS
+    dense = full @ V
+    return _fro(HV - dense), _fro(dense), seconds
 
 
 def format_report(r: Report) -> str:
@@ -471,9 +504,19 @@ def format_report(r: Report) -> str:
         f"symmetric: max |H - H^T| = {r.max_asymmetry:g}; |outer + functional - full| / |full| = {split}",
         f"time: closed form {1e3 * r.time_closed_form_s:.1f} ms, {r.reference} {1e3 * r.time_reference_s:.1f} ms "
         f"-> speed-up {r.speedup:.1f}x",
+        _format_hvp(r),
         "OK" if r.ok else "FAILED: an error exceeds its tolerance",
     ]
     return "\n".join(lines)
+
+
+def _format_hvp(r: Report) -> str:
+    if r.time_hvp_s is None:
+        return "matrix-free H v: not checked (hessian_operator runs on the CPU only)"
+    error = "n/a (zero H)" if r.hvp_rel_error is None else f"{r.hvp_rel_error:.1e}"
+    flag = "" if r.hvp_ok else "  <-- above tolerance"
+    return (f"matrix-free H v (hessian_operator, {HVP_VECTORS} vectors): relative error {error} against the dense H, "
+            f"{1e3 * r.time_hvp_s:.2f} ms per product{flag}")
 
 
 def plot_heatmap(full: np.ndarray, slices: dict[str, slice], path: str, title: str) -> None:
