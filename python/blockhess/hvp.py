@@ -46,7 +46,11 @@ class HessianOperator:
                 f"part={self.part!r}, wrt={self.names})")
 
     def _apply(self, V: Any, ndim: int) -> np.ndarray:
-        V = float_array(V, "V" if ndim == 2 else "v", ndim=ndim)
+        return self._product(float_array(V, "V" if ndim == 2 else "v", ndim=ndim))
+
+    def _product(self, V: Any) -> np.ndarray:
+        """H V for V already checked by float_array (dtype, NaN), in the operator's dtype."""
+        ndim = V.ndim
         if _backend.is_device_array(V):
             raise TypeError("the Hessian operator is built on the CPU; pass vectors as NumPy arrays "
                             "(or CPU torch tensors), e.g. cupy.asnumpy(v)")
@@ -99,6 +103,7 @@ def hessian_operator(
 
 def _build(X, target, params, loss, part, eps, wrt, columns, promote_with=()) -> HessianOperator:
     params, X3, W, dtype, eps, kind, values, classes = _loss_inputs(X, target, params, loss, eps, promote_with)
+    loss = tuple(_LOSSES)[kind]  # the name _loss_inputs validated
     part = choice(part, "part", tuple(_PARTS))
     names, selected, P = _selection(params, wrt)
     if _backend.on_device(X3):
@@ -110,7 +115,7 @@ def _build(X, target, params, loss, part, eps, wrt, columns, promote_with=()) ->
                         "pass fewer samples or tokens at a time, or fewer vectors", working=working)
     core_class = _core.HessianOperator64 if dtype == np.float64 else _core.HessianOperator32
     core_operator = core_class(X3, *W, eps, kind, values, classes, _PARTS[part], selected)
-    return HessianOperator(core_operator, dtype, names, part, choice(loss, "loss", tuple(_LOSSES)))
+    return HessianOperator(core_operator, dtype, names, part, loss)
 
 
 @returns_callers_kind
@@ -132,4 +137,4 @@ def loss_hvp(
     V_array = float_array(V, "V", ndim=(1, 2))
     columns = V_array.shape[1] if V_array.ndim == 2 else 1
     op = _build(X, target, params, loss, part, eps, wrt, columns, promote_with=(V_array,))
-    return op._apply(V_array, V_array.ndim)
+    return op._product(V_array)  # V checked once, above

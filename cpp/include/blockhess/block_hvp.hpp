@@ -18,6 +18,7 @@
 #include <array>
 #include <memory>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include "blockhess/block.hpp"
@@ -39,10 +40,10 @@ class HessianOperator {
   HessianOperator(const Dims& D, index_t B, const T* X, const Weights<T>& W, T eps, const Target<T>& target,
                   Part part, const Selection& wrt)
       : f_(forward(D, B, X, W, eps)), kind_(target.kind), part_(part), wrt_(wrt) {
-    const auto ld = loss::derivatives(target.kind, B, D.L, D.d, f_.Z.data(), target.values, target.classes, false);
+    auto ld = loss::derivatives(target.kind, B, D.L, D.d, f_.Z.data(), target.values, target.classes, false);
     require_finite_loss(ld, B * D.L * D.d);
     value_ = ld.value;
-    gZ_ = ld.gZ;
+    gZ_ = std::move(ld.gZ);
     r_ = reverse(f_, gZ_.data());
     size_ = offsets(D, wrt, offset_);
   }
