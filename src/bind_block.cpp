@@ -81,8 +81,8 @@ void bind_for(py::module_& m) {
         require_shape(out, {p.B, p.dims.L, p.dims.d}, "out");
         T* o = mutable_ptr(out);
         py::gil_scoped_release release;
-        const auto f = block::forward(p.dims, p.B, X.data(), p.weights, eps);
-        std::copy(f.Z.begin(), f.Z.end(), o);
+        const auto e = block::forward(p.dims, p.B, X.data(), p.weights, eps);
+        std::copy_n(e.output(), p.B * p.dims.L * p.dims.d, o);
       },
       py::arg("X").noconvert(), py::arg("W_Q").noconvert(), py::arg("W_K").noconvert(), py::arg("W_V").noconvert(),
       py::arg("W_1").noconvert(), py::arg("W_2").noconvert(), py::arg("eps"), py::arg("out").noconvert());
@@ -96,8 +96,8 @@ void bind_for(py::module_& m) {
         require_shape(out, {p.dims.L * p.dims.d, p.dims.size(param)}, "out");
         T* o = mutable_ptr(out);
         py::gil_scoped_release release;
-        const auto f = block::forward(p.dims, 1, X.data(), p.weights, eps);
-        block::jacobian(f, block::factorize(f), param, o);
+        auto e = block::forward(p.dims, 1, X.data(), p.weights, eps);
+        block::jacobian(e, param, o);
       },
       py::arg("X").noconvert(), py::arg("W_Q").noconvert(), py::arg("W_K").noconvert(), py::arg("W_V").noconvert(),
       py::arg("W_1").noconvert(), py::arg("W_2").noconvert(), py::arg("eps"), py::arg("param"),

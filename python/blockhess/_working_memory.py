@@ -36,18 +36,22 @@ def ffn(L: int, d: int, f: int, e: int, itemsize: int) -> int:
 
 
 def block(B: int, L: int, d: int, dk: int, dff: int, itemsize: int, *, hessian: bool, outer: bool = True) -> int:
-    """block.hpp, block_hessian.hpp, loss.hpp: forward caches, the reverse pass, the loss derivatives,
-    and for a Hessian the per-token factors, the Omega sandwiches and kron::accumulate's chunks."""
+    """block.hpp on the engine (engine/graph.hpp, blocks/post_ln.hpp), loss.hpp: the values and
+    caches of the forward pass, the reverse pass's cotangents, the loss derivatives, and for a
+    Hessian the per-token factors at every value, the sites' Omegas and kron::accumulate's chunks."""
     n = B * L
     P = 2 * d * dk + d * d + 2 * d * dff
-    forward = P + 3 * B * L * L + n * (6 * d + 2 * dk + 2 * dff + 2)  # X, Q, K, V, A, F, Y, H1, R, S, Z
-    reverse = 2 * B * L * L + n * (3 * d + dff)  # gS, gH1, gY, gF, gA, gT
+    # X, F, X + F, Y, Y W_1, relu, R W_2, S, Z; Q, K, V, A and two (L, L) products in flight; two
+    # LayerNorm sigmas and the relu mask
+    forward = P + 3 * B * L * L + n * (7 * d + 3 * dff + 2 * dk + d + 2)
+    reverse = 2 * B * L * L + n * (6 * d + 2 * dff)  # every value's cotangent, gA, gT
     loss = n * d * (d + 1 if outer else 1)
     total = forward + reverse + loss
     if hessian:
-        vectors = n * (3 * d + dk + dff)
-        matrices = n * d * (dk + 3 * d + dff) + 2 * n * d * (dk + 2 * d)  # US, then UF and UY
-        omegas = 3 * n * d * d
+        attention = dk + 2 * d  # the three attention weights' matrix sides
+        vectors = n * (dk + d)  # s q_t and (A X)_t (the other vectors are values)
+        matrices = n * (4 * d + 2 * dff) * attention + n * dff * (d + 1)
+        omegas = 4 * n * d * d
         widest = max(d, dk, dff)
         kron = 3 * min(n * widest * widest, _KRON_CHUNK)
         total += vectors + matrices + omegas + kron
@@ -56,10 +60,12 @@ def block(B: int, L: int, d: int, dk: int, dff: int, itemsize: int, *, hessian: 
 
 def hvp(B: int, L: int, d: int, dk: int, dff: int, itemsize: int, columns: int, threads: int) -> int:
     """block_hvp.hpp: the operator keeps the forward caches, the loss gradient and the reverse pass;
-    each product in flight (one per thread) holds the tangents of the forward and reverse passes and
-    a copy of its column and product."""
+    each product in flight (one per thread) holds the tangents of the values and of their
+    cotangents (engine::Tangent) and a copy of its column and product."""
     n = B * L
     P = 2 * d * dk + d * d + 2 * d * dff
     kept = block(B, L, d, dk, dff, itemsize, hessian=False, outer=False) // itemsize
-    per_product = 3 * B * L * L + n * (2 * dk + 10 * d + 4 * dff) + 2 * L * L + 2 * P
+    values = n * (8 * d + 2 * dff)  # every varying value, once as a tangent and once as a cotangent's
+    attention = 2 * B * L * L + n * (2 * dk + d) + 2 * L * L + L * (2 * dk + d)
+    per_product = 2 * values + attention + 2 * P
     return itemsize * (kept + per_product * max(1, min(columns, threads)))

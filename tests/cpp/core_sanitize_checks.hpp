@@ -575,20 +575,20 @@ inline void check_block_output_derivatives(std::mt19937_64& rng) {
   const BlockData<double> data = block_data<double>(rng, D, 1);
   const auto W = data.weights();
   const double eps = 1e-5;
-  const blk::Forward<double> f = blk::forward(D, 1, data.X.data(), W, eps);
-  const blk::Factors<double> fa = blk::factorize(f);
+  blk::Evaluation<double> e = blk::forward(D, 1, data.X.data(), W, eps);
   const index_t m = D.L * D.d;
   for (int p = 0; p < blk::kNumParams; ++p) {
     std::vector<double> J(m * D.size(p));
-    blk::jacobian(f, fa, p, J.data());
+    blk::jacobian(e, p, J.data());
     const double h = 1e-6;
     double worst = 0;
     for (index_t k = 0; k < D.size(p); ++k) {
       BlockData<double> moved = data;
       moved.W[p][k] += h;
-      const auto Zp = blk::forward(D, 1, moved.X.data(), moved.weights(), eps).Z;
+      const auto ep = blk::forward(D, 1, moved.X.data(), moved.weights(), eps);
       moved.W[p][k] -= 2 * h;
-      const auto Zm = blk::forward(D, 1, moved.X.data(), moved.weights(), eps).Z;
+      const auto em = blk::forward(D, 1, moved.X.data(), moved.weights(), eps);
+      const double *Zp = ep.output(), *Zm = em.output();
       for (index_t o = 0; o < m; ++o) worst = std::max(worst, std::abs((Zp[o] - Zm[o]) / (2 * h) - J[o * D.size(p) + k]));
     }
     CHECK(all_finite(J) && worst < 1e-6 * std::max(1.0, max_abs(J)),

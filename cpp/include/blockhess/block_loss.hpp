@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 
 #include "blockhess/block.hpp"
 #include "blockhess/block_hessian.hpp"
@@ -28,11 +29,11 @@ void require_finite_loss(const loss::Derivatives<T>& ld, index_t entries) {
 // Returns the loss; writes its gradient (sum of the five parameter sizes) when grad is not null.
 template <class T>
 T loss_gradient(const Dims& D, index_t B, const T* X, const Weights<T>& W, T eps, const Target<T>& target, T* grad) {
-  const Forward<T> f = forward(D, B, X, W, eps);
-  const auto ld = loss::derivatives(target.kind, B, D.L, D.d, f.Z.data(), target.values, target.classes, false);
+  Evaluation<T> e = forward(D, B, X, W, eps);
+  const auto ld = loss::derivatives(target.kind, B, D.L, D.d, e.output(), target.values, target.classes, false);
   require_finite_loss(ld, B * D.L * D.d);
   if (grad) {
-    weight_gradient(f, reverse(f, ld.gZ.data()), grad);
+    e.reverse(ld.gZ.data(), grad);
     require_finite(grad, D.total_size(), "block: the loss gradient");
   }
   return ld.value;
@@ -42,13 +43,14 @@ T loss_gradient(const Dims& D, index_t B, const T* X, const Weights<T>& W, T eps
 template <class T>
 T loss_hessian(const Dims& D, index_t B, const T* X, const Weights<T>& W, T eps, const Target<T>& target,
                Part part, const Selection& wrt, T* H) {
-  const Forward<T> f = forward(D, B, X, W, eps);
-  const auto ld = loss::derivatives(target.kind, B, D.L, D.d, f.Z.data(), target.values, target.classes,
-                                    part != Part::functional);
+  Evaluation<T> e = forward(D, B, X, W, eps);
+  const bool outer = part != Part::functional;
+  auto ld = loss::derivatives(target.kind, B, D.L, D.d, e.output(), target.values, target.classes, outer);
   require_finite_loss(ld, B * D.L * D.d);
-  const Factors<T> fa = factorize(f);
-  const Reverse<T> r = reverse(f, ld.gZ.data());
-  assemble_hessian(f, fa, r, ld.gZ.data(), part != Part::functional ? ld.hessZ.data() : nullptr, part, wrt, H);
+  e.reverse(ld.gZ.data());
+  e.graph().select(flags(wrt));
+  e.graph().push_factors(/*to_output=*/false);
+  assemble_hessian(e, outer ? std::make_shared<const Buffer<T>>(std::move(ld.hessZ)) : nullptr, part, wrt, H);
   return ld.value;
 }
 

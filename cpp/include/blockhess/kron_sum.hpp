@@ -14,6 +14,7 @@
 #include <Eigen/Core>
 #include <algorithm>
 #include <atomic>
+#include <stdexcept>
 #include <vector>
 
 #include "blockhess/buffer.hpp"
@@ -120,6 +121,42 @@ void accumulate(index_t tokens, const Split& si, const T* u, const Split& sj, co
           }
     });
   }
+}
+
+// The same sum when Gamma_t is diagonal, diag(D_t) (D: (tokens, r), or null for the identity),
+// which happens where one parameter's matrix index meets the other's directly: a bilinear term
+// <g, dX dW> whose dX enters through a pointwise map (W_1 with W_2 through relu) or through a
+// product of two varying operands (W_Q with W_K in Q K^T). Both parameters then share the matrix
+// index r, and
+//     H[flat_i(o_i, r), flat_j(o_j, r)] += scale * sum_t u_t[o_i] * w_t[o_j] * D_t[r],
+// one (n_vec_i x n_vec_j) GEMM over tokens per r (one in all for the identity) instead of a
+// Gamma of r^2 entries per token.
+template <class T>
+void accumulate_diagonal(index_t tokens, const Split& si, const T* u, const Split& sj, const T* w, const T* D,
+                         T scale, T* H, index_t ldH) {
+  using Mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  using CMap = Eigen::Map<const Mat>;
+  const index_t noi = si.n_vec(), noj = sj.n_vec(), r = si.n_mat();
+  if (sj.n_mat() != r) throw std::logic_error("kron::accumulate_diagonal: the matrix indices must have one size");
+  if (tokens <= 0 || r == 0) return;
+  const CMap U(u, tokens, noi), W(w, tokens, noj);
+  auto scatter = [&](const Mat& M, index_t k) {
+    for (index_t oi = 0; oi < noi; ++oi) {
+      T* row = H + si.flat(oi, k) * ldH;
+      for (index_t oj = 0; oj < noj; ++oj) row[sj.flat(oj, k)] += scale * M(oi, oj);
+    }
+  };
+  if (D == nullptr) {
+    const Mat M = U.transpose() * W;
+    blockhess::detail::parallel_for(r, noi * noj, [&](index_t k) { scatter(M, k); });
+    return;
+  }
+  blockhess::detail::parallel_for(r, tokens * noi * noj, [&](index_t k) {
+    Mat Uk = U;
+    for (index_t t = 0; t < tokens; ++t) Uk.row(t) *= D[t * r + k];
+    const Mat M = Uk.transpose() * W;
+    scatter(M, k);
+  });
 }
 
 // Copies the upper triangle of the n x n matrix H onto its lower triangle, so that H is symmetric

@@ -1,0 +1,128 @@
+// Dense Hessian assembly from a graph's factors and curvature terms (terms.hpp): each selected pair
+// of parameters once, into the upper block triangle, then mirrored (symmetric bit for bit).
+#pragma once
+
+#include <algorithm>
+#include <map>
+#include <vector>
+
+#include "blockhess/eigen.hpp"
+#include "blockhess/engine/graph.hpp"
+#include "blockhess/engine/terms.hpp"
+#include "blockhess/finite.hpp"
+#include "blockhess/kron_sum.hpp"
+#include "blockhess/parallel.hpp"
+
+namespace blockhess::engine {
+
+namespace detail {
+
+// Moves every site down through the token-local, parameter-free nodes that produced its value
+// (a site at a LayerNorm's output is J^T Omega J at its input), then sums the sites that meet at
+// one value: each pair of parameters is then assembled once per value.
+template <class T>
+std::vector<Site<T>> settle_sites(const Graph<T>& g, std::vector<Site<T>> sites) {
+  const index_t n = g.tokens();
+  std::map<int, std::shared_ptr<Buffer<T>>> at;
+  for (Site<T>& s : sites) {
+    const Node<T>* node = g.producer(s.value);
+    while (node && node->pulls_sites()) {
+      const int in = node->inputs[0];
+      const index_t w_out = g.width(s.value), w_in = g.width(in);
+      auto pulled = std::make_shared<Buffer<T>>(static_cast<size_t>(n * w_in * w_in));
+      const T* omega = s.omega->data();
+      blockhess::detail::parallel_for(n, 2 * w_in * w_out * (w_in + w_out), [&](index_t t) {
+        node->pull_site(g, t, omega + t * w_out * w_out, pulled->data() + t * w_in * w_in);
+      });
+      s = Site<T>{in, std::move(pulled)};
+      node = g.producer(s.value);
+    }
+    auto& slot = at[s.value];
+    if (!slot) {
+      slot = std::make_shared<Buffer<T>>(*s.omega);
+    } else {
+      for (size_t k = 0; k < slot->size(); ++k) (*slot)[k] += (*s.omega)[k];
+    }
+  }
+  std::vector<Site<T>> settled;
+  for (auto& [value, omega] : at) settled.push_back(Site<T>{value, omega});
+  return settled;
+}
+
+// Gamma_t = U_i,t^T Omega_t U_j,t, skipping the products with an identity factor.
+template <class T>
+auto sandwich(const Factor<T>& fi, const Factor<T>& fj, const T* omega) {
+  return [&fi, &fj, omega](index_t t, T* out) {
+    const index_t w = fi.width, ri = fi.n_mat(), rj = fj.n_mat();
+    const MapC<T> O(omega + t * w * w, w, w);
+    MapM<T> G(out, ri, rj);
+    Mat<T> Ui, Uj;
+    if (fi.form == Form::diagonal) fi.materialise(t, Ui);
+    if (fj.form == Form::diagonal) fj.materialise(t, Uj);
+    const MapC<T> Ui_map(fi.form == Form::dense ? fi.dense_t(t) : Ui.data(), w, ri);
+    const MapC<T> Uj_map(fj.form == Form::dense ? fj.dense_t(t) : Uj.data(), w, rj);
+    if (fi.form == Form::identity && fj.form == Form::identity) G = O;
+    else if (fi.form == Form::identity) G.noalias() = O * Uj_map;
+    else if (fj.form == Form::identity) G.noalias() = Ui_map.transpose() * O;
+    else G.noalias() = Ui_map.transpose() * (O * Uj_map);
+  };
+}
+
+}  // namespace detail
+
+// H (P x P, the selected parameters at `offset`) = the sum of the terms. The first site that every
+// selected parameter reaches overwrites H (no zero fill of a memory-bound output); the rest add.
+template <class T>
+void assemble(const Graph<T>& g, Terms<T> terms, const std::vector<index_t>& offset, index_t P, T* H) {
+  const index_t n = g.tokens();
+  std::vector<Site<T>> sites = detail::settle_sites(g, std::move(terms.sites));
+  std::vector<int> selected;
+  for (int p = 0; p < g.num_params(); ++p)
+    if (g.selected(p)) selected.push_back(p);
+  auto reaches_all = [&](const Site<T>& s) {
+    return std::all_of(selected.begin(), selected.end(), [&](int p) { return g.factor(s.value, p).present; });
+  };
+  auto first = std::find_if(sites.begin(), sites.end(), reaches_all);
+  if (first != sites.end()) std::rotate(sites.begin(), first, first + 1);
+  else std::fill_n(H, P * P, T(0));
+  bool overwrite = first != sites.end();
+  auto block = [&](int i, int j) { return H + offset[static_cast<size_t>(i)] * P + offset[static_cast<size_t>(j)]; };
+
+  for (const Site<T>& s : sites) {
+    for (int i : selected)
+      for (int j : selected) {
+        if (j < i) continue;
+        const Factor<T>&fi = g.factor(s.value, i), &fj = g.factor(s.value, j);
+        if (!fi.present || !fj.present) continue;
+        kron::accumulate(n, fi.split, fi.vec->data(), fj.split, fj.vec->data(), detail::sandwich(fi, fj, s.omega->data()),
+                         T(1), block(i, j), P, i == j, overwrite);
+      }
+    overwrite = false;
+  }
+  for (const KronTerm<T>& k : terms.kron) {
+    if (!g.selected(k.i) || !g.selected(k.j)) continue;
+    if (k.i <= k.j) {
+      kron::accumulate(n, k.si, k.u, k.sj, k.w, k.gamma, T(1), block(k.i, k.j), P, k.symmetric);
+    } else {  // the pair's upper block is (j, i): the transposed term
+      const index_t ri = k.si.n_mat(), rj = k.sj.n_mat();
+      kron::accumulate(n, k.sj, k.w, k.si, k.u,
+                       [&k, ri, rj](index_t t, T* out) {
+                         Mat<T> G(ri, rj);
+                         k.gamma(t, G.data());
+                         MapM<T>(out, rj, ri) = G.transpose();
+                       },
+                       T(1), block(k.j, k.i), P);
+    }
+  }
+  for (const DiagonalTerm<T>& k : terms.diagonal) {
+    if (!g.selected(k.i) || !g.selected(k.j)) continue;
+    if (k.i <= k.j) kron::accumulate_diagonal(n, k.si, k.u, k.sj, k.w, k.D, T(1), block(k.i, k.j), P);
+    else kron::accumulate_diagonal(n, k.sj, k.w, k.si, k.u, k.D, T(1), block(k.j, k.i), P);
+  }
+  if (!kron::mirror_upper(H, P))  // checks every entry as it mirrors: no extra pass over H
+    throw non_finite_error("block: the assembled Hessian (a sum of products of finite factors) is not finite "
+                           "(Inf or NaN) although every input is: the inputs drive it past the float range; "
+                           "rescale them (weights or inputs of smaller magnitude)");
+}
+
+}  // namespace blockhess::engine

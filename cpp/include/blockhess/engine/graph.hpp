@@ -1,0 +1,278 @@
+// The curvature engine: a block as a small graph of nodes, and the passes every derivative is made
+// of (docs/derivation.md §4-5).
+//
+// Values are token-major arrays (B*L rows, one width each). A node reads values, writes one, and
+// may own parameters. It implements, once, everything the engine asks of it:
+//   forward      its output (and the caches its derivatives need);
+//   vjp          the cotangent of its output carried to its inputs, and its parameters' gradients;
+//   push         its output's per-token tangent factors from its inputs' (factor.hpp); its own
+//                parameters enter there;
+//   curvature    its sites and bilinear terms (terms.hpp), given the reverse pass's cotangents;
+//   jvp          the tangent of its output for the tangent of its inputs and parameters;
+//   vjp_tangent  the tangent of its vjp (the Hessian-vector product's reverse pass): the cotangent's
+//                tangent carried back, plus (curved) its Jacobian's own tangent applied to the
+//                cotangent: the same second derivatives curvature() emits, applied to a vector.
+// A wiring (blocks/) adds the nodes in order; the engine runs the passes over them. The block's
+// math lives in the nodes; nothing here knows what a LayerNorm or an attention head is.
+#pragma once
+
+#include <deque>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "blockhess/buffer.hpp"
+#include "blockhess/config.hpp"
+#include "blockhess/engine/factor.hpp"
+#include "blockhess/engine/terms.hpp"
+
+namespace blockhess::engine {
+
+template <class T>
+class Graph;
+
+// Where a node writes its share of a value's cotangent: assigned by the first node, added by the rest.
+template <class T>
+struct Slot {
+  T* data = nullptr;
+  bool add = false;
+};
+
+// The tangents of one Hessian-vector product in flight. Kept and reused between products (the
+// buffers keep their size), one per product running at once.
+template <class T>
+struct Tangent {
+  std::vector<Buffer<T>> d;      // per value: its forward tangent (where has_d)
+  std::vector<Buffer<T>> dcot;   // per value: the tangent of its cotangent
+  std::vector<char> has_d, dcot_written;
+  std::vector<const T*> dW;      // per parameter: its tangent (inside v), null when not selected
+  std::vector<T*> dgrad;         // per parameter: its rows of H v, null when not selected
+  std::vector<std::deque<Buffer<T>>> node_scratch;  // a deque: growing it keeps references valid
+
+  Buffer<T>& scratch(int node, int k, index_t size) {
+    auto& list = node_scratch[static_cast<size_t>(node)];
+    if (static_cast<int>(list.size()) <= k) list.resize(static_cast<size_t>(k + 1));
+    Buffer<T>& b = list[static_cast<size_t>(k)];
+    b.resize(static_cast<size_t>(size));
+    return b;
+  }
+  // The tangent of value v, sized for writing (marks it present).
+  T* out(int v, index_t size) {
+    has_d[static_cast<size_t>(v)] = 1;
+    d[static_cast<size_t>(v)].resize(static_cast<size_t>(size));
+    return d[static_cast<size_t>(v)].data();
+  }
+  const T* in(int v) const { return has_d[static_cast<size_t>(v)] ? d[static_cast<size_t>(v)].data() : nullptr; }
+  Slot<T> dcot_slot(int v, index_t size) {
+    Buffer<T>& b = dcot[static_cast<size_t>(v)];
+    b.resize(static_cast<size_t>(size));
+    const bool add = dcot_written[static_cast<size_t>(v)] != 0;
+    dcot_written[static_cast<size_t>(v)] = 1;
+    return {b.data(), add};
+  }
+};
+
+template <class T>
+class Node {
+ public:
+  virtual ~Node() = default;
+  std::vector<int> inputs;
+  int output = -1;
+  int index = -1;           // position in the graph (its scratch in a Tangent)
+  std::vector<int> params;  // the parameters it owns
+
+  virtual void forward(Graph<T>& g) = 0;
+  virtual void vjp(Graph<T>& g) const = 0;
+  virtual void push(Graph<T>& g) const = 0;
+  virtual void curvature(const Graph<T>& g, Terms<T>& terms) const = 0;
+  virtual void jvp(const Graph<T>& g, Tangent<T>& tg) const = 0;
+  virtual void vjp_tangent(const Graph<T>& g, Tangent<T>& tg, bool curved) const = 0;
+  // Token-local with one input and no parameters: a site at its output is the site
+  // J_t^T Omega_t J_t at its input (every factor at the output is J_t times one at the input).
+  virtual bool pulls_sites() const { return false; }
+  virtual void pull_site(const Graph<T>&, index_t /*t*/, const T* /*omega_out*/, T* /*omega_in*/) const {}
+};
+
+template <class T>
+class Graph {
+ public:
+  struct Param {
+    std::string name;
+    index_t rows = 0, cols = 0;
+    Buffer<T> data;  // an aligned copy (buffer.hpp)
+    index_t size() const { return rows * cols; }
+  };
+
+  Graph(index_t B, index_t L) : B_(B), L_(L) {}
+  Graph(const Graph&) = delete;
+  Graph& operator=(const Graph&) = delete;
+
+  index_t samples() const { return B_; }
+  index_t tokens_per_sample() const { return L_; }
+  index_t tokens() const { return B_ * L_; }
+
+  // ---- building (a wiring) ----
+  int input(const T* X, index_t width) {
+    const int v = new_value(width, -1, false);
+    values_[static_cast<size_t>(v)] = std::make_shared<Buffer<T>>(X, X + tokens() * width);
+    return v;
+  }
+  int param(std::string name, index_t rows, index_t cols, const T* data) {
+    params_.push_back(Param{std::move(name), rows, cols, Buffer<T>(data, data + rows * cols)});
+    return static_cast<int>(params_.size()) - 1;
+  }
+  // Adds a node reading `inputs` and owning `params`; returns the id of its output value.
+  int add(std::unique_ptr<Node<T>> node, std::vector<int> inputs, std::vector<int> params, index_t out_width) {
+    bool varies = !params.empty();
+    for (int v : inputs) varies = varies || varies_[static_cast<size_t>(v)];
+    node->inputs = std::move(inputs);
+    node->params = std::move(params);
+    node->index = static_cast<int>(nodes_.size());
+    node->output = new_value(out_width, node->index, varies);
+    nodes_.push_back(std::move(node));
+    return nodes_.back()->output;
+  }
+  void set_output(int v) { output_ = v; }
+
+  // ---- what the nodes read and write ----
+  int output() const { return output_; }
+  int num_values() const { return static_cast<int>(width_.size()); }
+  int num_params() const { return static_cast<int>(params_.size()); }
+  const Param& parameter(int p) const { return params_[static_cast<size_t>(p)]; }
+  const T* weight(int p) const { return params_[static_cast<size_t>(p)].data.data(); }
+  index_t width(int v) const { return width_[static_cast<size_t>(v)]; }
+  bool varies(int v) const { return varies_[static_cast<size_t>(v)]; }
+  const Node<T>* producer(int v) const {
+    const int n = producer_[static_cast<size_t>(v)];
+    return n < 0 ? nullptr : nodes_[static_cast<size_t>(n)].get();
+  }
+  const T* value(int v) const { return values_[static_cast<size_t>(v)]->data(); }
+  std::shared_ptr<const Buffer<T>> value_buffer(int v) const { return values_[static_cast<size_t>(v)]; }
+  T* value_out(int v) {  // sized for the node that writes it
+    auto& b = values_[static_cast<size_t>(v)];
+    if (!b) b = std::make_shared<Buffer<T>>();
+    b->resize(static_cast<size_t>(tokens() * width(v)));
+    return b->data();
+  }
+  const T* cotangent(int v) const { return cot_[static_cast<size_t>(v)].data(); }
+  Slot<T> cotangent_slot(int v) {
+    Buffer<T>& b = cot_[static_cast<size_t>(v)];
+    b.resize(static_cast<size_t>(tokens() * width(v)));
+    const bool add = cot_written_[static_cast<size_t>(v)] != 0;
+    cot_written_[static_cast<size_t>(v)] = 1;
+    return {b.data(), add};
+  }
+  T* gradient_out(int p) const { return grad_out_[static_cast<size_t>(p)]; }
+  bool selected(int p) const { return selected_[static_cast<size_t>(p)] != 0; }
+  const Factor<T>& factor(int v, int p) const { return factors_[static_cast<size_t>(v)][static_cast<size_t>(p)]; }
+  void set_factor(int v, int p, Factor<T> f) { factors_[static_cast<size_t>(v)][static_cast<size_t>(p)] = std::move(f); }
+  std::vector<const Factor<T>*> factors(int v) const {
+    std::vector<const Factor<T>*> all;
+    for (const Factor<T>& f : factors_[static_cast<size_t>(v)]) all.push_back(&f);
+    return all;
+  }
+  void set_factors(int v, std::vector<Factor<T>> fs) {
+    for (size_t p = 0; p < fs.size(); ++p)
+      if (fs[p].present) factors_[static_cast<size_t>(v)][p] = std::move(fs[p]);
+  }
+
+  // ---- the passes ----
+  void forward() {
+    for (auto& node : nodes_) node->forward(*this);
+  }
+
+  // Cotangents of every varying value for the cotangent g_output of the output, and (where
+  // gradient[p] is not null) the gradient of each parameter.
+  void reverse(const T* g_output, std::vector<T*> gradient = {}) {
+    gradient.resize(params_.size(), nullptr);
+    grad_out_ = std::move(gradient);
+    std::fill(cot_written_.begin(), cot_written_.end(), 0);
+    Slot<T> seed = cotangent_slot(output_);
+    std::copy_n(g_output, tokens() * width(output_), seed.data);
+    for (auto it = nodes_.rbegin(); it != nodes_.rend(); ++it)
+      if (varies((*it)->output)) (*it)->vjp(*this);
+  }
+
+  // The parameters the Hessian is taken with respect to (one flag per parameter).
+  void select(const std::vector<bool>& selection) {
+    if (selection.size() != params_.size()) throw std::logic_error("engine: one selection flag per parameter");
+    selected_.assign(selection.begin(), selection.end());
+  }
+
+  // The tangent factors of the selected parameters at every value, up to the output's producer's
+  // input (to_output: at the output too; sites at the output are pulled back instead).
+  void push_factors(bool to_output) {
+    for (auto& per_value : factors_) per_value.assign(params_.size(), Factor<T>{});
+    for (auto& node : nodes_) {
+      if (!to_output && node->output == output_ && node->pulls_sites()) continue;
+      node->push(*this);
+    }
+  }
+
+  // Every node's curvature (the functional part of the Hessian of the scalar behind reverse()).
+  Terms<T> curvature() const {
+    Terms<T> terms;
+    for (auto& node : nodes_)
+      if (varies(node->output)) node->curvature(*this, terms);
+    return terms;
+  }
+
+  // One Hessian-vector product's tangents: forward, then the reverse pass's tangent from the seed
+  // dcot(output) (seed(dZ, dgZ) writes it; null = zero: the functional part alone). curved: add
+  // each node's second derivatives (the functional part). v and out hold the selected parameters.
+  template <class Seed>
+  void hvp(Tangent<T>& tg, const std::vector<index_t>& offset, const T* v, Seed&& seed, bool curved, T* out) const {
+    const size_t nv = width_.size(), np = params_.size();
+    tg.d.resize(nv), tg.dcot.resize(nv), tg.node_scratch.resize(nodes_.size());
+    tg.has_d.assign(nv, 0), tg.dcot_written.assign(nv, 0);
+    tg.dW.assign(np, nullptr), tg.dgrad.assign(np, nullptr);
+    for (size_t p = 0; p < np; ++p)
+      if (selected_[p]) tg.dW[p] = v + offset[p], tg.dgrad[p] = out + offset[p];
+    for (auto& node : nodes_) node->jvp(*this, tg);
+    const index_t n_out = tokens() * width(output_);
+    if (!tg.in(output_)) return;  // nothing selected reaches the output
+    Slot<T> s = tg.dcot_slot(output_, n_out);
+    if (!seed(tg.in(output_), s.data)) std::fill_n(s.data, n_out, T(0));
+    for (auto it = nodes_.rbegin(); it != nodes_.rend(); ++it)
+      if (tg.in((*it)->output)) (*it)->vjp_tangent(*this, tg, curved);
+  }
+
+ private:
+  int new_value(index_t width, int producer, bool varies) {
+    width_.push_back(width);
+    producer_.push_back(producer);
+    varies_.push_back(varies);
+    values_.emplace_back();
+    cot_.emplace_back();
+    cot_written_.push_back(0);
+    factors_.emplace_back();
+    return static_cast<int>(width_.size()) - 1;
+  }
+
+  index_t B_, L_;
+  std::vector<Param> params_;
+  std::vector<std::unique_ptr<Node<T>>> nodes_;
+  std::vector<index_t> width_;
+  std::vector<int> producer_;
+  std::vector<bool> varies_;
+  std::vector<std::shared_ptr<Buffer<T>>> values_;
+  std::vector<Buffer<T>> cot_;
+  std::vector<char> cot_written_;
+  std::vector<T*> grad_out_;
+  std::vector<char> selected_;
+  std::vector<std::vector<Factor<T>>> factors_;
+  int output_ = -1;
+};
+
+// Writes the values of a node's share of a cotangent (or any accumulated quantity) into a slot.
+template <class T>
+void write_slot(const Slot<T>& slot, const T* values, index_t n) {
+  if (slot.add)
+    for (index_t k = 0; k < n; ++k) slot.data[k] += values[k];
+  else
+    std::copy_n(values, n, slot.data);
+}
+
+}  // namespace blockhess::engine

@@ -1,0 +1,106 @@
+// A linear map of every token by one weight: out = in W, W of shape (w_in, w_out).
+//
+// Derivatives (docs/derivation.md §4.2): d out_t = d in_t W + in_t dW. The weight enters with the
+// factor vec_t = in_t (on W's rows), U_t = I; a factor at the input moves to W^T U_t. Its one
+// piece of curvature is bilinear, <g, d in dW> (the input and the weight both vary): for a
+// parameter i reaching the input, Gamma_t = U_i,t^T with g_t on W's columns.
+#pragma once
+
+#include "blockhess/eigen.hpp"
+#include "blockhess/engine/graph.hpp"
+#include "blockhess/finite.hpp"
+#include "blockhess/parallel_product.hpp"
+
+namespace blockhess::engine {
+
+template <class T>
+class LinearNode final : public Node<T> {
+ public:
+  explicit LinearNode(const char* stage) : stage_(stage) {}
+
+  void forward(Graph<T>& g) override {
+    const index_t n = g.tokens();
+    product(MapM<T>(g.value_out(this->output), n, w_out(g)), MapC<T>(g.value(in()), n, w_in(g)), W(g), T(1), false);
+    require_finite(g.value(this->output), n * w_out(g), stage_);
+  }
+
+  void vjp(Graph<T>& g) const override {
+    const index_t n = g.tokens();
+    const MapC<T> gout(g.cotangent(this->output), n, w_out(g));
+    if (g.varies(in())) {
+      const Slot<T> s = g.cotangent_slot(in());
+      product(MapM<T>(s.data, n, w_in(g)), gout, W(g).transpose(), T(1), s.add);
+    }
+    if (T* grad = g.gradient_out(param()))
+      product(MapM<T>(grad, w_in(g), w_out(g)), MapC<T>(g.value(in()), n, w_in(g)).transpose(), gout, T(1), false);
+  }
+
+  void push(Graph<T>& g) const override {
+    const index_t n = g.tokens();
+    const Mat<T> Wt = W(g).transpose();
+    g.set_factors(this->output, left_multiply(g.factors(in()), n, w_out(g), [&](index_t) -> const Mat<T>& { return Wt; }));
+    if (g.selected(param()))
+      g.set_factor(this->output, param(), entering<T>(kron::Split{w_in(g), w_out(g), true}, g.value_buffer(in()), w_out(g)));
+  }
+
+  void curvature(const Graph<T>& g, Terms<T>& terms) const override {
+    if (!g.selected(param())) return;
+    const kron::Split by_columns{w_in(g), w_out(g), false};  // g_t on W's columns, W's rows meet U_t
+    const T* gout = g.cotangent(this->output);
+    for (int p = 0; p < g.num_params(); ++p) {
+      const Factor<T>& f = g.factor(in(), p);
+      if (!f.present) continue;
+      if (f.form == Form::dense) {
+        const index_t wi = w_in(g), r = f.n_mat();
+        terms.kron.push_back(KronTerm<T>{p, param(), f.split, by_columns, f.vec->data(), gout,
+                                         [f, wi, r](index_t t, T* out) {
+                                           MapM<T>(out, r, wi) = MapC<T>(f.dense_t(t), wi, r).transpose();
+                                         },
+                                         false});
+      } else {
+        terms.diagonal.push_back(DiagonalTerm<T>{p, param(), f.split, by_columns, f.vec->data(), gout,
+                                                 f.form == Form::diagonal ? f.U->data() : nullptr});
+      }
+    }
+  }
+
+  void jvp(const Graph<T>& g, Tangent<T>& tg) const override {
+    const T* din = tg.in(in());
+    const T* dW = tg.dW[static_cast<size_t>(param())];
+    if (!din && !dW) return;
+    const index_t n = g.tokens();
+    MapM<T> dout(tg.out(this->output, n * w_out(g)), n, w_out(g));
+    if (din) product(dout, MapC<T>(din, n, w_in(g)), W(g), T(1), false);
+    if (dW) product(dout, MapC<T>(g.value(in()), n, w_in(g)), MapC<T>(dW, w_in(g), w_out(g)), T(1), din != nullptr);
+  }
+
+  // d(g W^T) = dg W^T + (curved) g dW^T;  d(in^T g) = in^T dg + (curved) d in^T g.
+  void vjp_tangent(const Graph<T>& g, Tangent<T>& tg, bool curved) const override {
+    const index_t n = g.tokens();
+    const MapC<T> gout(g.cotangent(this->output), n, w_out(g)), dgout(tg.dcot[this->output].data(), n, w_out(g));
+    const T* din = tg.in(in());
+    const T* dW = tg.dW[static_cast<size_t>(param())];
+    if (din) {
+      const Slot<T> s = tg.dcot_slot(in(), n * w_in(g));
+      MapM<T> dgin(s.data, n, w_in(g));
+      product(dgin, dgout, W(g).transpose(), T(1), s.add);
+      if (curved && dW) product(dgin, gout, MapC<T>(dW, w_in(g), w_out(g)).transpose(), T(1), true);
+    }
+    if (T* out = tg.dgrad[static_cast<size_t>(param())]) {
+      MapM<T> o(out, w_in(g), w_out(g));
+      product(o, MapC<T>(g.value(in()), n, w_in(g)).transpose(), dgout, T(1), false);
+      if (curved && din) product(o, MapC<T>(din, n, w_in(g)).transpose(), gout, T(1), true);
+    }
+  }
+
+ private:
+  int in() const { return this->inputs[0]; }
+  int param() const { return this->params[0]; }
+  index_t w_in(const Graph<T>& g) const { return g.width(in()); }
+  index_t w_out(const Graph<T>& g) const { return g.width(this->output); }
+  MapC<T> W(const Graph<T>& g) const { return MapC<T>(g.weight(param()), w_in(g), w_out(g)); }
+
+  const char* stage_;
+};
+
+}  // namespace blockhess::engine
