@@ -1,0 +1,117 @@
+// The curvature engine's nodes, one at a time (private: the per-node tests drive it). A chain of
+// nodes is wired from names, run on X, and differentiated for the scalar l = <G, out>: its
+// gradient, the dense Hessian of the selected parameters (the nodes' curvature, since l is linear
+// in out) and the Hessian-vector product for the columns of V.
+//   "linear"     out = cur W (takes the next parameter)
+//   "relu"       out = relu(cur)
+//   "layernorm"  out = LN(cur) (eps)
+//   "residual"   out = cur + (the input of the node that produced cur): a skip around it
+//   "attention"  out = attention(cur; W_Q, W_K, W_V) (takes three parameters; cur must be X)
+#include "binding.hpp"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "blockhess/engine/assemble.hpp"
+#include "blockhess/engine/graph.hpp"
+#include "blockhess/engine/nodes/attention.hpp"
+#include "blockhess/engine/nodes/layernorm.hpp"
+#include "blockhess/engine/nodes/linear.hpp"
+#include "blockhess/engine/nodes/relu.hpp"
+#include "blockhess/engine/nodes/residual.hpp"
+
+namespace blockhess::bind {
+namespace {
+
+template <class T>
+py::tuple engine_chain(const std::vector<std::string>& kinds, const carray<T>& X, const std::vector<carray<T>>& params,
+                       T eps, const carray<T>& G, const std::vector<bool>& wrt, const carray<T>& V) {
+  using namespace engine;
+  if (X.ndim() != 3) throw std::invalid_argument("engine_chain: X must be (B, L, d)");
+  if (wrt.size() != params.size()) throw std::invalid_argument("engine_chain: one wrt flag per parameter");
+  const index_t B = X.shape(0), L = X.shape(1);
+  Graph<T> g(B, L);
+  std::vector<int> param_ids;
+  for (size_t k = 0; k < params.size(); ++k) {
+    if (params[k].ndim() != 2) throw std::invalid_argument("engine_chain: parameters must be 2-D");
+    param_ids.push_back(g.param("p" + std::to_string(k), params[k].shape(0), params[k].shape(1), params[k].data()));
+  }
+  int cur = g.input(X.data(), X.shape(2)), before = -1;
+  size_t next = 0;
+  auto take = [&]() {
+    if (next >= param_ids.size()) throw std::invalid_argument("engine_chain: too few parameters for the chain");
+    return param_ids[next++];
+  };
+  for (const std::string& kind : kinds) {
+    const int in = cur;
+    if (kind == "linear") {
+      const int p = take();
+      if (g.parameter(p).rows != g.width(cur)) throw std::invalid_argument("engine_chain: linear weight rows != width");
+      cur = g.add(std::make_unique<LinearNode<T>>("engine_chain: linear"), {cur}, {p}, g.parameter(p).cols);
+    } else if (kind == "relu") {
+      cur = g.add(std::make_unique<ReluNode<T>>(), {cur}, {}, g.width(cur));
+    } else if (kind == "layernorm") {
+      cur = g.add(std::make_unique<LayerNormNode<T>>(eps), {cur}, {}, g.width(cur));
+    } else if (kind == "residual") {
+      if (before < 0 || g.width(before) != g.width(cur)) throw std::invalid_argument("engine_chain: residual needs a same-width skip");
+      cur = g.add(std::make_unique<ResidualNode<T>>("engine_chain: residual"), {cur, before}, {}, g.width(cur));
+    } else if (kind == "attention") {
+      const int q = take(), k = take(), v = take();
+      cur = g.add(std::make_unique<AttentionNode<T>>(), {cur}, {q, k, v}, g.parameter(v).cols);
+    } else {
+      throw std::invalid_argument("engine_chain: unknown node '" + kind + "'");
+    }
+    before = in;
+  }
+  if (next != param_ids.size()) throw std::invalid_argument("engine_chain: more parameters than the chain takes");
+  g.set_output(cur);
+  const index_t n_out = B * L * g.width(cur);
+  require_shape(G, {B, L, g.width(cur)}, "G");
+
+  index_t P_all = 0, P = 0;
+  std::vector<index_t> offset;
+  for (size_t k = 0; k < params.size(); ++k) {
+    offset.push_back(P);
+    P_all += g.parameter(param_ids[k]).size();
+    if (wrt[k]) P += g.parameter(param_ids[k]).size();
+  }
+  if (V.ndim() != 2 || V.shape(0) != P) throw std::invalid_argument("engine_chain: V must be (P_selected, k)");
+  const index_t columns = V.shape(1);
+  py::array_t<T> out({B, L, g.width(cur)}), grad(P_all), H({P, P}), HV({P, columns});
+  {
+    py::gil_scoped_release release;
+    g.forward();
+    std::copy_n(g.value(cur), n_out, out.mutable_data());
+    std::vector<T*> gradient;
+    for (size_t k = 0, o = 0; k < params.size(); o += g.parameter(param_ids[k]).size(), ++k)
+      gradient.push_back(grad.mutable_data() + o);
+    g.reverse(G.data(), gradient);
+    g.select(wrt);
+    g.push_factors(/*to_output=*/false);
+    assemble(g, g.curvature(), offset, P, H.mutable_data());
+    Tangent<T> tangent;
+    Buffer<T> column(P), product(P);
+    auto no_seed = [](const T*, T*) { return false; };  // l is linear in out: no outer part
+    for (index_t c = 0; c < columns; ++c) {
+      for (index_t i = 0; i < P; ++i) column[i] = V.data()[i * columns + c];
+      std::fill(product.begin(), product.end(), T(0));
+      g.hvp(tangent, offset, column.data(), no_seed, /*curved=*/true, product.data());
+      for (index_t i = 0; i < P; ++i) HV.mutable_data()[i * columns + c] = product[i];
+    }
+  }
+  return py::make_tuple(out, grad, H, HV);
+}
+
+}  // namespace
+
+void bind_engine(py::module_& m) {
+  for_each_float([&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    m.def("engine_chain", &engine_chain<T>, "A chain of engine nodes and its derivatives for l = <G, out> (tests).",
+          py::arg("kinds"), py::arg("X").noconvert(), py::arg("params"), py::arg("eps"), py::arg("G").noconvert(),
+          py::arg("wrt"), py::arg("V").noconvert());
+  });
+}
+
+}  // namespace blockhess::bind
