@@ -6,7 +6,7 @@
 //       + 2<gS, dR dW_2> + 2<gH1, dY dW_1>              the linear maps' bilinear terms (relu'' = 0 a.e.)
 //       + 2<gF, dA dV> + <gA, softmax''[dT,dT]> + 2<gT, dQ dK^T>/sqrt(d_k)   attention
 // (g* are the cotangents of the reverse pass.) This is docs/derivation.md §4.1 with the corrected
-// xi / Phi blocks of its §4.3 (errata E3-E8). Each line is one node's curvature() (engine/nodes/);
+// xi / Phi blocks of its §4.4 (errata E3-E8). Each line is one node's curvature() (engine/nodes/);
 // the engine assembles them from the per-token factors (engine/assemble.hpp).
 #pragma once
 

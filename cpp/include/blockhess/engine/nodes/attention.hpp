@@ -1,7 +1,7 @@
 // Single-head self-attention of an input X that no parameter moves (the block's input):
 //   Q = X W_Q, K = X W_K, V = X W_V,  T = s Q K^T (s = 1/sqrt(d_k)),  A = softmax_rows(T),  F = A V,
 // per sample (docs/derivation.md §3.3). The one node that mixes tokens: its parameters' factors at
-// F are formed here, in closed form, per token t (block_hessian's table, §4.2):
+// F are formed here, in closed form, per token t (the table of docs/derivation.md §4.2):
 //   W_Q: vec x_t (rows),      U_t = Mq_t = s V^T Jsm_t K      (d_v, d_k)
 //   W_K: vec s q_t (columns), U_t = Mk_t = V^T Jsm_t X        (d_v, d)
 //   W_V: vec (A X)_t (rows),  U_t = I
