@@ -2,11 +2,14 @@
 // nodes is wired from names, run on X, and differentiated for the scalar l = <G, out>: its
 // gradient, the dense Hessian of the selected parameters (the nodes' curvature, since l is linear
 // in out) and the Hessian-vector product for the columns of V.
-//   "linear"     out = cur W (takes the next parameter)
-//   "relu"       out = relu(cur)
-//   "layernorm"  out = LN(cur) (eps)
-//   "residual"   out = cur + (the input of the node that produced cur): a skip around it
-//   "attention"  out = attention(cur; W_Q, W_K, W_V) (takes three parameters; cur must be X)
+//   "linear"            out = cur W (takes the next parameter)
+//   "linear_bias"       out = cur W + b (takes two: W, then b of shape (1, w_out))
+//   "relu", "gelu", "gelu_tanh", "silu"   out = phi(cur) (activation.hpp)
+//   "layernorm"         out = LN(cur) (eps)
+//   "layernorm_affine"  out = gamma * LN(cur) + beta (takes two, each (1, width))
+//   "residual"          out = cur + (the input of the node that produced cur): a skip around it
+//   "attention"         out = attention(cur; W_Q, W_K, W_V) (takes three; cur must be X)
+//   "attention_causal"  the same with keys after the query masked
 #include "binding.hpp"
 
 #include <memory>
@@ -18,7 +21,7 @@
 #include "blockhess/engine/nodes/attention.hpp"
 #include "blockhess/engine/nodes/layernorm.hpp"
 #include "blockhess/engine/nodes/linear.hpp"
-#include "blockhess/engine/nodes/relu.hpp"
+#include "blockhess/engine/nodes/pointwise.hpp"
 #include "blockhess/engine/nodes/residual.hpp"
 
 namespace blockhess::bind {
@@ -45,20 +48,30 @@ py::tuple engine_chain(const std::vector<std::string>& kinds, const carray<T>& X
   };
   for (const std::string& kind : kinds) {
     const int in = cur;
-    if (kind == "linear") {
-      const int p = take();
-      if (g.parameter(p).rows != g.width(cur)) throw std::invalid_argument("engine_chain: linear weight rows != width");
-      cur = g.add(std::make_unique<LinearNode<T>>("engine_chain: linear"), {cur}, {p}, g.parameter(p).cols);
-    } else if (kind == "relu") {
-      cur = g.add(std::make_unique<ReluNode<T>>(), {cur}, {}, g.width(cur));
+    if (kind == "linear" || kind == "linear_bias") {
+      std::vector<int> owned{take()};
+      if (kind == "linear_bias") owned.push_back(take());
+      const index_t w_out = g.parameter(owned[0]).cols;
+      if (g.parameter(owned[0]).rows != g.width(cur)) throw std::invalid_argument("engine_chain: linear weight rows != width");
+      if (owned.size() == 2 && (g.parameter(owned[1]).rows != 1 || g.parameter(owned[1]).cols != w_out))
+        throw std::invalid_argument("engine_chain: a bias must be (1, w_out)");
+      cur = g.add(std::make_unique<LinearNode<T>>("engine_chain: linear"), {cur}, owned, w_out);
+    } else if (kind == "relu" || kind == "gelu" || kind == "gelu_tanh" || kind == "silu") {
+      cur = g.add(std::make_unique<PointwiseNode<T>>(activation::parse(kind)), {cur}, {}, g.width(cur));
     } else if (kind == "layernorm") {
       cur = g.add(std::make_unique<LayerNormNode<T>>(eps), {cur}, {}, g.width(cur));
+    } else if (kind == "layernorm_affine") {
+      const int gamma = take(), beta = take();
+      for (int p : {gamma, beta})
+        if (g.parameter(p).rows != 1 || g.parameter(p).cols != g.width(cur))
+          throw std::invalid_argument("engine_chain: gamma and beta must be (1, width)");
+      cur = g.add(std::make_unique<LayerNormNode<T>>(eps), {cur}, {gamma, beta}, g.width(cur));
     } else if (kind == "residual") {
       if (before < 0 || g.width(before) != g.width(cur)) throw std::invalid_argument("engine_chain: residual needs a same-width skip");
       cur = g.add(std::make_unique<ResidualNode<T>>("engine_chain: residual"), {cur, before}, {}, g.width(cur));
-    } else if (kind == "attention") {
+    } else if (kind == "attention" || kind == "attention_causal") {
       const int q = take(), k = take(), v = take();
-      cur = g.add(std::make_unique<AttentionNode<T>>(), {cur}, {q, k, v}, g.parameter(v).cols);
+      cur = g.add(std::make_unique<AttentionNode<T>>(kind == "attention_causal"), {cur}, {q, k, v}, g.parameter(v).cols);
     } else {
       throw std::invalid_argument("engine_chain: unknown node '" + kind + "'");
     }

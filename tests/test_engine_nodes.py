@@ -17,20 +17,41 @@ import reference as ref
 from blockhess import _core
 
 
+ACTIVATIONS = {
+    "relu": torch.relu,
+    "gelu": lambda x: torch.nn.functional.gelu(x),
+    "gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
+    "silu": torch.nn.functional.silu,
+}
+
+
+def _causal_attention(X, WQ, WK, WV):
+    T = (X @ WQ) @ (X @ WK).transpose(-1, -2) / np.sqrt(WQ.shape[1])
+    L = T.shape[-1]
+    T = T.masked_fill(torch.triu(torch.ones(L, L, dtype=torch.bool), diagonal=1), float("-inf"))
+    return torch.softmax(T, dim=-1) @ (X @ WV)
+
+
 def _torch_chain(kinds, X, params, eps):
     cur, before, k = X, None, 0
     for kind in kinds:
         start = cur
         if kind == "linear":
             cur, k = cur @ params[k], k + 1
-        elif kind == "relu":
-            cur = torch.relu(cur)
+        elif kind == "linear_bias":
+            cur, k = cur @ params[k] + params[k + 1][0], k + 2
+        elif kind in ACTIVATIONS:
+            cur = ACTIVATIONS[kind](cur)
         elif kind == "layernorm":
             cur = ref.layernorm(cur, eps)
+        elif kind == "layernorm_affine":
+            cur, k = ref.layernorm(cur, eps, params[k][0], params[k + 1][0]), k + 2
         elif kind == "residual":
             cur = cur + before
         elif kind == "attention":
             cur, k = ref.attention(cur, params[k], params[k + 1], params[k + 2]), k + 3
+        elif kind == "attention_causal":
+            cur, k = _causal_attention(cur, params[k], params[k + 1], params[k + 2]), k + 3
         before = start
     return cur
 
@@ -47,13 +68,21 @@ CHAINS = {
     "attention": (["attention"], [(5, 3), (5, 3), (5, 4)]),
     "attention-linear-layernorm": (["attention", "linear", "layernorm"], [(5, 3), (5, 3), (5, 5), (5, 4)]),
     "attention-residual-layernorm": (["attention", "residual", "layernorm", "linear"], [(5, 3), (5, 3), (5, 5), (5, 2)]),
+    # the block family's node options
+    "linear_bias-gelu-linear_bias": (["linear_bias", "gelu", "linear_bias"], [(5, 6), (1, 6), (6, 3), (1, 3)]),
+    "linear-gelu_tanh-linear": (["linear", "gelu_tanh", "linear"], [(5, 6), (6, 3)]),
+    "linear-silu-residual-linear": (["linear", "silu", "residual", "linear"], [(5, 5), (5, 3)]),
+    "linear-layernorm_affine-linear": (["linear", "layernorm_affine", "linear"], [(5, 4), (1, 4), (1, 4), (4, 3)]),
+    "linear_bias-layernorm_affine": (["linear_bias", "layernorm_affine"], [(5, 4), (1, 4), (1, 4), (1, 4)]),
+    "attention_causal-layernorm_affine-linear_bias": (["attention_causal", "layernorm_affine", "linear_bias"],
+                                                      [(5, 3), (5, 3), (5, 5), (1, 5), (1, 5), (5, 2), (1, 2)]),
 }
 
 
 def _chain_case(rng, name, B, eps):
     kinds, shapes = CHAINS[name]
     X = rng.standard_normal((B, 4, 5))
-    params = [rng.standard_normal(s) / np.sqrt(s[0]) * 1.5 for s in shapes]
+    params = [rng.standard_normal(s) / np.sqrt(s[0]) * 1.5 + (s[0] == 1) * 0.5 for s in shapes]
     out = _torch_chain(kinds, ref.t(X), [ref.t(p) for p in params], eps)
     G = rng.standard_normal(tuple(out.shape))
     return kinds, X, params, G
@@ -65,7 +94,7 @@ def _selection(n, pattern):
 
 @pytest.mark.parametrize("name", sorted(CHAINS))
 @pytest.mark.parametrize("B", [1, 2])
-@pytest.mark.parametrize("pattern", ["all", "last"])
+@pytest.mark.parametrize("pattern", ["all", "first", "last"])
 def test_chain_matches_autograd(rng, name, B, pattern):
     eps = 1e-3 if B == 2 else 0.0
     kinds, X, params, G = _chain_case(rng, name, B, eps)

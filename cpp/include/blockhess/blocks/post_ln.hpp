@@ -9,7 +9,7 @@
 #include "blockhess/engine/nodes/attention.hpp"
 #include "blockhess/engine/nodes/layernorm.hpp"
 #include "blockhess/engine/nodes/linear.hpp"
-#include "blockhess/engine/nodes/relu.hpp"
+#include "blockhess/engine/nodes/pointwise.hpp"
 #include "blockhess/engine/nodes/residual.hpp"
 #include "blockhess/params.hpp"
 
@@ -33,7 +33,7 @@ PostLnValues wire_post_ln(engine::Graph<T>& g, const block::Dims& D, const T* X,
   v.S1 = g.add(std::make_unique<ResidualNode<T>>("block: the residual X + F"), {v.X, v.F}, {}, d);
   v.Y = g.add(std::make_unique<LayerNormNode<T>>(eps), {v.S1}, {}, d);
   const int H1 = g.add(std::make_unique<LinearNode<T>>("block: the FFN pre-activations Y W_1"), {v.Y}, {p[block::W_1]}, dff);
-  const int R = g.add(std::make_unique<ReluNode<T>>(), {H1}, {}, dff);
+  const int R = g.add(std::make_unique<PointwiseNode<T>>(activation::Kind::relu), {H1}, {}, dff);
   const int G = g.add(std::make_unique<LinearNode<T>>("block: the FFN output relu(Y W_1) W_2"), {R}, {p[block::W_2]}, d);
   v.S = g.add(std::make_unique<ResidualNode<T>>("block: the FFN output with its residual relu(Y W_1) W_2 + Y"), {G, v.Y},
               {}, d);

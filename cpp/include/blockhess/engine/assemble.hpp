@@ -20,13 +20,24 @@ namespace detail {
 // Moves every site down through the token-local, parameter-free nodes that produced its value
 // (a site at a LayerNorm's output is J^T Omega J at its input), then sums the sites that meet at
 // one value: each pair of parameters is then assembled once per value.
+// A diagonal site as a dense one (before it is moved or merged with a dense one).
+template <class T>
+Site<T> densified(const Site<T>& s, index_t tokens, index_t width) {
+  if (!s.diagonal) return s;
+  auto dense = std::make_shared<Buffer<T>>(static_cast<size_t>(tokens * width * width), T(0));
+  for (index_t t = 0; t < tokens; ++t)
+    for (index_t a = 0; a < width; ++a) (*dense)[(t * width + a) * width + a] = (*s.omega)[t * width + a];
+  return Site<T>{s.value, std::move(dense), false};
+}
+
 template <class T>
 std::vector<Site<T>> settle_sites(const Graph<T>& g, std::vector<Site<T>> sites) {
   const index_t n = g.tokens();
-  std::map<int, std::shared_ptr<Buffer<T>>> at;
-  for (Site<T>& s : sites) {
+  std::map<int, Site<T>> at;
+  for (Site<T> s : sites) {
     const Node<T>* node = g.producer(s.value);
     while (node && node->pulls_sites()) {
+      s = densified(s, n, g.width(s.value));
       const int in = node->inputs[0];
       const index_t w_out = g.width(s.value), w_in = g.width(in);
       auto pulled = std::make_shared<Buffer<T>>(static_cast<size_t>(n * w_in * w_in));
@@ -34,33 +45,42 @@ std::vector<Site<T>> settle_sites(const Graph<T>& g, std::vector<Site<T>> sites)
       blockhess::detail::parallel_for(n, 2 * w_in * w_out * (w_in + w_out), [&](index_t t) {
         node->pull_site(g, t, omega + t * w_out * w_out, pulled->data() + t * w_in * w_in);
       });
-      s = Site<T>{in, std::move(pulled)};
+      s = Site<T>{in, std::move(pulled), false};
       node = g.producer(s.value);
     }
-    auto& slot = at[s.value];
-    if (!slot) {
-      slot = std::make_shared<Buffer<T>>(*s.omega);
-    } else {
-      for (size_t k = 0; k < slot->size(); ++k) (*slot)[k] += (*s.omega)[k];
+    auto found = at.find(s.value);
+    if (found == at.end()) {
+      at.emplace(s.value, s);  // shares the buffer: copied only if another site joins it
+      continue;
     }
+    Site<T>& merged = found->second;
+    if (merged.diagonal != s.diagonal) merged = densified(merged, n, g.width(s.value)), s = densified(s, n, g.width(s.value));
+    auto sum = std::make_shared<Buffer<T>>(*merged.omega);
+    for (size_t k = 0; k < sum->size(); ++k) (*sum)[k] += (*s.omega)[k];
+    merged.omega = std::move(sum);
   }
   std::vector<Site<T>> settled;
-  for (auto& [value, omega] : at) settled.push_back(Site<T>{value, omega});
+  for (auto& [value, site] : at) settled.push_back(site);
   return settled;
 }
 
 // Gamma_t = U_i,t^T Omega_t U_j,t, skipping the products with an identity factor.
 template <class T>
-auto sandwich(const Factor<T>& fi, const Factor<T>& fj, const T* omega) {
-  return [&fi, &fj, omega](index_t t, T* out) {
+auto sandwich(const Factor<T>& fi, const Factor<T>& fj, const Site<T>& site) {
+  return [&fi, &fj, &site](index_t t, T* out) {
     const index_t w = fi.width, ri = fi.n_mat(), rj = fj.n_mat();
-    const MapC<T> O(omega + t * w * w, w, w);
     MapM<T> G(out, ri, rj);
     Mat<T> Ui, Uj;
-    if (fi.form == Form::diagonal) fi.materialise(t, Ui);
-    if (fj.form == Form::diagonal) fj.materialise(t, Uj);
+    if (fi.form == Form::diagonal || (site.diagonal && fi.form == Form::identity)) fi.materialise(t, Ui);
+    if (fj.form == Form::diagonal || (site.diagonal && fj.form == Form::identity)) fj.materialise(t, Uj);
     const MapC<T> Ui_map(fi.form == Form::dense ? fi.dense_t(t) : Ui.data(), w, ri);
     const MapC<T> Uj_map(fj.form == Form::dense ? fj.dense_t(t) : Uj.data(), w, rj);
+    if (site.diagonal) {
+      const Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, 1>> omega(site.omega->data() + t * w, w);
+      G.noalias() = Ui_map.transpose() * omega.asDiagonal() * Uj_map;
+      return;
+    }
+    const MapC<T> O(site.omega->data() + t * w * w, w, w);
     if (fi.form == Form::identity && fj.form == Form::identity) G = O;
     else if (fi.form == Form::identity) G.noalias() = O * Uj_map;
     else if (fj.form == Form::identity) G.noalias() = Ui_map.transpose() * O;
@@ -94,7 +114,7 @@ void assemble(const Graph<T>& g, Terms<T> terms, const std::vector<index_t>& off
         if (j < i) continue;
         const Factor<T>&fi = g.factor(s.value, i), &fj = g.factor(s.value, j);
         if (!fi.present || !fj.present) continue;
-        kron::accumulate(n, fi.split, fi.vec->data(), fj.split, fj.vec->data(), detail::sandwich(fi, fj, s.omega->data()),
+        kron::accumulate(n, fi.split, fi.vec->data(), fj.split, fj.vec->data(), detail::sandwich(fi, fj, s),
                          T(1), block(i, j), P, i == j, overwrite);
       }
     overwrite = false;

@@ -25,6 +25,7 @@ template <class T>
 struct Site {
   int value = -1;
   std::shared_ptr<const Buffer<T>> omega;  // (tokens, width, width), each Omega_t symmetric
+  bool diagonal = false;                   // omega holds only the diagonals: (tokens, width)
 };
 
 // H[i, j] += sum_t u_t (x) w_t (x) Gamma_t, in kron::accumulate's convention.

@@ -7,9 +7,13 @@
 //   W_V: vec (A X)_t (rows),  U_t = I
 // with Jsm_t = diag(a_t) - a_t a_t^T. Its curvature: the softmax site at T (the logits row T_t
 // moves by s K dW_Q^T x_t and by X dW_K s q_t), the bilinear <gF, dA dV> and <gT, s dQ dK^T>.
+// Causal: T[t, s] = -inf for keys s after the query t. Then a_t[s] = 0 there, and so is every
+// derivative (Jsm_t has zero rows and columns at masked keys): only the forward pass changes.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "blockhess/eigen.hpp"
 #include "blockhess/engine/graph.hpp"
@@ -25,6 +29,8 @@ class AttentionNode final : public Node<T> {
   using Vec = Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, 1>>;
 
  public:
+  explicit AttentionNode(bool causal = false) : causal_(causal) {}
+
   void forward(Graph<T>& g) override {
     if (g.varies(x())) throw std::logic_error("engine: attention of an input that parameters move is not wired yet");
     const index_t B = g.samples(), L = g.tokens_per_sample(), n = g.tokens(), d = g.width(x());
@@ -43,6 +49,8 @@ class AttentionNode final : public Node<T> {
     for (index_t b = 0; b < B; ++b) {
       MapM<T> A(A_.data() + b * L * L, L, L);
       product(A, sample(Q_, b, dk_, L), sample(K_, b, dk_, L).transpose(), s_, false);
+      if (causal_)
+        for (index_t i = 0; i < L; ++i) std::fill(A.data() + i * L + i + 1, A.data() + (i + 1) * L, -std::numeric_limits<T>::infinity());
       for (index_t i = 0; i < L; ++i) softmax::forward_row(A.data() + i * L, L, A.data() + i * L);
       product(MapM<T>(F + b * L * dv_, L, dv_), A, sample(V_, b, dv_, L), T(1), false);
     }
@@ -260,6 +268,7 @@ class AttentionNode final : public Node<T> {
     return MapC<T>(g.value(x()) + b * L * d, L, d);
   }
 
+  bool causal_;
   index_t dk_ = 0, dv_ = 0;
   T s_ = 0;
   Buffer<T> Q_, K_, V_, A_;

@@ -1,7 +1,13 @@
-// LayerNorm without affine parameters, row by row: y_t = (u_t - mean(u_t)) / sigma_t
-// (docs/derivation.md §3.1). Its row functions (layernorm.hpp) are also the public
-// layernorm_* functions'. Its Jacobian J_t is symmetric, so the jvp and the vjp are one function.
+// LayerNorm, row by row: n_t = (u_t - mean(u_t)) / sigma_t, y_t = gamma * n_t + beta
+// (docs/derivation.md §3.1), with gamma and beta (1, d) parameters when the node owns two, or the
+// constants 1 and 0. Its row functions (layernorm.hpp) are also the public layernorm_* functions'.
+//   Jacobian J_t = diag(gamma) J0_t, J0_t the symmetric Jacobian of n_t;
+//   gamma enters with vec_t = [1], U_t = diag(n_t); beta with vec_t = [1], U_t = I;
+//   curvature: the site sum_a g_a gamma_a d2 n_a / du_t^2 at its input, and (affine) the bilinear
+//   <g, dn dgamma> between the input and gamma.
 #pragma once
+
+#include <memory>
 
 #include "blockhess/eigen.hpp"
 #include "blockhess/engine/graph.hpp"
@@ -19,91 +25,178 @@ class LayerNormNode final : public Node<T> {
   void forward(Graph<T>& g) override {
     const index_t n = g.tokens(), d = g.width(this->output);
     sigma_.resize(static_cast<size_t>(n));
-    layernorm::normalize(g.value(in()), n, d, eps_, g.value_out(this->output), sigma_.data());
+    if (!affine()) {
+      layernorm::normalize(g.value(in()), n, d, eps_, g.value_out(this->output), sigma_.data());
+      return;
+    }
+    normalized_.resize(static_cast<size_t>(n * d));
+    layernorm::normalize(g.value(in()), n, d, eps_, normalized_.data(), sigma_.data());
+    MapM<T> y(g.value_out(this->output), n, d);
+    y = MapC<T>(normalized_.data(), n, d) * gamma(g).asDiagonal();
+    y.rowwise() += MapC<T>(g.weight(beta_param()), 1, d).row(0);
+    require_finite(y.data(), n * d, "block: a LayerNorm's output gamma * n + beta");
   }
 
   void vjp(Graph<T>& g) const override {
-    if (!g.varies(in())) return;
     const index_t n = g.tokens(), d = width(g);
-    const T *y = g.value(this->output), *gy = g.cotangent(this->output);
-    const Slot<T> slot = g.cotangent_slot(in());
-    blockhess::detail::parallel_for(n, 4 * d, [&](index_t t) {
-      if (!slot.add) return layernorm::vjp_row(y + t * d, sigma_[t], gy + t * d, d, slot.data + t * d);
-      Buffer<T> u(static_cast<size_t>(d));
-      layernorm::vjp_row(y + t * d, sigma_[t], gy + t * d, d, u.data());
-      for (index_t a = 0; a < d; ++a) slot.data[t * d + a] += u[a];
-    });
+    const T* gy = g.cotangent(this->output);
+    if (g.varies(in())) {
+      const Slot<T> slot = g.cotangent_slot(in());
+      blockhess::detail::parallel_for(n, 4 * d, [&](index_t t) {
+        Buffer<T> row(static_cast<size_t>(2 * d));
+        const T* g_t = scaled_cotangent(g, gy + t * d, row.data() + d);
+        T* u = slot.add ? row.data() : slot.data + t * d;
+        layernorm::vjp_row(n_t(g, t), sigma_[t], g_t, d, u);
+        if (slot.add)
+          for (index_t a = 0; a < d; ++a) slot.data[t * d + a] += u[a];
+      });
+    }
+    if (!affine()) return;
+    const MapC<T> G(gy, n, d), N(normalized_.data(), n, d);
+    if (T* grad = g.gradient_out(gamma_param())) MapM<T>(grad, 1, d) = G.cwiseProduct(N).colwise().sum();
+    if (T* grad = g.gradient_out(beta_param())) MapM<T>(grad, 1, d) = G.colwise().sum();
   }
 
   void push(Graph<T>& g) const override {
-    g.set_factors(this->output, left_multiply(g.factors(in()), g.tokens(), width(g), [&](index_t t) { return jacobian(g, t); }));
+    const index_t n = g.tokens(), d = width(g);
+    g.set_factors(this->output, left_multiply(g.factors(in()), n, d, [&](index_t t) { return jacobian(g, t, true); }));
+    if (!affine()) return;
+    auto ones = std::make_shared<const Buffer<T>>(n, T(1));
+    if (g.selected(gamma_param())) {
+      const Factor<T> entered = entering<T>(kron::Split{1, d, true}, ones, d);
+      g.set_factor(this->output, gamma_param(), moved(entered, Form::diagonal, d, Buffer<T>(normalized_)));
+    }
+    if (g.selected(beta_param())) g.set_factor(this->output, beta_param(), entering<T>(kron::Split{1, d, true}, ones, d));
   }
 
-  // The site at its input: Omega_t = sum_a g_a d2 y_a / du_t^2 (the row's second derivative
-  // contracted with its output's cotangent).
   void curvature(const Graph<T>& g, Terms<T>& terms) const override {
     if (!g.varies(in())) return;
     const index_t n = g.tokens(), d = width(g);
+    const T* gy = g.cotangent(this->output);
     auto omega = std::make_shared<Buffer<T>>(static_cast<size_t>(n * d * d));
-    const T *y = g.value(this->output), *gy = g.cotangent(this->output);
+    const T* gam = affine() ? g.weight(gamma_param()) : nullptr;
     blockhess::detail::parallel_for(n, d * d, [&](index_t t) {
-      layernorm::hessian_contract_row(y + t * d, sigma_[t], static_cast<const T*>(nullptr), gy + t * d, d,
-                                      omega->data() + t * d * d);
+      layernorm::hessian_contract_row(n_t(g, t), sigma_[t], gam, gy + t * d, d, omega->data() + t * d * d);
     });
     terms.sites.push_back(Site<T>{in(), std::move(omega)});
-  }
-
-  bool pulls_sites() const override { return true; }
-  void pull_site(const Graph<T>& g, index_t t, const T* omega_out, T* omega_in) const override {
-    const index_t d = width(g);
-    const Mat<T> J = jacobian(g, t);
-    MapM<T>(omega_in, d, d).noalias() = J.transpose() * MapC<T>(omega_out, d, d) * J;
-  }
-
-  void jvp(const Graph<T>& g, Tangent<T>& tg) const override {
-    const T* du = tg.in(in());
-    if (!du) return;
-    const index_t n = g.tokens(), d = width(g);
-    const T* y = g.value(this->output);
-    T* dy = tg.out(this->output, n * d);
-    for (index_t t = 0; t < n; ++t) layernorm::vjp_row(y + t * d, sigma_[t], du + t * d, d, dy + t * d);
-  }
-
-  // d(J^T g) = J^T dg + (curved) dJ^T g, the second with layernorm::vjp_tangent_row in O(d) a row.
-  void vjp_tangent(const Graph<T>& g, Tangent<T>& tg, bool curved) const override {
-    if (!tg.in(in())) return;
-    const index_t n = g.tokens(), d = width(g);
-    const T *y = g.value(this->output), *gy = g.cotangent(this->output), *dgy = tg.dcot[this->output].data();
-    const T *du = tg.in(in()), *dy = tg.in(this->output);
-    Buffer<T>& rows = tg.scratch(this->index, 0, 3 * d);
-    const Slot<T> slot = tg.dcot_slot(in(), n * d);
-    T *u = rows.data(), *term = rows.data() + d, *du_t = rows.data() + 2 * d;
-    for (index_t t = 0; t < n; ++t) {
-      layernorm::vjp_row(y + t * d, sigma_[t], dgy + t * d, d, term);
-      if (curved) {
-        layernorm::vjp_row(y + t * d, sigma_[t], gy + t * d, d, u);  // this node's own J^T g
-        layernorm::vjp_tangent_row(y + t * d, sigma_[t], gy + t * d, u, du + t * d, dy + t * d, d, du_t);
-        for (index_t a = 0; a < d; ++a) term[a] += du_t[a];
-      }
-      T* o = slot.data + t * d;
-      for (index_t a = 0; a < d; ++a) o[a] = slot.add ? o[a] + term[a] : term[a];
+    if (!affine() || !g.selected(gamma_param())) return;
+    // <g, dn dgamma>: sum_t sum_a g_ta (J0_t du_t)_a dgamma_a, with gamma's vec [1].
+    const T* ones = terms.kept(Buffer<T>(n, T(1)));
+    for (int p = 0; p < g.num_params(); ++p) {
+      const Factor<T>& f = g.factor(in(), p);
+      if (!f.present) continue;
+      terms.kron.push_back(KronTerm<T>{p, gamma_param(), f.split, kron::Split{1, d, true}, f.vec->data(), ones,
+                                       [this, &g, f, gy, d](index_t t, T* out) {
+                                         Mat<T> U;
+                                         f.materialise(t, U);
+                                         const Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, 1>> g_t(gy + t * d, d);
+                                         MapM<T>(out, f.n_mat(), d).noalias() =
+                                             (g_t.asDiagonal() * (jacobian(g, t, false) * U)).transpose();
+                                       },
+                                       false});
     }
   }
 
-  const Buffer<T>& sigma() const { return sigma_; }
+  bool pulls_sites() const override { return !affine(); }
+  void pull_site(const Graph<T>& g, index_t t, const T* omega_out, T* omega_in) const override {
+    const index_t d = width(g);
+    const Mat<T> J = jacobian(g, t, true);
+    MapM<T>(omega_in, d, d).noalias() = J.transpose() * MapC<T>(omega_out, d, d) * J;
+  }
+
+  // dy = gamma * J0 du + n * dgamma + dbeta.
+  void jvp(const Graph<T>& g, Tangent<T>& tg) const override {
+    const T* du = tg.in(in());
+    const T *dgamma = affine() ? tg.dW[gamma_param()] : nullptr, *dbeta = affine() ? tg.dW[beta_param()] : nullptr;
+    if (!du && !dgamma && !dbeta) return;
+    const index_t n = g.tokens(), d = width(g);
+    T* dy = tg.out(this->output, n * d);
+    T* dn = affine() && du ? tg.scratch(this->index, kNormalizedTangent, n * d).data() : dy;
+    for (index_t t = 0; t < n; ++t) {
+      T* row = dy + t * d;
+      if (du) layernorm::vjp_row(n_t(g, t), sigma_[t], du + t * d, d, dn + t * d);  // J0 is symmetric
+      if (!affine()) continue;
+      const T* gam = g.weight(gamma_param());
+      const T* nt = n_t(g, t);
+      for (index_t a = 0; a < d; ++a)
+        row[a] = (du ? gam[a] * dn[t * d + a] : T(0)) + (dgamma ? nt[a] * dgamma[a] : T(0)) + (dbeta ? dbeta[a] : T(0));
+    }
+  }
+
+  // With g^ = gamma * g the cotangent of n: d(J0^T g^) = J0^T dg^ + (curved) dJ0^T g^ (in O(d) a row,
+  // layernorm::vjp_tangent_row), dg^ = gamma * dg + (curved) dgamma * g; the gradients of gamma
+  // and beta, sum_t n_t * g_t and sum_t g_t, by the product rule.
+  void vjp_tangent(const Graph<T>& g, Tangent<T>& tg, bool curved) const override {
+    const index_t n = g.tokens(), d = width(g);
+    const T *gy = g.cotangent(this->output), *dgy = tg.dcot[this->output].data();
+    const T *du = tg.in(in()), *dgamma = affine() ? tg.dW[gamma_param()] : nullptr;
+    const T* dn = !du ? nullptr : affine() ? tg.scratch(this->index, kNormalizedTangent, n * d).data() : tg.in(this->output);
+    if (du) {
+      Buffer<T>& rows = tg.scratch(this->index, kRows, 5 * d);
+      T *g_hat = rows.data(), *dg_hat = rows.data() + d, *u = rows.data() + 2 * d, *term = rows.data() + 3 * d,
+        *du_t = rows.data() + 4 * d;
+      const Slot<T> slot = tg.dcot_slot(in(), n * d);
+      for (index_t t = 0; t < n; ++t) {
+        const T* gh = scaled_cotangent(g, gy + t * d, g_hat);
+        const T* dgh = scaled_cotangent(g, dgy + t * d, dg_hat);
+        if (curved && dgamma) {
+          if (dgh != dg_hat) std::copy_n(dgh, d, dg_hat), dgh = dg_hat;
+          for (index_t a = 0; a < d; ++a) dg_hat[a] += dgamma[a] * gy[t * d + a];
+        }
+        layernorm::vjp_row(n_t(g, t), sigma_[t], dgh, d, term);
+        if (curved) {
+          layernorm::vjp_row(n_t(g, t), sigma_[t], gh, d, u);  // this node's own J0^T g^
+          layernorm::vjp_tangent_row(n_t(g, t), sigma_[t], gh, u, du + t * d, dn + t * d, d, du_t);
+          for (index_t a = 0; a < d; ++a) term[a] += du_t[a];
+        }
+        T* o = slot.data + t * d;
+        for (index_t a = 0; a < d; ++a) o[a] = slot.add ? o[a] + term[a] : term[a];
+      }
+    }
+    if (!affine()) return;
+    const MapC<T> G(gy, n, d), dG(dgy, n, d), N(normalized_.data(), n, d);
+    if (T* out = tg.dgrad[gamma_param()]) {
+      MapM<T> o(out, 1, d);
+      o = dG.cwiseProduct(N).colwise().sum();
+      if (curved && dn) o += G.cwiseProduct(MapC<T>(dn, n, d)).colwise().sum();
+    }
+    if (T* out = tg.dgrad[beta_param()]) MapM<T>(out, 1, d) = dG.colwise().sum();
+  }
 
  private:
+  enum : int { kNormalizedTangent, kRows };
+
+  bool affine() const { return this->params.size() == 2; }
   int in() const { return this->inputs[0]; }
+  int gamma_param() const { return this->params[0]; }
+  int beta_param() const { return this->params[1]; }
   index_t width(const Graph<T>& g) const { return g.width(this->output); }
-  Mat<T> jacobian(const Graph<T>& g, index_t t) const {
+  auto gamma(const Graph<T>& g) const {
+    return Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, 1>>(g.weight(gamma_param()), width(g));
+  }
+  // The normalized row n_t (the output itself without affine parameters).
+  const T* n_t(const Graph<T>& g, index_t t) const {
+    return (affine() ? normalized_.data() : g.value(this->output)) + t * width(g);
+  }
+  // gamma * g_t (written into scratch), or g_t itself without affine parameters.
+  const T* scaled_cotangent(const Graph<T>& g, const T* g_t, T* scratch) const {
+    if (!affine()) return g_t;
+    const T* gam = g.weight(gamma_param());
+    for (index_t a = 0, d = width(g); a < d; ++a) scratch[a] = gam[a] * g_t[a];
+    return scratch;
+  }
+  // J_t = diag(gamma) J0_t (with_gamma), or J0_t.
+  Mat<T> jacobian(const Graph<T>& g, index_t t, bool with_gamma) const {
     const index_t d = width(g);
     Mat<T> J(d, d);
-    layernorm::jacobian_row(g.value(this->output) + t * d, sigma_[t], static_cast<const T*>(nullptr), d, J.data());
+    const T* gam = with_gamma && affine() ? g.weight(gamma_param()) : nullptr;
+    layernorm::jacobian_row(n_t(g, t), sigma_[t], gam, d, J.data());
     return J;
   }
 
   T eps_;
   Buffer<T> sigma_;
+  Buffer<T> normalized_;  // n (only with affine parameters; otherwise the output is n)
 };
 
 }  // namespace blockhess::engine

@@ -1,9 +1,11 @@
-// A linear map of every token by one weight: out = in W, W of shape (w_in, w_out).
+// A linear map of every token by one weight, with an optional bias: out = in W (+ b), W of shape
+// (w_in, w_out), b a (1, w_out) parameter when the node owns two.
 //
-// Derivatives (docs/derivation.md §4.2): d out_t = d in_t W + in_t dW. The weight enters with the
-// factor vec_t = in_t (on W's rows), U_t = I; a factor at the input moves to W^T U_t. Its one
-// piece of curvature is bilinear, <g, d in dW> (the input and the weight both vary): for a
-// parameter i reaching the input, Gamma_t = U_i,t^T with g_t on W's columns.
+// Derivatives (docs/derivation.md §4.2): d out_t = d in_t W + in_t dW + db. The weight enters with
+// the factor vec_t = in_t (on W's rows), U_t = I; the bias with vec_t = [1], U_t = I; a factor at
+// the input moves to W^T U_t. Its one piece of curvature is bilinear, <g, d in dW> (the input and
+// the weight both vary): for a parameter i reaching the input, Gamma_t = U_i,t^T with g_t on W's
+// columns. out is linear in b: the bias has no curvature of its own.
 #pragma once
 
 #include "blockhess/eigen.hpp"
@@ -20,7 +22,9 @@ class LinearNode final : public Node<T> {
 
   void forward(Graph<T>& g) override {
     const index_t n = g.tokens();
-    product(MapM<T>(g.value_out(this->output), n, w_out(g)), MapC<T>(g.value(in()), n, w_in(g)), W(g), T(1), false);
+    MapM<T> out(g.value_out(this->output), n, w_out(g));
+    product(out, MapC<T>(g.value(in()), n, w_in(g)), W(g), T(1), false);
+    if (has_bias()) out.rowwise() += bias(g).row(0);
     require_finite(g.value(this->output), n * w_out(g), stage_);
   }
 
@@ -33,6 +37,8 @@ class LinearNode final : public Node<T> {
     }
     if (T* grad = g.gradient_out(param()))
       product(MapM<T>(grad, w_in(g), w_out(g)), MapC<T>(g.value(in()), n, w_in(g)).transpose(), gout, T(1), false);
+    if (has_bias())
+      if (T* grad = g.gradient_out(bias_param())) MapM<T>(grad, 1, w_out(g)) = gout.colwise().sum();
   }
 
   void push(Graph<T>& g) const override {
@@ -41,6 +47,9 @@ class LinearNode final : public Node<T> {
     g.set_factors(this->output, left_multiply(g.factors(in()), n, w_out(g), [&](index_t) -> const Mat<T>& { return Wt; }));
     if (g.selected(param()))
       g.set_factor(this->output, param(), entering<T>(kron::Split{w_in(g), w_out(g), true}, g.value_buffer(in()), w_out(g)));
+    if (has_bias() && g.selected(bias_param()))
+      g.set_factor(this->output, bias_param(),
+                   entering<T>(kron::Split{1, w_out(g), true}, std::make_shared<const Buffer<T>>(n, T(1)), w_out(g)));
   }
 
   void curvature(const Graph<T>& g, Terms<T>& terms) const override {
@@ -67,11 +76,14 @@ class LinearNode final : public Node<T> {
   void jvp(const Graph<T>& g, Tangent<T>& tg) const override {
     const T* din = tg.in(in());
     const T* dW = tg.dW[static_cast<size_t>(param())];
-    if (!din && !dW) return;
+    const T* db = has_bias() ? tg.dW[static_cast<size_t>(bias_param())] : nullptr;
+    if (!din && !dW && !db) return;
     const index_t n = g.tokens();
     MapM<T> dout(tg.out(this->output, n * w_out(g)), n, w_out(g));
     if (din) product(dout, MapC<T>(din, n, w_in(g)), W(g), T(1), false);
     if (dW) product(dout, MapC<T>(g.value(in()), n, w_in(g)), MapC<T>(dW, w_in(g), w_out(g)), T(1), din != nullptr);
+    if (!din && !dW) dout.setZero();
+    if (db) dout.rowwise() += MapC<T>(db, 1, w_out(g)).row(0);
   }
 
   // d(g W^T) = dg W^T + (curved) g dW^T;  d(in^T g) = in^T dg + (curved) d in^T g.
@@ -91,11 +103,16 @@ class LinearNode final : public Node<T> {
       product(o, MapC<T>(g.value(in()), n, w_in(g)).transpose(), dgout, T(1), false);
       if (curved && din) product(o, MapC<T>(din, n, w_in(g)).transpose(), gout, T(1), true);
     }
+    if (has_bias())
+      if (T* out = tg.dgrad[static_cast<size_t>(bias_param())]) MapM<T>(out, 1, w_out(g)) = dgout.colwise().sum();
   }
 
  private:
   int in() const { return this->inputs[0]; }
   int param() const { return this->params[0]; }
+  bool has_bias() const { return this->params.size() > 1; }
+  int bias_param() const { return this->params[1]; }
+  MapC<T> bias(const Graph<T>& g) const { return MapC<T>(g.weight(bias_param()), 1, w_out(g)); }
   index_t w_in(const Graph<T>& g) const { return g.width(in()); }
   index_t w_out(const Graph<T>& g) const { return g.width(this->output); }
   MapC<T> W(const Graph<T>& g) const { return MapC<T>(g.weight(param()), w_in(g), w_out(g)); }

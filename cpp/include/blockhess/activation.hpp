@@ -1,0 +1,66 @@
+// Pointwise activations and their first two derivatives, entry by entry.
+//   relu       max(x, 0)                          relu'(0) = 0 (torch's choice), relu'' = 0
+//   gelu       x Phi(x) (the erf form)            Phi the standard normal CDF, phi its density:
+//                                                 gelu' = Phi + x phi, gelu'' = phi (2 - x^2)
+//   gelu_tanh  x (1 + tanh u) / 2, u = c (x + 0.044715 x^3), c = sqrt(2/pi) (GPT-2's)
+//   silu       x sigma(x)                         silu' = s (1 + x (1 - s)), silu'' = s (1 - s) (2 + x (1 - 2 s))
+#pragma once
+
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "blockhess/config.hpp"
+
+namespace blockhess::activation {
+
+enum class Kind : int { relu = 0, gelu = 1, gelu_tanh = 2, silu = 3 };
+
+inline Kind parse(const std::string& name) {
+  if (name == "relu") return Kind::relu;
+  if (name == "gelu") return Kind::gelu;
+  if (name == "gelu_tanh") return Kind::gelu_tanh;
+  if (name == "silu") return Kind::silu;
+  throw std::invalid_argument("activation: unknown '" + name + "' (relu, gelu, gelu_tanh or silu)");
+}
+
+// Whether phi'' is zero almost everywhere (no curvature site).
+inline bool is_piecewise_linear(Kind k) { return k == Kind::relu; }
+
+// phi(x), phi'(x) and phi''(x) at once.
+template <class T>
+BLOCKHESS_HD void evaluate(Kind kind, T x, T* value, T* first, T* second) {
+  switch (kind) {
+    case Kind::relu:
+      *value = x > T(0) ? x : T(0);
+      *first = x > T(0) ? T(1) : T(0);
+      *second = T(0);
+      return;
+    case Kind::gelu: {
+      const T density = std::exp(-x * x / T(2)) / std::sqrt(T(2) * T(3.14159265358979323846));
+      const T cdf = (T(1) + std::erf(x / std::sqrt(T(2)))) / T(2);
+      *value = x * cdf;
+      *first = cdf + x * density;
+      *second = density * (T(2) - x * x);
+      return;
+    }
+    case Kind::gelu_tanh: {
+      const T c = std::sqrt(T(2) / T(3.14159265358979323846)), k = T(0.044715);
+      const T u = c * (x + k * x * x * x), du = c * (T(1) + T(3) * k * x * x), ddu = c * T(6) * k * x;
+      const T t = std::tanh(u), s = T(1) - t * t;
+      *value = x * (T(1) + t) / T(2);
+      *first = (T(1) + t) / T(2) + x * s * du / T(2);
+      *second = s * du + x * s * (ddu - T(2) * t * du * du) / T(2);
+      return;
+    }
+    case Kind::silu: {
+      const T s = T(1) / (T(1) + std::exp(-x));
+      *value = x * s;
+      *first = s * (T(1) + x * (T(1) - s));
+      *second = s * (T(1) - s) * (T(2) + x * (T(1) - T(2) * s));
+      return;
+    }
+  }
+}
+
+}  // namespace blockhess::activation

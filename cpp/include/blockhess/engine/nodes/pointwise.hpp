@@ -1,0 +1,90 @@
+// A pointwise activation, entry by entry: out = phi(in) (activation.hpp: relu, gelu, gelu_tanh,
+// silu). Its Jacobian is diag(phi'(in_t)) per token; a smooth phi adds the site
+// Omega_t = diag(g_t * phi''(in_t)) at its input (relu has phi'' = 0 almost everywhere: none).
+#pragma once
+
+#include "blockhess/activation.hpp"
+#include "blockhess/engine/graph.hpp"
+#include "blockhess/finite.hpp"
+
+namespace blockhess::engine {
+
+template <class T>
+class PointwiseNode final : public Node<T> {
+ public:
+  explicit PointwiseNode(activation::Kind kind) : kind_(kind) {}
+
+  void forward(Graph<T>& g) override {
+    const index_t size = g.tokens() * g.width(this->output);
+    const T* x = g.value(in());
+    T* y = g.value_out(this->output);
+    first_.resize(static_cast<size_t>(size)), second_.resize(static_cast<size_t>(size));
+    for (index_t k = 0; k < size; ++k) activation::evaluate(kind_, x[k], &y[k], &first_[k], &second_[k]);
+    require_finite(y, size, "block: the activation of the FFN's hidden units");
+  }
+
+  void vjp(Graph<T>& g) const override {
+    if (!g.varies(in())) return;
+    scaled(first_.data(), g.cotangent(this->output), g.cotangent_slot(in()), g.tokens() * g.width(in()));
+  }
+
+  void push(Graph<T>& g) const override {
+    for (int p = 0; p < g.num_params(); ++p) {
+      const Factor<T>& f = g.factor(in(), p);
+      if (f.present) g.set_factor(this->output, p, scale_rows(f, g.tokens(), first_.data()));
+    }
+  }
+
+  void curvature(const Graph<T>& g, Terms<T>& terms) const override {
+    if (activation::is_piecewise_linear(kind_) || !g.varies(in())) return;
+    const index_t size = g.tokens() * g.width(in());
+    auto omega = std::make_shared<Buffer<T>>(static_cast<size_t>(size));
+    const T* gout = g.cotangent(this->output);
+    for (index_t k = 0; k < size; ++k) (*omega)[k] = gout[k] * second_[k];
+    terms.sites.push_back(Site<T>{in(), std::move(omega), /*diagonal=*/true});
+  }
+
+  bool pulls_sites() const override { return true; }
+  void pull_site(const Graph<T>& g, index_t t, const T* omega_out, T* omega_in) const override {
+    const index_t w = g.width(in());
+    const T* m = first_.data() + t * w;
+    for (index_t a = 0; a < w; ++a)
+      for (index_t b = 0; b < w; ++b) omega_in[a * w + b] = m[a] * omega_out[a * w + b] * m[b];
+  }
+
+  void jvp(const Graph<T>& g, Tangent<T>& tg) const override {
+    const T* din = tg.in(in());
+    if (!din) return;
+    const index_t size = g.tokens() * g.width(in());
+    scaled(first_.data(), din, Slot<T>{tg.out(this->output, size), false}, size);
+  }
+
+  // d(phi' g) = phi' dg + (curved) phi'' g d in.
+  void vjp_tangent(const Graph<T>& g, Tangent<T>& tg, bool curved) const override {
+    const T* din = tg.in(in());
+    if (!din) return;
+    const index_t size = g.tokens() * g.width(in());
+    const T *dgout = tg.dcot[this->output].data(), *gout = g.cotangent(this->output);
+    const Slot<T> slot = tg.dcot_slot(in(), size);
+    const bool smooth = curved && !activation::is_piecewise_linear(kind_);
+    for (index_t k = 0; k < size; ++k) {
+      T v = first_[k] * dgout[k];
+      if (smooth) v += second_[k] * gout[k] * din[k];
+      slot.data[k] = slot.add ? slot.data[k] + v : v;
+    }
+  }
+
+ private:
+  int in() const { return this->inputs[0]; }
+  static void scaled(const T* scale, const T* x, const Slot<T>& slot, index_t size) {
+    for (index_t k = 0; k < size; ++k) {
+      const T v = scale[k] * x[k];
+      slot.data[k] = slot.add ? slot.data[k] + v : v;
+    }
+  }
+
+  activation::Kind kind_;
+  Buffer<T> first_, second_;  // phi'(in), phi''(in)
+};
+
+}  // namespace blockhess::engine
