@@ -50,6 +50,10 @@ def _torch_chain(kinds, X, params, eps):
             cur = cur + before
         elif kind == "attention":
             cur, k = ref.attention(cur, params[k], params[k + 1], params[k + 2]), k + 3
+        elif kind == "attention_bias":
+            WQ, bQ, WK, bK, WV, bV = params[k:k + 6]
+            T = (X @ WQ + bQ[0]) @ (X @ WK + bK[0]).transpose(-1, -2) / np.sqrt(WQ.shape[1])
+            cur, k = torch.softmax(T, dim=-1) @ (X @ WV + bV[0]), k + 6
         elif kind == "attention_causal":
             cur, k = _causal_attention(cur, params[k], params[k + 1], params[k + 2]), k + 3
         before = start
@@ -74,6 +78,9 @@ CHAINS = {
     "linear-silu-residual-linear": (["linear", "silu", "residual", "linear"], [(5, 5), (5, 3)]),
     "linear-layernorm_affine-linear": (["linear", "layernorm_affine", "linear"], [(5, 4), (1, 4), (1, 4), (4, 3)]),
     "linear_bias-layernorm_affine": (["linear_bias", "layernorm_affine"], [(5, 4), (1, 4), (1, 4), (1, 4)]),
+    "attention_bias-linear": (["attention_bias", "linear"], [(5, 3), (1, 3), (5, 3), (1, 3), (5, 4), (1, 4), (4, 3)]),
+    "attention_bias-residual-layernorm_affine": (["attention_bias", "residual", "layernorm_affine"],
+                                                 [(5, 3), (1, 3), (5, 3), (1, 3), (5, 5), (1, 5), (1, 5), (1, 5)]),
     "attention_causal-layernorm_affine-linear_bias": (["attention_causal", "layernorm_affine", "linear_bias"],
                                                       [(5, 3), (5, 3), (5, 5), (1, 5), (1, 5), (5, 2), (1, 2)]),
 }

@@ -7,6 +7,10 @@
 //   W_V: vec (A X)_t (rows),  U_t = I
 // with Jsm_t = diag(a_t) - a_t a_t^T. Its curvature: the softmax site at T (the logits row T_t
 // moves by s K dW_Q^T x_t and by X dW_K s q_t), the bilinear <gF, dA dV> and <gT, s dQ dK^T>.
+// With biases (Q = X W_Q + b_Q, ...): b_Q enters like W_Q with vec [1]; b_V like W_V with vec [1]
+// (the rows of A sum to 1); b_K moves every logit of a row by the same q_t . db_K, which softmax
+// ignores: its gradient and curvature are exactly 0. The terms with b_V vanish too (Jsm_t 1 = 0),
+// and <gT, dQ dK^T> with b_K (the rows of gT sum to 0).
 // Causal: T[t, s] = -inf for keys s after the query t. Then a_t[s] = 0 there, and so is every
 // derivative (Jsm_t has zero rows and columns at masked keys): only the forward pass changes.
 #pragma once
@@ -42,6 +46,11 @@ class AttentionNode final : public Node<T> {
     product(MapM<T>(Q_.data(), n, dk_), X, W(g, wq()), T(1), false);
     product(MapM<T>(K_.data(), n, dk_), X, W(g, wk()), T(1), false);
     product(MapM<T>(V_.data(), n, dv_), X, W(g, wv()), T(1), false);
+    if (biased()) {
+      MapM<T>(Q_.data(), n, dk_).rowwise() += MapC<T>(g.weight(bq()), 1, dk_).row(0);
+      MapM<T>(K_.data(), n, dk_).rowwise() += MapC<T>(g.weight(bk()), 1, dk_).row(0);
+      MapM<T>(V_.data(), n, dv_).rowwise() += MapC<T>(g.weight(bv()), 1, dv_).row(0);
+    }
     require_finite(Q_.data(), n * dk_, "block: the queries X W_Q");
     require_finite(K_.data(), n * dk_, "block: the keys X W_K");
     require_finite(V_.data(), n * dv_, "block: the values X W_V");
@@ -78,13 +87,25 @@ class AttentionNode final : public Node<T> {
       if (gK) MapM<T>(gK, d, dk_).noalias() += s_ * X.transpose() * (gT.transpose() * sample(Q_, b, dk_, L));
       if (gV) MapM<T>(gV, d, dv_).noalias() += X.transpose() * (A.transpose() * MapC<T>(gF + b * L * dv_, L, dv_));
     }
+    if (!biased()) return;
+    T *gbQ = g.gradient_out(bq()), *gbK = g.gradient_out(bk()), *gbV = g.gradient_out(bv());
+    if (gbQ) MapM<T>(gbQ, 1, dk_).setZero();
+    if (gbK) MapM<T>(gbK, 1, dk_).setZero();
+    if (gbV) MapM<T>(gbV, 1, dv_).setZero();
+    for (index_t b = 0; b < B; ++b) {
+      const MapC<T> gT(gT_.data() + b * L * L, L, L), A(A_.data() + b * L * L, L, L);
+      if (gbQ) MapM<T>(gbQ, 1, dk_) += s_ * (gT * sample(K_, b, dk_, L)).colwise().sum();
+      if (gbK) MapM<T>(gbK, 1, dk_) += s_ * (gT.transpose() * sample(Q_, b, dk_, L)).colwise().sum();
+      if (gbV) MapM<T>(gbV, 1, dv_) += (A.transpose() * MapC<T>(gF + b * L * dv_, L, dv_)).colwise().sum();
+    }
   }
 
   void push(Graph<T>& g) const override {
     const index_t B = g.samples(), L = g.tokens_per_sample(), n = g.tokens(), d = g.width(x());
     const T* F = g.value(this->output);
-    if (g.selected(wq()) || g.selected(wk())) {
-      Buffer<T> Mq(g.selected(wq()) ? n * dv_ * dk_ : 0), Mk(g.selected(wk()) ? n * dv_ * d : 0);
+    const bool query_side = g.selected(wq()) || (biased() && g.selected(bq()));
+    if (query_side || g.selected(wk())) {
+      Buffer<T> Mq(query_side ? n * dv_ * dk_ : 0), Mk(g.selected(wk()) ? n * dv_ * d : 0);
       blockhess::detail::parallel_for(n, L * dv_ * (d + dk_), [&](index_t t) {
         const index_t b = t / L;
         const Vec a(A_.data() + t * L, L);
@@ -102,9 +123,16 @@ class AttentionNode final : public Node<T> {
           MapM<T>(Mk.data() + t * dv_ * d, dv_, d).noalias() = Va.transpose() * sample_x(g, b) - Ft.transpose() * Xbar;
         }
       });
-      if (g.selected(wq())) {
-        Factor<T> f = entering<T>(kron::Split{d, dk_, true}, g.value_buffer(x()), dk_);
-        g.set_factor(this->output, wq(), moved(f, Form::dense, dv_, std::move(Mq)));
+      if (query_side) {
+        const Factor<T> at_Q = moved(entering<T>(kron::Split{d, dk_, true}, g.value_buffer(x()), dk_), Form::dense, dv_,
+                                     std::move(Mq));
+        if (g.selected(wq())) g.set_factor(this->output, wq(), at_Q);
+        if (biased() && g.selected(bq())) {
+          Factor<T> bias = at_Q;  // the same U_t = Mq_t, with vec [1]
+          bias.split = kron::Split{1, dk_, true};
+          bias.vec = std::make_shared<const Buffer<T>>(n, T(1));
+          g.set_factor(this->output, bq(), std::move(bias));
+        }
       }
       if (g.selected(wk())) {
         Buffer<T> sq(n * dk_);
@@ -119,15 +147,18 @@ class AttentionNode final : public Node<T> {
         product(MapM<T>(AX.data() + b * L * d, L, d), MapC<T>(A_.data() + b * L * L, L, L), sample_x(g, b), T(1), false);
       g.set_factor(this->output, wv(), entering<T>(kron::Split{d, dv_, true}, std::make_shared<const Buffer<T>>(std::move(AX)), dv_));
     }
+    if (biased() && g.selected(bv()))
+      g.set_factor(this->output, bv(), entering<T>(kron::Split{1, dv_, true}, std::make_shared<const Buffer<T>>(n, T(1)), dv_));
   }
 
   void curvature(const Graph<T>& g, Terms<T>& terms) const override {
     const index_t L = g.tokens_per_sample(), d = g.width(x());
-    const int logit_params[2] = {wq(), wk()};
-    // The logits row T_t moves by U_t^T-side matrices that are per sample: s K (W_Q) and X (W_K).
+    std::vector<int> logit_params{wq(), wk()};
+    if (biased()) logit_params.insert(logit_params.begin() + 1, bq());
+    // The logits row T_t moves by U_t^T-side matrices that are per sample: s K (W_Q, b_Q), X (W_K).
     auto logit_matrix = [this, &g, L](int p, index_t b) -> Mat<T> {
-      if (p == wq()) return s_ * sample(K_, b, dk_, L);
-      return sample_x(g, b);
+      if (p == wk()) return sample_x(g, b);
+      return s_ * sample(K_, b, dk_, L);
     };
     // <gA, softmax''[dT, dT]>: the softmax site at T, with the logits' own factors.
     for (int i : logit_params)
@@ -162,29 +193,39 @@ class AttentionNode final : public Node<T> {
                                          },
                                          false});
       }
-    // <gT, s dQ dK^T>: sum_t (x_t dW_Q) . s (gT X)_t dW_K, diagonal in the key column.
-    if (g.selected(wq()) && g.selected(wk())) {
+    // <gT, s dQ dK^T>: sum_t (x_t dW_Q + db_Q) . s (gT X)_t dW_K, diagonal in the key column.
+    const bool with_bias_q = biased() && g.selected(bq());
+    if ((g.selected(wq()) || with_bias_q) && g.selected(wk())) {
       const index_t B = g.samples(), n = g.tokens();
       Buffer<T> gTX(n * d);
       for (index_t b = 0; b < B; ++b)
         product(MapM<T>(gTX.data() + b * L * d, L, d), MapC<T>(gT_.data() + b * L * L, L, L), sample_x(g, b), s_, false);
+      const T* gtx = terms.kept(std::move(gTX));
       const kron::Split by_rows{d, dk_, true};
-      terms.diagonal.push_back(DiagonalTerm<T>{wq(), wk(), by_rows, by_rows, g.value(x()), terms.kept(std::move(gTX)), nullptr});
+      if (g.selected(wq())) terms.diagonal.push_back(DiagonalTerm<T>{wq(), wk(), by_rows, by_rows, g.value(x()), gtx, nullptr});
+      if (with_bias_q)
+        terms.diagonal.push_back(DiagonalTerm<T>{bq(), wk(), kron::Split{1, dk_, true}, by_rows, terms.kept(Buffer<T>(n, T(1))), gtx, nullptr});
     }
   }
 
   void jvp(const Graph<T>& g, Tangent<T>& tg) const override {
     const T *dWQ = tg.dW[wq()], *dWK = tg.dW[wk()], *dWV = tg.dW[wv()];
-    if (!dWQ && !dWK && !dWV) return;
+    const T *dbQ = biased() ? tg.dW[bq()] : nullptr, *dbK = biased() ? tg.dW[bk()] : nullptr;
+    const T* dbV = biased() ? tg.dW[bv()] : nullptr;
+    if (!dWQ && !dWK && !dWV && !dbQ && !dbK && !dbV) return;
     const index_t B = g.samples(), L = g.tokens_per_sample(), n = g.tokens(), d = g.width(x());
     const MapC<T> X(g.value(x()), n, d);
-    auto input_times = [&](int k, const T* dW, index_t cols) -> const Buffer<T>& {
+    // X dW + 1 db, zero where neither is selected.
+    auto input_times = [&](int k, const T* dW, const T* db, index_t cols) -> const Buffer<T>& {
       Buffer<T>& out = tg.scratch(this->index, k, n * cols);
-      if (dW) product(MapM<T>(out.data(), n, cols), X, MapC<T>(dW, d, cols), T(1), false);
-      else std::fill(out.begin(), out.end(), T(0));
+      MapM<T> o(out.data(), n, cols);
+      if (dW) product(o, X, MapC<T>(dW, d, cols), T(1), false);
+      else o.setZero();
+      if (db) o.rowwise() += MapC<T>(db, 1, cols).row(0);
       return out;
     };
-    const Buffer<T>&dQ = input_times(kDQ, dWQ, dk_), &dK = input_times(kDK, dWK, dk_), &dV = input_times(kDV, dWV, dv_);
+    const Buffer<T>&dQ = input_times(kDQ, dWQ, dbQ, dk_), &dK = input_times(kDK, dWK, dbK, dk_);
+    const Buffer<T>& dV = input_times(kDV, dWV, dbV, dv_);
     Buffer<T>& dA = tg.scratch(this->index, kDA, B * L * L);
     MapM<T> dT(tg.scratch(this->index, kRows, L * L).data(), L, L);
     T* dF = tg.out(this->output, n * dv_);
@@ -204,14 +245,16 @@ class AttentionNode final : public Node<T> {
     const index_t B = g.samples(), L = g.tokens_per_sample(), n = g.tokens(), d = g.width(x());
     const T* gF = g.cotangent(this->output);
     const T* dgF = tg.dcot[this->output].data();
-    const T *dWK = tg.dW[wk()], *dWV = tg.dW[wv()], *dWQ = tg.dW[wq()];
+    // Which inputs move: a weight or its bias (the tangents dQ, dK, dV of jvp hold both).
+    const bool moves_q = tg.dW[wq()] || (biased() && tg.dW[bq()]), moves_k = tg.dW[wk()] || (biased() && tg.dW[bk()]);
+    const bool moves_v = tg.dW[wv()] || (biased() && tg.dW[bv()]);
     const Buffer<T>&dQ = tg.scratch(this->index, kDQ, n * dk_), &dK = tg.scratch(this->index, kDK, n * dk_);
     const Buffer<T>&dV = tg.scratch(this->index, kDV, n * dv_), &dA = tg.scratch(this->index, kDA, B * L * L);
     Buffer<T>& dgT = tg.scratch(this->index, kDgT, B * L * L);
     const MapM<T> dgA(tg.scratch(this->index, kRows, L * L).data(), L, L);
     for (index_t b = 0; b < B; ++b) {
       product(dgA, MapC<T>(dgF + b * L * dv_, L, dv_), sample(V_, b, dv_, L).transpose(), T(1), false);
-      if (curved && dWV) product(dgA, MapC<T>(gF + b * L * dv_, L, dv_), sample(dV, b, dv_, L).transpose(), T(1), true);
+      if (curved && moves_v) product(dgA, MapC<T>(gF + b * L * dv_, L, dv_), sample(dV, b, dv_, L).transpose(), T(1), true);
       for (index_t i = 0; i < L; ++i) {
         const index_t row = b * L * L + i * L;
         if (curved) softmax::vjp_tangent_row(A_.data() + row, dA.data() + row, gA_.data() + row, dgA.data() + i * L, L, dgT.data() + row);
@@ -220,29 +263,37 @@ class AttentionNode final : public Node<T> {
     }
     // Each weight's gradient, differentiated by the product rule.
     T *oQ = tg.dgrad[wq()], *oK = tg.dgrad[wk()], *oV = tg.dgrad[wv()];
+    T *obQ = biased() ? tg.dgrad[bq()] : nullptr, *obK = biased() ? tg.dgrad[bk()] : nullptr;
+    T* obV = biased() ? tg.dgrad[bv()] : nullptr;
     if (oQ) MapM<T>(oQ, d, dk_).setZero();
     if (oK) MapM<T>(oK, d, dk_).setZero();
     if (oV) MapM<T>(oV, d, dv_).setZero();
+    if (obQ) MapM<T>(obQ, 1, dk_).setZero();
+    if (obK) MapM<T>(obK, 1, dk_).setZero();
+    if (obV) MapM<T>(obV, 1, dv_).setZero();
     const MapM<T> iq(tg.scratch(this->index, kInnerQ, L * dk_).data(), L, dk_);
     const MapM<T> ik(tg.scratch(this->index, kInnerK, L * dk_).data(), L, dk_);
     const MapM<T> iv(tg.scratch(this->index, kInnerV, L * dv_).data(), L, dv_);
     for (index_t b = 0; b < B; ++b) {
       const MapC<T> X = sample_x(g, b), gT(gT_.data() + b * L * L, L, L), dgTb(dgT.data() + b * L * L, L, L);
       const MapC<T> A(A_.data() + b * L * L, L, L), dAb(dA.data() + b * L * L, L, L);
-      if (oQ) {
+      if (oQ || obQ) {
         product(iq, dgTb, sample(K_, b, dk_, L), T(1), false);
-        if (curved && dWK) product(iq, gT, sample(dK, b, dk_, L), T(1), true);
-        product(MapM<T>(oQ, d, dk_), X.transpose(), iq, s_, true);
+        if (curved && moves_k) product(iq, gT, sample(dK, b, dk_, L), T(1), true);
+        if (oQ) product(MapM<T>(oQ, d, dk_), X.transpose(), iq, s_, true);
+        if (obQ) MapM<T>(obQ, 1, dk_) += s_ * iq.colwise().sum();
       }
-      if (oK) {
+      if (oK || obK) {
         product(ik, dgTb.transpose(), sample(Q_, b, dk_, L), T(1), false);
-        if (curved && dWQ) product(ik, gT.transpose(), sample(dQ, b, dk_, L), T(1), true);
-        product(MapM<T>(oK, d, dk_), X.transpose(), ik, s_, true);
+        if (curved && moves_q) product(ik, gT.transpose(), sample(dQ, b, dk_, L), T(1), true);
+        if (oK) product(MapM<T>(oK, d, dk_), X.transpose(), ik, s_, true);
+        if (obK) MapM<T>(obK, 1, dk_) += s_ * ik.colwise().sum();
       }
-      if (oV) {
+      if (oV || obV) {
         product(iv, A.transpose(), MapC<T>(dgF + b * L * dv_, L, dv_), T(1), false);
         if (curved) product(iv, dAb.transpose(), MapC<T>(gF + b * L * dv_, L, dv_), T(1), true);
-        product(MapM<T>(oV, d, dv_), X.transpose(), iv, T(1), true);
+        if (oV) product(MapM<T>(oV, d, dv_), X.transpose(), iv, T(1), true);
+        if (obV) MapM<T>(obV, 1, dv_) += iv.colwise().sum();
       }
     }
   }
@@ -253,10 +304,15 @@ class AttentionNode final : public Node<T> {
   // Per-product scratch slots in a Tangent.
   enum : int { kDQ, kDK, kDV, kDA, kRows, kDgT, kInnerQ, kInnerK, kInnerV };
 
+  // Parameters in the canonical order: W_Q, W_K, W_V, or W_Q, b_Q, W_K, b_K, W_V, b_V.
+  bool biased() const { return this->params.size() == 6; }
   int x() const { return this->inputs[0]; }
   int wq() const { return this->params[0]; }
-  int wk() const { return this->params[1]; }
-  int wv() const { return this->params[2]; }
+  int bq() const { return this->params[1]; }
+  int wk() const { return this->params[biased() ? 2 : 1]; }
+  int bk() const { return this->params[3]; }
+  int wv() const { return this->params[biased() ? 4 : 2]; }
+  int bv() const { return this->params[5]; }
   MapC<T> W(const Graph<T>& g, int p) const {
     return MapC<T>(g.weight(p), g.parameter(p).rows, g.parameter(p).cols);
   }
