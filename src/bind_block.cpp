@@ -1,10 +1,13 @@
-// Bindings for the Transformer block: forward, Jacobians, output second derivatives, and the loss
-// gradient and Hessian. X is (B, L, d) (B = 1 for the single-sample functions); weights are the
-// five matrices in the order W_Q, W_K, W_V, W_1, W_2.
+// Bindings for the Transformer block family: forward, Jacobians, output second derivatives, and the
+// loss gradient, Hessian and Hessian operator. X is (B, L, d) (B = 1 for the single-sample
+// functions); spec is the block (params.hpp's Spec as a tuple); weights holds one array per
+// parameter, in the registry's canonical order (vectors 1-D).
 #include "binding.hpp"
 
 #include <array>
 #include <cstdint>
+#include <tuple>
+#include <vector>
 
 #include "blockhess/block.hpp"
 #include "blockhess/block_hessian.hpp"
@@ -14,39 +17,70 @@
 namespace blockhess::bind {
 namespace {
 
-template <class T>
-struct Problem {
-  block::Dims dims;
-  index_t B = 0;
-  block::Weights<T> weights;
-};
+// The spec as Python passes it: (pre_ln, rmsnorm, norm_affine, bias, heads, out_proj, activation, causal).
+using SpecTuple = std::tuple<bool, bool, bool, bool, index_t, bool, int, bool>;
+
+block::Spec spec_of(const SpecTuple& t) {
+  block::Spec s;
+  std::tie(s.pre_ln, s.rmsnorm, s.norm_affine, s.bias, s.heads, s.out_proj, std::ignore, s.causal) = t;
+  const int act = std::get<6>(t);
+  if (act < 0 || act > 3) throw std::invalid_argument("block: unknown activation code");
+  s.activation = static_cast<activation::Kind>(act);
+  return s;
+}
 
 template <class T>
-Problem<T> problem(const carray<T>& X, const carray<T>& WQ, const carray<T>& WK, const carray<T>& WV,
-                   const carray<T>& W1, const carray<T>& W2) {
+struct Problem {
+  block::Spec spec;
+  block::Dims dims;
+  index_t B = 0;
+  std::vector<const T*> weights;
+
+  block::Evaluation<T> evaluate(const T* X, T eps) const { return block::forward(spec, dims, B, X, weights, eps); }
+  std::vector<block::ParamShape> shapes() const { return block::parameters(spec, dims); }
+};
+
+// The sizes from X and the weights (d_k from W_Q, d_v from W_V, d_ff from W_1), then every shape
+// checked against the registry.
+template <class T>
+Problem<T> problem(const carray<T>& X, const SpecTuple& spec, const std::vector<carray<T>>& weights) {
   if (X.ndim() != 3) throw std::invalid_argument("block: X must be (B, L, d)");
   Problem<T> p;
+  p.spec = spec_of(spec);
   p.B = X.shape(0);
   p.dims.L = X.shape(1);
   p.dims.d = X.shape(2);
-  if (WQ.ndim() != 2 || W1.ndim() != 2) throw std::invalid_argument("block: weights must be 2-D");
-  p.dims.dk = WQ.shape(1);
-  p.dims.dff = W1.shape(1);
-  p.dims.check();
-  const std::array<const carray<T>*, block::kNumParams> w{&WQ, &WK, &WV, &W1, &W2};
-  for (int k = 0; k < block::kNumParams; ++k) {
-    require_shape(*w[k], {p.dims.rows(k), p.dims.cols(k)}, "weight");
-    p.weights.w[k] = w[k]->data();
+  const auto names = block::parameters(p.spec, block::Dims{1, 1, 1, 1, 1});
+  if (weights.size() != names.size())
+    throw std::invalid_argument("block: " + std::to_string(names.size()) + " parameters expected, got " +
+                                std::to_string(weights.size()));
+  auto cols_of = [&](const char* name) {
+    for (size_t k = 0; k < names.size(); ++k)
+      if (names[k].name == name) {
+        if (weights[k].ndim() != 2) throw std::invalid_argument(std::string("block: ") + name + " must be 2-D");
+        return static_cast<index_t>(weights[k].shape(1));
+      }
+    throw std::logic_error("block: no parameter named " + std::string(name));
+  };
+  if (p.spec.heads < 1) throw std::invalid_argument("block: heads must be >= 1");
+  p.dims.dk = cols_of("W_Q") / p.spec.heads;
+  p.dims.dv = cols_of("W_V") / p.spec.heads;
+  p.dims.dff = cols_of("W_1");
+  block::check(p.spec, p.dims);
+  const auto shapes = p.shapes();
+  for (size_t k = 0; k < shapes.size(); ++k) {
+    const auto& s = shapes[k];
+    if (s.vector) require_shape(weights[k], {s.cols}, s.name.c_str());
+    else require_shape(weights[k], {s.rows, s.cols}, s.name.c_str());
+    p.weights.push_back(weights[k].data());
   }
   return p;
 }
 
-block::Selection selection(const std::vector<bool>& wrt) {
-  if (wrt.size() != block::kNumParams)
-    throw std::invalid_argument("block: wrt needs one flag per parameter (" + std::to_string(block::kNumParams) + ")");
-  block::Selection s{};
-  for (int k = 0; k < block::kNumParams; ++k) s[k] = wrt[k];
-  return s;
+block::Selection selection(const std::vector<bool>& wrt, size_t count) {
+  if (wrt.size() != count)
+    throw std::invalid_argument("block: wrt needs one flag per parameter (" + std::to_string(count) + ")");
+  return wrt;
 }
 
 template <class T>
@@ -72,89 +106,93 @@ block::Target<T> target(const Problem<T>& p, int kind, const optional_carray<T>&
 template <class T>
 void bind_for(py::module_& m) {
   using A = const carray<T>&;
+  using Weights = const std::vector<carray<T>>&;
   using opt_classes = optional_carray<std::int64_t>;
 
   m.def(
       "block_forward",
-      [](A X, A WQ, A WK, A WV, A W1, A W2, T eps, carray<T>& out) {
-        const auto p = problem(X, WQ, WK, WV, W1, W2);
+      [](A X, const SpecTuple& spec, Weights W, T eps, carray<T>& out) {
+        const auto p = problem(X, spec, W);
         require_shape(out, {p.B, p.dims.L, p.dims.d}, "out");
         T* o = mutable_ptr(out);
         py::gil_scoped_release release;
-        const auto e = block::forward(p.dims, p.B, X.data(), p.weights, eps);
+        const auto e = p.evaluate(X.data(), eps);
         std::copy_n(e.output(), p.B * p.dims.L * p.dims.d, o);
       },
-      py::arg("X").noconvert(), py::arg("W_Q").noconvert(), py::arg("W_K").noconvert(), py::arg("W_V").noconvert(),
-      py::arg("W_1").noconvert(), py::arg("W_2").noconvert(), py::arg("eps"), py::arg("out").noconvert());
+      py::arg("X").noconvert(), py::arg("spec"), py::arg("weights"), py::arg("eps"), py::arg("out").noconvert());
 
   m.def(
       "block_jacobian",
-      [](A X, A WQ, A WK, A WV, A W1, A W2, T eps, int param, carray<T>& out) {
-        const auto p = problem(X, WQ, WK, WV, W1, W2);
+      [](A X, const SpecTuple& spec, Weights W, T eps, int param, carray<T>& out) {
+        const auto p = problem(X, spec, W);
+        const auto shapes = p.shapes();
         if (p.B != 1) throw std::invalid_argument("block_jacobian: one sample only");
-        if (param < 0 || param >= block::kNumParams) throw std::invalid_argument("block_jacobian: bad param");
-        require_shape(out, {p.dims.L * p.dims.d, p.dims.size(param)}, "out");
+        if (param < 0 || param >= static_cast<int>(shapes.size())) throw std::invalid_argument("block_jacobian: bad param");
+        require_shape(out, {p.dims.L * p.dims.d, shapes[param].size()}, "out");
         T* o = mutable_ptr(out);
         py::gil_scoped_release release;
-        auto e = block::forward(p.dims, 1, X.data(), p.weights, eps);
+        auto e = p.evaluate(X.data(), eps);
         block::jacobian(e, param, o);
       },
-      py::arg("X").noconvert(), py::arg("W_Q").noconvert(), py::arg("W_K").noconvert(), py::arg("W_V").noconvert(),
-      py::arg("W_1").noconvert(), py::arg("W_2").noconvert(), py::arg("eps"), py::arg("param"),
+      py::arg("X").noconvert(), py::arg("spec"), py::arg("weights"), py::arg("eps"), py::arg("param"),
       py::arg("out").noconvert());
 
   m.def(
       "block_output_hessian",
-      [](A X, A WQ, A WK, A WV, A W1, A W2, T eps, int i, int j, carray<T>& out) {
-        const auto p = problem(X, WQ, WK, WV, W1, W2);
+      [](A X, const SpecTuple& spec, Weights W, T eps, int i, int j, carray<T>& out) {
+        const auto p = problem(X, spec, W);
+        const auto shapes = p.shapes();
+        const int count = static_cast<int>(shapes.size());
         if (p.B != 1) throw std::invalid_argument("block_output_hessian: one sample only");
-        if (i < 0 || i >= block::kNumParams || j < 0 || j >= block::kNumParams)
-          throw std::invalid_argument("block_output_hessian: bad param");
-        require_shape(out, {p.dims.L * p.dims.d * p.dims.size(i), p.dims.size(j)}, "out");
+        if (i < 0 || i >= count || j < 0 || j >= count) throw std::invalid_argument("block_output_hessian: bad param");
+        require_shape(out, {p.dims.L * p.dims.d * shapes[i].size(), shapes[j].size()}, "out");
         T* o = mutable_ptr(out);
         py::gil_scoped_release release;
-        block::output_hessian(p.dims, X.data(), p.weights, eps, i, j, o);
+        auto e = p.evaluate(X.data(), eps);
+        block::output_hessian(e, i, j, o);
       },
-      py::arg("X").noconvert(), py::arg("W_Q").noconvert(), py::arg("W_K").noconvert(), py::arg("W_V").noconvert(),
-      py::arg("W_1").noconvert(), py::arg("W_2").noconvert(), py::arg("eps"), py::arg("i"), py::arg("j"),
+      py::arg("X").noconvert(), py::arg("spec"), py::arg("weights"), py::arg("eps"), py::arg("i"), py::arg("j"),
       py::arg("out").noconvert());
 
   m.def(
       "loss_gradient",
-      [](A X, A WQ, A WK, A WV, A W1, A W2, T eps, int kind, const optional_carray<T>& values,
+      [](A X, const SpecTuple& spec, Weights W, T eps, int kind, const optional_carray<T>& values,
          const opt_classes& classes, std::optional<carray<T>> out) {
-        const auto p = problem(X, WQ, WK, WV, W1, W2);
+        const auto p = problem(X, spec, W);
         T* o = nullptr;
         if (out) {
-          require_shape(*out, {p.dims.total_size()}, "out");
+          index_t P = 0;
+          for (const auto& s : p.shapes()) P += s.size();
+          require_shape(*out, {P}, "out");
           o = mutable_ptr(*out);
         }
         const auto tgt = target<T>(p, kind, values, classes);
         py::gil_scoped_release release;
-        return block::loss_gradient(p.dims, p.B, X.data(), p.weights, eps, tgt, o);
+        auto e = p.evaluate(X.data(), eps);
+        return block::loss_gradient(e, tgt, o);
       },
-      py::arg("X").noconvert(), py::arg("W_Q").noconvert(), py::arg("W_K").noconvert(), py::arg("W_V").noconvert(),
-      py::arg("W_1").noconvert(), py::arg("W_2").noconvert(), py::arg("eps"), py::arg("kind"),
+      py::arg("X").noconvert(), py::arg("spec"), py::arg("weights"), py::arg("eps"), py::arg("kind"),
       py::arg("values").noconvert().none(true), py::arg("classes").noconvert().none(true),
       py::arg("out").noconvert().none(true));
 
   m.def(
       "loss_hessian",
-      [](A X, A WQ, A WK, A WV, A W1, A W2, T eps, int kind, const optional_carray<T>& values,
+      [](A X, const SpecTuple& spec, Weights W, T eps, int kind, const optional_carray<T>& values,
          const opt_classes& classes, int part, const std::vector<bool>& wrt, carray<T>& out) {
-        const auto p = problem(X, WQ, WK, WV, W1, W2);
-        const auto sel = selection(wrt);
-        std::array<index_t, block::kNumParams> off{};
-        const index_t P = block::offsets(p.dims, sel, off);
+        const auto p = problem(X, spec, W);
+        const auto shapes = p.shapes();
+        const auto sel = selection(wrt, shapes.size());
+        std::vector<index_t> off;
+        const index_t P = block::offsets(shapes, sel, off);
         require_shape(out, {P, P}, "out");
         if (part < 0 || part > 2) throw std::invalid_argument("loss_hessian: bad part");
         T* o = mutable_ptr(out);
         const auto tgt = target<T>(p, kind, values, classes);
         py::gil_scoped_release release;
-        return block::loss_hessian(p.dims, p.B, X.data(), p.weights, eps, tgt, static_cast<block::Part>(part), sel, o);
+        auto e = p.evaluate(X.data(), eps);
+        return block::loss_hessian(e, tgt, static_cast<block::Part>(part), sel, o);
       },
-      py::arg("X").noconvert(), py::arg("W_Q").noconvert(), py::arg("W_K").noconvert(), py::arg("W_V").noconvert(),
-      py::arg("W_1").noconvert(), py::arg("W_2").noconvert(), py::arg("eps"), py::arg("kind"),
+      py::arg("X").noconvert(), py::arg("spec"), py::arg("weights"), py::arg("eps"), py::arg("kind"),
       py::arg("values").noconvert().none(true), py::arg("classes").noconvert().none(true), py::arg("part"),
       py::arg("wrt"), py::arg("out").noconvert());
 
@@ -163,18 +201,16 @@ void bind_for(py::module_& m) {
   using Operator = block::HessianOperator<T>;
   // module_local: the portable and x86-64-v3 builds of the core each bind this same C++ type.
   py::class_<Operator>(m, sizeof(T) == 8 ? "HessianOperator64" : "HessianOperator32", py::module_local())
-      .def(py::init([](A X, A WQ, A WK, A WV, A W1, A W2, T eps, int kind, const optional_carray<T>& values,
+      .def(py::init([](A X, const SpecTuple& spec, Weights W, T eps, int kind, const optional_carray<T>& values,
                        const opt_classes& classes, int part, const std::vector<bool>& wrt) {
-             const auto p = problem(X, WQ, WK, WV, W1, W2);
-             const auto sel = selection(wrt);
+             const auto p = problem(X, spec, W);
+             const auto sel = selection(wrt, p.shapes().size());
              if (part < 0 || part > 2) throw std::invalid_argument("HessianOperator: bad part");
              const auto tgt = target<T>(p, kind, values, classes);
              py::gil_scoped_release release;
-             return new Operator(p.dims, p.B, X.data(), p.weights, eps, tgt, static_cast<block::Part>(part), sel);
+             return new Operator(p.evaluate(X.data(), eps), tgt, static_cast<block::Part>(part), sel);
            }),
-           py::arg("X").noconvert(), py::arg("W_Q").noconvert(), py::arg("W_K").noconvert(),
-           py::arg("W_V").noconvert(), py::arg("W_1").noconvert(), py::arg("W_2").noconvert(), py::arg("eps"),
-           py::arg("kind"), py::arg("values").noconvert().none(true), py::arg("classes").noconvert().none(true),
+           py::arg("X").noconvert(), py::arg("spec"), py::arg("weights"), py::arg("eps"), py::arg("kind"), py::arg("values").noconvert().none(true), py::arg("classes").noconvert().none(true),
            py::arg("part"), py::arg("wrt"))
       .def_property_readonly("size", &Operator::size)
       .def_property_readonly("loss_value", &Operator::loss_value)
@@ -198,16 +234,17 @@ void bind_for(py::module_& m) {
 void bind_block(py::module_& m) {
   m.def(
       "block_parameters",
-      [](index_t d, index_t dk, index_t dff) {
-        const block::Dims D{1, d, dk, dff};
-        D.check();
+      [](const SpecTuple& spec, index_t d, index_t dk, index_t dv, index_t dff) {
+        const block::Spec s = spec_of(spec);
+        const block::Dims D{1, d, dk, dff, dv};
+        block::check(s, D);
         py::list table;
-        for (int p = 0; p < block::kNumParams; ++p)
-          table.append(py::make_tuple(block::kParamNames[p], py::make_tuple(D.rows(p), D.cols(p))));
+        for (const auto& p : block::parameters(s, D))
+          table.append(py::make_tuple(p.name, p.vector ? py::tuple(py::make_tuple(p.cols)) : py::tuple(py::make_tuple(p.rows, p.cols))));
         return table;
       },
-      "The block's parameters in order: [(name, (rows, cols))] for widths d, d_k, d_ff (params.hpp).",
-      py::arg("d"), py::arg("d_k"), py::arg("d_ff"));
+      "The parameters of a block in the canonical order: [(name, shape)] (params.hpp).", py::arg("spec"),
+      py::arg("d"), py::arg("d_k"), py::arg("d_v"), py::arg("d_ff"));
   for_each_float([&](auto* tag) { bind_for<std::remove_pointer_t<decltype(tag)>>(m); });
 }
 

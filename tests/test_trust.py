@@ -399,7 +399,11 @@ def test_bindings_check_every_array_they_write_or_read():
     W = [np.eye(4)] * 5
     X3 = X[None]
     with pytest.raises(ValueError, match="class index out of range"):
-        _core.loss_gradient(X3, *W, 0.0, 1, None, np.full((1, 3), 7, dtype=np.int64), None)
+        _core.loss_gradient(X3, blockhess.BlockSpec()._core(), W, 0.0, 1, None, np.full((1, 3), 7, dtype=np.int64), None)
+    with pytest.raises(ValueError, match="'W_2' has the wrong shape"):
+        _core.loss_gradient(X3, blockhess.BlockSpec()._core(), W[:4] + [np.eye(5)], 0.0, 0, X3, None, None)
+    with pytest.raises(ValueError, match="5 parameters expected, got 4"):
+        _core.loss_gradient(X3, blockhess.BlockSpec()._core(), W[:4], 0.0, 0, X3, None, None)
 
 
 MEASURE_PEAK = r"""

@@ -41,12 +41,14 @@ from .block import (
     loss_value,
 )
 from .hvp import HessianOperator, hessian_operator, loss_hvp
+from .spec import BlockSpec
 
 __version__ = _version("blockhess")
 
 __all__ = [
     # the Transformer block and its loss
     "BlockParams",
+    "BlockSpec",
     "HessianOperator",
     "hessian_operator",
     "loss_hvp",

@@ -186,3 +186,68 @@ def loss_hvp(X, target, weights, v, kind="mse", eps=0.0, part="full", wrt=None):
     _, pullback = vjp(output_of, v0)
     (outer,) = pullback(H_loss_Jv)
     return outer if part == "outer" else full - outer
+
+
+# ---- the block family (blockhess.BlockSpec) --------------------------------------------------------
+
+_ACTIVATIONS = {
+    "relu": torch.relu,
+    "gelu": torch.nn.functional.gelu,
+    "gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
+    "silu": torch.nn.functional.silu,
+}
+
+
+def family_block(X, spec, named, eps=None):
+    """Z of any block of the family, from its definition (the BlockSpec docstring): ``named`` maps
+    parameter names (blockhess's registry) to tensors; X is (L, d) or (B, L, d)."""
+    eps = spec.eps if eps is None else eps
+
+    def get(name):
+        return named.get(name)
+
+    def norm(u, k):
+        gamma, beta = get(f"gamma_{k}"), get(f"beta_{k}")
+        if spec.norm == "rmsnorm":
+            z = u / torch.sqrt((u * u).mean(-1, keepdim=True) + eps)
+            return z * gamma if gamma is not None else z
+        return layernorm(u, eps, gamma, beta)
+
+    def linear(u, w, b):
+        out = u @ get(w)
+        return out + get(b) if get(b) is not None else out
+
+    def attention_of(U):
+        h = spec.heads
+        Q, K, V = linear(U, "W_Q", "b_Q"), linear(U, "W_K", "b_K"), linear(U, "W_V", "b_V")
+        dk, dv = Q.shape[-1] // h, V.shape[-1] // h
+        L = U.shape[-2]
+        heads = []
+        for i in range(h):
+            T = Q[..., i * dk:(i + 1) * dk] @ K[..., i * dk:(i + 1) * dk].transpose(-1, -2) / math.sqrt(dk)
+            if spec.causal:
+                mask = torch.triu(torch.ones(L, L, dtype=torch.bool, device=T.device), diagonal=1)
+                T = T.masked_fill(mask, float("-inf"))
+            heads.append(torch.softmax(T, dim=-1) @ V[..., i * dv:(i + 1) * dv])
+        F = torch.cat(heads, dim=-1)
+        return linear(F, "W_O", "b_O") if spec.out_proj else F
+
+    def ffn_of(U):
+        return linear(_ACTIVATIONS[spec.activation](linear(U, "W_1", "b_1")), "W_2", "b_2")
+
+    if spec.norm_position == "post":
+        Y = norm(X + attention_of(X), 1)
+        return norm(Y + ffn_of(Y), 2)
+    Y = X + attention_of(norm(X, 1))
+    return Y + ffn_of(norm(Y, 2))
+
+
+def family_of_flat(X, spec, names, shapes, eps=None):
+    """Z as a function of the flat vector of every parameter (in blockhess's canonical order)."""
+    sizes = [math.prod(s) for s in shapes]
+
+    def output_of(v):
+        pieces = v.split(sizes)
+        return family_block(X, spec, {n: p.reshape(s) for n, p, s in zip(names, pieces, shapes)}, eps)
+
+    return output_of

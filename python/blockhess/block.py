@@ -16,6 +16,7 @@ import numpy as np
 from . import _backend, _core, _gpu, _working_memory
 from ._interop import as_array, is_torch_tensor, returns_callers_kind, to_torch
 from ._validate import _xp as _array_module
+from .spec import PAPER_BLOCK, BlockSpec
 from ._validate import (
     choice,
     common_dtype,
@@ -29,51 +30,107 @@ from ._validate import (
 
 
 
-def _parameter_table(d: int, d_k: int, d_ff: int) -> list[tuple[str, tuple[int, int]]]:
-    """[(name, shape)] of the block's parameters in order, from the core's registry (params.hpp)."""
-    return [(str(name), (int(rows), int(cols))) for name, (rows, cols) in _core.block_parameters(d, d_k, d_ff)]
+def _parameter_table(spec: BlockSpec, d: int, d_k: int, d_v: int, d_ff: int) -> list[tuple[str, tuple[int, ...]]]:
+    """[(name, shape)] of a block's parameters in the canonical order, from the core's registry
+    (params.hpp). A ValueError for a spec the engine does not wire yet."""
+    return [(str(name), tuple(int(n) for n in shape))
+            for name, shape in _core.block_parameters(spec._core(), d, d_k, d_v, d_ff)]
 
 
-PARAM_NAMES = tuple(name for name, _ in _parameter_table(1, 1, 1))
+PARAM_NAMES = tuple(name for name, _ in _parameter_table(PAPER_BLOCK, 1, 1, 1, 1))  # the paper's block
 _LOSSES = {"mse": 0, "cross_entropy": 1}
 _PARTS = {"full": 0, "outer": 1, "functional": 2}
 
 
 class BlockParams:
-    """The five weight matrices of a block: W_Q (d, d_k), W_K (d, d_k), W_V (d, d), W_1 (d, d_ff),
-    W_2 (d_ff, d). Arrays are kept in one float dtype (float32 only if all are float32)."""
+    """The parameters of a block: for the paper's block (the default spec) the five weight matrices
+    W_Q (d, d_k), W_K (d, d_k), W_V (d, d), W_1 (d, d_ff), W_2 (d_ff, d); for any :class:`BlockSpec`
+    use :meth:`from_arrays` or :meth:`random`. Arrays are kept in one float dtype (float32 only if
+    all are float32), in the canonical order of :attr:`names`."""
 
     names = PARAM_NAMES
 
     def __init__(self, W_Q: Any, W_K: Any, W_V: Any, W_1: Any, W_2: Any) -> None:
-        given = (W_Q, W_K, W_V, W_1, W_2)
-        arrays = [float_array(w, name, ndim=2) for name, w in zip(PARAM_NAMES, given)]
+        self._init(PAPER_BLOCK, dict(zip(PARAM_NAMES, (W_Q, W_K, W_V, W_1, W_2))))
+
+    @classmethod
+    def from_arrays(cls, spec: BlockSpec, arrays: dict[str, Any]) -> BlockParams:
+        """The parameters of ``spec`` from a dict name -> array (NumPy, CuPy or torch); missing,
+        extra or mis-shaped arrays are a ValueError that names them."""
+        if not isinstance(spec, BlockSpec):
+            raise TypeError(f"spec must be a blockhess.BlockSpec, got {type(spec).__name__}")
+        if not isinstance(arrays, dict):
+            raise TypeError(f"arrays must be a dict of name -> array, got {type(arrays).__name__}")
+        params = cls.__new__(cls)
+        params._init(spec, arrays)
+        return params
+
+    @classmethod
+    def random(cls, spec: BlockSpec = PAPER_BLOCK, *, d: int, d_k: int, d_ff: int, d_v: int | None = None,
+               seed: int = 0, dtype: Any = np.float64) -> BlockParams:
+        """Random parameters of ``spec`` (weights ~ N(0, 1/fan_in); gamma 1 + N(0, 0.1^2), beta and
+        biases N(0, 0.1^2)); d_v defaults to d / heads (d_k and d_v are per head)."""
+        if not isinstance(spec, BlockSpec):
+            raise TypeError(f"spec must be a blockhess.BlockSpec, got {type(spec).__name__}")
+        d_v = d // spec.heads if d_v is None else d_v
+        dtype = np.dtype(dtype)
+        if dtype not in (np.float32, np.float64):
+            raise TypeError(f"dtype must be float32 or float64, got {dtype}")
+        rng = np.random.default_rng(seed)
+        arrays = {}
+        for name, shape in _parameter_table(spec, d, d_k, d_v, d_ff):
+            if len(shape) == 2:
+                a = rng.standard_normal(shape) / np.sqrt(shape[0])
+            else:
+                a = (1.0 if name.startswith("gamma") else 0.0) + 0.1 * rng.standard_normal(shape)
+            arrays[name] = a.astype(dtype)
+        return cls.from_arrays(spec, arrays)
+
+    def _init(self, spec: BlockSpec, given: dict[str, Any]) -> None:
+        self.spec = spec
+        for name in ("W_Q", "W_V", "W_1"):
+            if name not in given:
+                raise ValueError(f"the parameters of {spec!r} include {name}; got {', '.join(map(str, given)) or 'none'}")
+        first = {n: float_array(given[n], n, ndim=2) for n in ("W_Q", "W_V", "W_1")}
+        d, hk = first["W_Q"].shape
+        d_ff = first["W_1"].shape[1]
+        if min(d, hk, d_ff) < 1:
+            raise ValueError(f"d, d_k and d_ff must be >= 1, got {(d, hk, d_ff)}")
+        d_k = hk // spec.heads
+        # Without an output projection the heads' values must fill the width d exactly.
+        d_v = first["W_V"].shape[1] // spec.heads if spec.out_proj else d // spec.heads
+        expected = dict(_parameter_table(spec, d, max(d_k, 1), max(d_v, 1), d_ff))
+        missing = [n for n in expected if n not in given]
+        extra = [n for n in given if n not in expected]
+        if missing or extra:
+            raise ValueError(f"the parameters of {spec!r} are {', '.join(expected)}; "
+                             + (f"missing {', '.join(missing)}" if missing else "")
+                             + ("; " if missing and extra else "")
+                             + (f"unexpected {', '.join(map(str, extra))}" if extra else ""))
+        names = tuple(expected)
+        arrays = [float_array(given[n], n, ndim=len(expected[n])) for n in names]
         # The caller's own arrays (views of tensors), for the aliasing check of loss_hessian(out=).
-        self._sources = tuple(as_array(w, name) for name, w in zip(PARAM_NAMES, given))
-        self._from_torch = any(is_torch_tensor(w) for w in given)
+        self._sources = tuple(as_array(given[n], n) for n in names)
+        self._from_torch = any(is_torch_tensor(given[n]) for n in names)
         _backend.on_device(*arrays)
-        d, d_k = arrays[0].shape
-        d_ff = arrays[3].shape[1]
-        if min(d, d_k, d_ff) < 1:
-            raise ValueError(f"d, d_k and d_ff must be >= 1, got {(d, d_k, d_ff)}")
-        expected = dict(_parameter_table(d, d_k, d_ff))
-        for name, w in zip(PARAM_NAMES, arrays):
-            if w.shape != expected[name]:
-                got = ", ".join(f"{n} {tuple(a.shape)}" for n, a in zip(PARAM_NAMES, arrays))
+        for name, w in zip(names, arrays):
+            if tuple(w.shape) != expected[name]:
+                got = ", ".join(f"{n} {tuple(a.shape)}" for n, a in zip(names, arrays))
                 raise ValueError(
-                    f"{name} must have shape {expected[name]} (from W_Q of shape {(d, d_k)} and W_1 "
-                    f"with d_ff = {d_ff}); got {got}"
+                    f"{name} must have shape {expected[name]} (from W_Q of shape {(d, hk)}, W_V with "
+                    f"{d_v * spec.heads} columns and W_1 with d_ff = {d_ff}); got {got}"
                 )
+        self.names = names
         self.dtype = common_dtype(*arrays)
         self._arrays = tuple(contiguous(w, self.dtype) for w in arrays)
-        self.d, self.d_k, self.d_ff = d, d_k, d_ff
+        self.d, self.d_k, self.d_v, self.d_ff = d, d_k, d_v, d_ff
 
     @property
     def arrays(self) -> tuple[Any, ...]:
         return self._arrays
 
     @property
-    def shapes(self) -> tuple[tuple[int, int], ...]:
+    def shapes(self) -> tuple[tuple[int, ...], ...]:
         return tuple(tuple(w.shape) for w in self._arrays)
 
     @property
@@ -85,55 +142,72 @@ class BlockParams:
         return sum(self.sizes)
 
     def __getitem__(self, name: str) -> Any:
-        return self._arrays[_param_index(name)]
+        return self._arrays[_param_index(self, name)]
 
     def __iter__(self):
         return iter(self._arrays)
 
     def __repr__(self) -> str:
-        return f"BlockParams(d={self.d}, d_k={self.d_k}, d_ff={self.d_ff}, dtype={self.dtype})"
+        spec = "" if self.spec.is_paper_block else f"{self.spec!r}, "
+        return f"BlockParams({spec}d={self.d}, d_k={self.d_k}, d_ff={self.d_ff}, dtype={self.dtype})"
 
     def slices(self) -> dict[str, slice]:
-        """Where each matrix sits in :meth:`flatten` (and in the rows of a dense loss Hessian)."""
+        """Where each parameter sits in :meth:`flatten` (and in the rows of a dense loss Hessian)."""
         bounds = np.cumsum((0, *self.sizes))
-        return {n: slice(int(a), int(b)) for n, a, b in zip(PARAM_NAMES, bounds[:-1], bounds[1:])}
+        return {n: slice(int(a), int(b)) for n, a, b in zip(self.names, bounds[:-1], bounds[1:])}
 
     def flatten(self) -> Any:
-        """All five matrices, each vec_r'd, concatenated in the order of :attr:`names` (a torch
-        tensor when the matrices were given as tensors)."""
+        """All parameters, each vec_r'd, concatenated in the order of :attr:`names` (a torch
+        tensor when they were given as tensors)."""
         flat = _array_module(self._arrays[0]).concatenate([w.reshape(-1) for w in self._arrays])
         return to_torch(flat) if self._from_torch else flat
 
     @classmethod
     def unflatten(cls, v: Any, like: BlockParams) -> BlockParams:
-        """Inverse of :meth:`flatten`: matrices shaped like those of ``like``."""
+        """Inverse of :meth:`flatten`: parameters of ``like``'s spec, shaped like those of ``like``."""
         if not isinstance(like, BlockParams):
             raise TypeError(f"like must be a BlockParams, got {type(like).__name__}")
         from_torch = is_torch_tensor(v)
         v = float_array(v, "v", ndim=1)
         if v.shape[0] != like.size:
             raise ValueError(f"v must have length {like.size} to match {like!r}, got {v.shape[0]}")
-        params = cls(*(v[s].reshape(shape) for s, shape in zip(like.slices().values(), like.shapes)))
+        params = cls.from_arrays(like.spec, {n: v[s].reshape(shape) for (n, s), shape
+                                              in zip(like.slices().items(), like.shapes)})
         params._from_torch = from_torch
         return params
 
 
-def _param_index(name: Any) -> int:
-    if name not in PARAM_NAMES:
-        raise ValueError(f"parameter name must be one of {', '.join(PARAM_NAMES)}, got {name!r}")
-    return PARAM_NAMES.index(name)
+def _param_index(params: BlockParams, name: Any) -> int:
+    if name not in params.names:
+        raise ValueError(f"parameter name must be one of {', '.join(params.names)}, got {name!r}")
+    return params.names.index(name)
 
 
 def _selection(params: BlockParams, wrt: Any) -> tuple[tuple[str, ...], list[bool], int]:
     """(names in the canonical order, a flag per parameter, their total size P) for ``wrt``."""
-    names = PARAM_NAMES if wrt is None else tuple(wrt)
+    names = params.names if wrt is None else tuple(wrt)
     if isinstance(wrt, str) or not names or len(set(names)) != len(names):
-        raise ValueError(f"wrt must be a non-empty sequence of distinct names from {PARAM_NAMES}, got {wrt!r}")
+        raise ValueError(f"wrt must be a non-empty sequence of distinct names from {params.names}, got {wrt!r}")
     for n in names:
-        _param_index(n)
-    selected = [n in names for n in PARAM_NAMES]
-    names = tuple(n for n in PARAM_NAMES if n in names)  # the Hessian follows the canonical order
+        _param_index(params, n)
+    selected = [n in names for n in params.names]
+    names = tuple(n for n in params.names if n in names)  # the Hessian follows the canonical order
     return names, selected, sum(s for s, keep in zip(params.sizes, selected) if keep)
+
+
+def _on_gpu(X3: Any, params: BlockParams) -> bool:
+    """Whether to run on the GPU; the GPU backend runs the paper's block only so far."""
+    if not _backend.on_device(X3):
+        return False
+    if not params.spec.is_paper_block:
+        raise TypeError(f"the GPU backend runs the paper's block only so far, not {params.spec!r}; pass NumPy "
+                        "arrays (cupy.asnumpy) to compute it on the CPU")
+    return True
+
+
+def _eps(eps: Any, params: BlockParams) -> float:
+    """eps as given, or the spec's when not given."""
+    return nonneg_scalar(params.spec.eps if eps is None else eps, "eps")
 
 
 def _check_params(params: Any) -> BlockParams:
@@ -183,28 +257,28 @@ def _target(target: Any, loss: str, X3: np.ndarray, batched: bool, dtype: np.dty
 
 
 @returns_callers_kind
-def block_forward(X: Any, params: BlockParams, *, eps: float = 0.0) -> np.ndarray:
+def block_forward(X: Any, params: BlockParams, *, eps: float | None = None) -> np.ndarray:
     """The block output Z for X of shape (L, d) or (B, L, d); same shape as X."""
     params = _check_params(params)
-    eps = nonneg_scalar(eps, "eps")
+    eps = _eps(eps, params)
     X3, W, dtype = _batch(X, params)
     shape = tuple(X.shape)
     B, L, d = X3.shape
     require_output_fits(X3.shape, dtype, "the block output", "pass fewer samples or tokens at a time",
                         working=_working_memory.block(B, L, d, params.d_k, params.d_ff, dtype.itemsize, hessian=False))
-    if _backend.on_device(X3):
+    if _on_gpu(X3, params):
         return require_finite(_gpu.block_forward(X3, W, eps), "the block output Z").reshape(shape)
     out = np.empty_like(X3)
-    _core.block_forward(X3, *W, eps, out)  # the core names any forward stage that overflows
+    _core.block_forward(X3, params.spec._core(), list(W), eps, out)  # the core names any forward stage that overflows
     return out.reshape(shape)
 
 
 @returns_callers_kind
-def block_jacobian(X: Any, params: BlockParams, wrt: str, *, eps: float = 0.0) -> np.ndarray:
+def block_jacobian(X: Any, params: BlockParams, wrt: str, *, eps: float | None = None) -> np.ndarray:
     """dZ/dW_wrt for one sample X (L, d): shape (L*d, n_wrt), numerator layout."""
     params = _check_params(params)
-    p = _param_index(wrt)
-    eps = nonneg_scalar(eps, "eps")
+    p = _param_index(params, wrt)
+    eps = _eps(eps, params)
     X3, W, dtype = _batch(X, params, single=True)
     L, d = X3.shape[1:]
     shape = (L * d, params.sizes[p])
@@ -212,23 +286,23 @@ def block_jacobian(X: Any, params: BlockParams, wrt: str, *, eps: float = 0.0) -
     require_output_fits(shape, dtype, f"the block Jacobian with respect to {wrt}", "use loss_gradient or a smaller L",
                         working=working)
     what = f"the block Jacobian with respect to {wrt}"
-    if _backend.on_device(X3):
+    if _on_gpu(X3, params):
         return require_finite(_gpu.block_jacobian(X3, W, eps, p), what)
     out = np.empty(shape, dtype=dtype)
-    _core.block_jacobian(X3, *W, eps, p, out)
+    _core.block_jacobian(X3, params.spec._core(), list(W), eps, p, out)
     return require_finite(out, what)
 
 
 @returns_callers_kind
-def block_output_hessian(X: Any, params: BlockParams, wrt_i: str, wrt_j: str, *, eps: float = 0.0) -> np.ndarray:
+def block_output_hessian(X: Any, params: BlockParams, wrt_i: str, wrt_j: str, *, eps: float | None = None) -> np.ndarray:
     """d2 Z / dW_i dW_j for one sample, in the paper's layout (L*d*n_i, n_j).
 
     Row ``o * n_i + a``, column ``b``: d2 Z_o / d(W_i)_a d(W_j)_b. This object is large (L d n_i n_j
     entries) and meant for small sizes; for a loss use :func:`loss_hessian`.
     """
     params = _check_params(params)
-    i, j = _param_index(wrt_i), _param_index(wrt_j)
-    eps = nonneg_scalar(eps, "eps")
+    i, j = _param_index(params, wrt_i), _param_index(params, wrt_j)
+    eps = _eps(eps, params)
     X3, W, dtype = _batch(X, params, single=True)
     L, d = X3.shape[1:]
     shape = (L * d * params.sizes[i], params.sizes[j])
@@ -236,17 +310,17 @@ def block_output_hessian(X: Any, params: BlockParams, wrt_i: str, wrt_j: str, *,
     working = _working_memory.block(1, L, d, params.d_k, params.d_ff, dtype.itemsize, hessian=True) + pair**2 * dtype.itemsize
     require_output_fits(shape, dtype, f"d2Z/d{wrt_i}d{wrt_j}", "use loss_hessian, which contracts it with the loss",
                         working=working)
-    if _backend.on_device(X3):
+    if _on_gpu(X3, params):
         return require_finite(_gpu.block_output_hessian(X3, W, eps, i, j), f"d2Z/d{wrt_i}d{wrt_j}")
     out = np.empty(shape, dtype=dtype)
-    _core.block_output_hessian(X3, *W, eps, i, j, out)
+    _core.block_output_hessian(X3, params.spec._core(), list(W), eps, i, j, out)
     return out
 
 
 def _loss_inputs(X, target, params, loss, eps, promote_with=()):
     params = _check_params(params)
     loss = choice(loss, "loss", tuple(_LOSSES))
-    eps = nonneg_scalar(eps, "eps")
+    eps = _eps(eps, params)
     if loss == "mse":  # a float target takes part in the dtype promotion like every other array
         target = float_array(target, "target")
     floats = (target,) if loss == "mse" else ()
@@ -258,20 +332,20 @@ def _loss_inputs(X, target, params, loss, eps, promote_with=()):
 
 
 @returns_callers_kind
-def loss_value(X: Any, target: Any, params: BlockParams, *, loss: str = "mse", eps: float = 0.0) -> float:
+def loss_value(X: Any, target: Any, params: BlockParams, *, loss: str = "mse", eps: float | None = None) -> float:
     """The loss of the block output: mean over the batch of the per-sample loss."""
     params, X3, W, dtype, eps, kind, values, classes = _loss_inputs(X, target, params, loss, eps)
     B, L, d = X3.shape
     require_output_fits((1,), dtype, "the loss", "pass fewer samples at a time",
                         working=_working_memory.block(B, L, d, params.d_k, params.d_ff, dtype.itemsize, hessian=False))
-    if _backend.on_device(X3):
+    if _on_gpu(X3, params):
         value = float(_gpu.loss_value(X3, W, eps, kind, values, classes))
         return float(require_finite(np.asarray(value), "the loss value"))
-    return float(_core.loss_gradient(X3, *W, eps, kind, values, classes, None))
+    return float(_core.loss_gradient(X3, params.spec._core(), list(W), eps, kind, values, classes, None))
 
 
 @returns_callers_kind
-def loss_gradient(X: Any, target: Any, params: BlockParams, *, loss: str = "mse", eps: float = 0.0) -> np.ndarray:
+def loss_gradient(X: Any, target: Any, params: BlockParams, *, loss: str = "mse", eps: float | None = None) -> np.ndarray:
     """Gradient of the loss with respect to all five matrices, flattened like ``params.flatten()``: (P,).
 
     ``loss="mse"``: mean of (Z - target)**2 over all entries (per sample 1/(L d) ||Z - T||_F^2);
@@ -282,10 +356,10 @@ def loss_gradient(X: Any, target: Any, params: BlockParams, *, loss: str = "mse"
     B, L, d = X3.shape
     require_output_fits((params.size,), dtype, "the loss gradient", "pass fewer samples at a time",
                         working=_working_memory.block(B, L, d, params.d_k, params.d_ff, dtype.itemsize, hessian=False))
-    if _backend.on_device(X3):
+    if _on_gpu(X3, params):
         return require_finite(_gpu.loss_gradient(X3, W, eps, kind, values, classes), "the loss gradient")
     out = np.empty(params.size, dtype=dtype)
-    _core.loss_gradient(X3, *W, eps, kind, values, classes, out)
+    _core.loss_gradient(X3, params.spec._core(), list(W), eps, kind, values, classes, out)
     return out
 
 
@@ -298,7 +372,7 @@ def loss_hessian(
     loss: str = "mse",
     part: str = "full",
     layout: str = "dense",
-    eps: float = 0.0,
+    eps: float | None = None,
     wrt: tuple[str, ...] | None = None,
     out: Any = None,
 ) -> Any:
@@ -330,16 +404,16 @@ def loss_hessian(
                             "pass fewer samples or tokens at a time", working=working, into_out=True)
         _backend.on_device(X3, out)  # TypeError for an out on the other side of X
         # Checked against the caller's own arrays: the copies made above cannot overlap out.
-        callers = (("X", X), *zip(PARAM_NAMES, params._sources), ("target", target))
+        callers = (("X", X), *zip(params.names, params._sources), ("target", target))
         out = output_array(out, (P, P), dtype, callers)
-    if _backend.on_device(X3):
+    if _on_gpu(X3, params):
         H = require_finite(_gpu.loss_hessian(X3, W, eps, kind, values, classes, part_code, selected, out),
                            "the loss Hessian")
     else:
         H = np.empty((P, P), dtype=dtype) if out is None else out
-        _core.loss_hessian(X3, *W, eps, kind, values, classes, part_code, selected, H)
+        _core.loss_hessian(X3, params.spec._core(), list(W), eps, kind, values, classes, part_code, selected, H)
     if layout == "dense":
         return H
-    bounds = np.cumsum((0, *(params.sizes[PARAM_NAMES.index(n)] for n in names)))
+    bounds = np.cumsum((0, *(params.sizes[params.names.index(n)] for n in names)))
     where = {n: slice(int(a), int(b)) for n, a, b in zip(names, bounds[:-1], bounds[1:])}
     return {(a, b): H[where[a], where[b]] for a in names for b in names}

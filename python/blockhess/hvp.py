@@ -93,7 +93,7 @@ def hessian_operator(
     *,
     loss: str = "mse",
     part: str = "full",
-    eps: float = 0.0,
+    eps: float | None = None,
     wrt: tuple[str, ...] | None = None,
 ) -> HessianOperator:
     """The exact loss Hessian as a linear operator, for Hessian-vector products at sizes where the
@@ -114,7 +114,7 @@ def _build(X, target, params, loss, part, eps, wrt, columns, promote_with=()) ->
     require_output_fits((P, columns), dtype, f"the Hessian-vector products over {', '.join(names)} (P = {P})",
                         "pass fewer samples or tokens at a time, or fewer vectors", working=working)
     core_class = _core.HessianOperator64 if dtype == np.float64 else _core.HessianOperator32
-    core_operator = core_class(X3, *W, eps, kind, values, classes, _PARTS[part], selected)
+    core_operator = core_class(X3, params.spec._core(), list(W), eps, kind, values, classes, _PARTS[part], selected)
     return HessianOperator(core_operator, dtype, names, part, loss)
 
 
@@ -127,7 +127,7 @@ def loss_hvp(
     *,
     loss: str = "mse",
     part: str = "full",
-    eps: float = 0.0,
+    eps: float | None = None,
     wrt: tuple[str, ...] | None = None,
 ) -> np.ndarray:
     """H @ V, exact and matrix-free: the loss Hessian (``part`` "full", "outer" or "functional")

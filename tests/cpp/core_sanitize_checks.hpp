@@ -508,9 +508,10 @@ void check_block(std::mt19937_64& rng, const BlockCase<T>& bc) {
   // A selection (W_V and W_2) is the matching sub-block of the full Hessian.
   {
     const blk::Selection sel{false, false, true, false, true};
-    std::array<index_t, blk::kNumParams> off{}, full_off{};
-    const index_t Ps = blk::offsets(D, sel, off);
-    blk::offsets(D, all, full_off);
+    std::vector<index_t> off, full_off;
+    const auto shapes = blk::parameters(blk::Spec{}, D);
+    const index_t Ps = blk::offsets(shapes, sel, off);
+    blk::offsets(shapes, all, full_off);
     std::vector<T> Hs(Ps * Ps), ref(Ps * Ps);
     blk::loss_hessian(D, bc.B, data.X.data(), W, bc.eps, target, blk::Part::full, sel, Hs.data());
     for (int p : {blk::W_V, blk::W_2})

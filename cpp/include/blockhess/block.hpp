@@ -1,16 +1,17 @@
-// The post-LN Transformer block of docs/derivation.md §2.1, for a batch of B samples:
+// A Transformer block of the family (params.hpp's Spec), for a batch of B samples; the default is
+// the paper's post-LN block of docs/derivation.md §2.1:
 //   T = X W_Q W_K^T X^T / sqrt(d_k),  A = softmax_rows(T),  F = A X W_V,
 //   Y = LN(X + F),  R = relu(Y W_1),  S = R W_2 + Y,  Z = LN(S)
-// (no biases, LayerNorm without affine parameters, optional eps), evaluated by the curvature engine
-// (engine/graph.hpp) on its wiring (blocks/post_ln.hpp). This header holds the forward pass and the
-// reverse pass that carries a cotangent of Z back to every intermediate and to the weights.
+// (no biases, LayerNorm without affine parameters, optional eps). It is evaluated by the curvature
+// engine (engine/graph.hpp) on its wiring (blocks/). This header holds the forward pass and the
+// reverse pass that carries a cotangent of Z back to every intermediate and to the parameters.
 #pragma once
 
 #include <array>
 #include <memory>
 #include <vector>
 
-#include "blockhess/blocks/post_ln.hpp"
+#include "blockhess/blocks/family.hpp"
 #include "blockhess/config.hpp"
 #include "blockhess/engine/graph.hpp"
 #include "blockhess/finite.hpp"
@@ -18,21 +19,27 @@
 
 namespace blockhess::block {
 
+// The paper's five weights (the default spec), row-major, shapes Dims::rows(p) x Dims::cols(p).
 template <class T>
 struct Weights {
-  std::array<const T*, kNumParams> w{};  // row-major, shapes Dims::rows(p) x Dims::cols(p)
+  std::array<const T*, kNumParams> w{};
+  std::vector<const T*> all() const { return std::vector<const T*>(w.begin(), w.end()); }
 };
 
 // The block evaluated at one input (its forward pass done): the engine graph and its caches.
 template <class T>
 class Evaluation {
  public:
-  Evaluation(const Dims& D, index_t B, const T* X, const Weights<T>& W, T eps)
-      : dims_(D), graph_(std::make_unique<engine::Graph<T>>(B, checked(D).L)) {
-    values_ = blocks::wire_post_ln(*graph_, D, X, W.w, eps);
+  // weights: one row-major array per parameters(spec, D) entry, in that order.
+  Evaluation(const Spec& spec, const Dims& D, index_t B, const T* X, const std::vector<const T*>& weights, T eps)
+      : spec_(spec), dims_(D), shapes_(parameters(spec, D)), graph_(std::make_unique<engine::Graph<T>>(B, checked(D).L)) {
+    values_ = blocks::wire(*graph_, spec, D, X, weights, eps);
     graph_->forward();
   }
+  Evaluation(const Dims& D, index_t B, const T* X, const Weights<T>& W, T eps) : Evaluation(Spec{}, D, B, X, W.all(), eps) {}
 
+  const Spec& spec() const { return spec_; }
+  const std::vector<ParamShape>& shapes() const { return shapes_; }
   const Dims& dims() const { return dims_; }
   index_t samples() const { return graph_->samples(); }
   index_t tokens() const { return graph_->tokens(); }
@@ -40,16 +47,17 @@ class Evaluation {
   engine::Graph<T>& graph() { return *graph_; }
   const engine::Graph<T>& graph() const { return *graph_; }
 
-  // Carries gZ (B*L, d) back through the block; writes the gradient of the weights (concatenated
-  // in Param order) when grad is not null.
+  // Carries gZ (B*L, d) back through the block; writes the gradient of the parameters
+  // (concatenated in the canonical order) when grad is not null.
   void reverse(const T* gZ, T* grad = nullptr) {
-    std::vector<T*> gradient(kNumParams, nullptr);
+    std::vector<T*> gradient(shapes_.size(), nullptr);
     if (grad)
-      for (int p = 0, offset = 0; p < kNumParams; offset += static_cast<int>(dims_.size(p)), ++p) gradient[p] = grad + offset;
+      for (size_t p = 0, offset = 0; p < shapes_.size(); offset += static_cast<size_t>(shapes_[p].size()), ++p)
+        gradient[p] = grad + offset;
     graph_->reverse(gZ, std::move(gradient));
     const index_t n = tokens() * dims_.d;
-    require_finite(graph_->cotangent(values_.S), n, "block: the reverse pass through the second LayerNorm");
-    require_finite(graph_->cotangent(values_.S1), n, "block: the reverse pass through the FFN and the first LayerNorm");
+    require_finite(graph_->cotangent(values_.ffn_sum), n, "block: the reverse pass through the output's norm");
+    require_finite(graph_->cotangent(values_.attention_sum), n, "block: the reverse pass through the FFN and the first norm");
   }
 
  private:
@@ -58,14 +66,20 @@ class Evaluation {
     return D;
   }
 
+  Spec spec_;
   Dims dims_;
+  std::vector<ParamShape> shapes_;
   std::unique_ptr<engine::Graph<T>> graph_;
-  blocks::PostLnValues values_;
+  blocks::Values values_;
 };
 
 template <class T>
 Evaluation<T> forward(const Dims& dims, index_t B, const T* X, const Weights<T>& W, T eps) {
   return Evaluation<T>(dims, B, X, W, eps);
+}
+template <class T>
+Evaluation<T> forward(const Spec& spec, const Dims& dims, index_t B, const T* X, const std::vector<const T*>& weights, T eps) {
+  return Evaluation<T>(spec, dims, B, X, weights, eps);
 }
 
 }  // namespace blockhess::block

@@ -21,14 +21,13 @@ namespace blockhess::block {
 
 enum class Part : int { full = 0, outer = 1, functional = 2 };
 
-inline std::vector<bool> flags(const Selection& wrt) { return std::vector<bool>(wrt.begin(), wrt.end()); }
-
-// Where each parameter sits in the flattened vector of the selected ones (unselected: where it would).
-inline std::vector<index_t> selected_offsets(const Dims& D, const Selection& wrt, index_t* total) {
-  std::array<index_t, kNumParams> off{};
-  const index_t P = offsets(D, wrt, off);
+// Where each parameter sits in the flattened vector of the selected ones; *total: their size.
+template <class T>
+std::vector<index_t> selected_offsets(const Evaluation<T>& e, const Selection& wrt, index_t* total) {
+  std::vector<index_t> off;
+  const index_t P = offsets(e.shapes(), wrt, off);
   if (total) *total = P;
-  return std::vector<index_t>(off.begin(), off.end());
+  return off;
 }
 
 // Writes the symmetric (P, P) Hessian of the scalar whose cotangent at Z is gZ (the reverse pass
@@ -42,7 +41,7 @@ void assemble_hessian(const Evaluation<T>& e, std::shared_ptr<const Buffer<T>> h
   if (part != Part::outer) terms = g.curvature();
   if (part != Part::functional && hessZ) terms.sites.push_back(engine::Site<T>{g.output(), std::move(hessZ)});
   index_t P = 0;
-  const std::vector<index_t> offset = selected_offsets(e.dims(), wrt, &P);
+  const std::vector<index_t> offset = selected_offsets(e, wrt, &P);
   engine::assemble(g, std::move(terms), offset, P, H);
 }
 
@@ -50,12 +49,17 @@ void assemble_hessian(const Evaluation<T>& e, std::shared_ptr<const Buffer<T>> h
 template <class T>
 void jacobian(Evaluation<T>& e, int p, T* J) {
   engine::Graph<T>& g = e.graph();
-  Selection only{};
-  only[p] = true;
-  g.select(flags(only));
+  Selection only(e.shapes().size(), false);
+  only.at(static_cast<size_t>(p)) = true;
+  g.select(only);
   g.push_factors(/*to_output=*/true);
+  const index_t d = e.dims().d, np = e.shapes()[static_cast<size_t>(p)].size();
   const engine::Factor<T>& f = g.factor(g.output(), p);
-  const index_t d = e.dims().d, np = e.dims().size(p), no = f.split.n_vec(), nr = f.n_mat();
+  if (!f.present) {  // the parameter does not move the output (a key bias): its Jacobian is 0
+    std::fill_n(J, e.tokens() * d * np, T(0));
+    return;
+  }
+  const index_t no = f.split.n_vec(), nr = f.n_mat();
   blockhess::detail::parallel_for(e.tokens(), d * np, [&](index_t t) {
     Mat<T> U;
     f.materialise(t, U);
@@ -71,15 +75,15 @@ void jacobian(Evaluation<T>& e, int p, T* J) {
 // d2 Z / dW_i dW_j for one sample, in the paper's layout (L d n_i, n_j): for each output entry o,
 // the (i, j) block of the Hessian of Z_o, whose cotangent is the unit vector e_o.
 template <class T>
-void output_hessian(const Dims& D, const T* X, const Weights<T>& W, T eps, int i, int j, T* out) {
-  Evaluation<T> e = forward(D, 1, X, W, eps);
-  Selection wrt{};
-  wrt[i] = wrt[j] = true;
-  e.graph().select(flags(wrt));
+void output_hessian(Evaluation<T>& e, int i, int j, T* out) {
+  Selection wrt(e.shapes().size(), false);
+  wrt.at(static_cast<size_t>(i)) = wrt.at(static_cast<size_t>(j)) = true;
+  e.graph().select(wrt);
   e.graph().push_factors(/*to_output=*/false);
   index_t P = 0;
-  const std::vector<index_t> off = selected_offsets(D, wrt, &P);
-  const index_t ni = D.size(i), nj = D.size(j), m = D.L * D.d;
+  const std::vector<index_t> off = selected_offsets(e, wrt, &P);
+  const index_t ni = e.shapes()[static_cast<size_t>(i)].size(), nj = e.shapes()[static_cast<size_t>(j)].size();
+  const index_t m = e.tokens() * e.dims().d;
   Buffer<T> gZ(m, T(0)), H(P * P);
   for (index_t o = 0; o < m; ++o) {
     gZ[o] = T(1);
@@ -88,6 +92,13 @@ void output_hessian(const Dims& D, const T* X, const Weights<T>& W, T eps, int i
     for (index_t a = 0; a < ni; ++a) std::copy_n(H.data() + (off[i] + a) * P + off[j], nj, out + (o * ni + a) * nj);
     gZ[o] = T(0);
   }
+}
+
+// The paper's block (the default spec).
+template <class T>
+void output_hessian(const Dims& D, const T* X, const Weights<T>& W, T eps, int i, int j, T* out) {
+  Evaluation<T> e = forward(D, 1, X, W, eps);
+  output_hessian(e, i, j, out);
 }
 
 }  // namespace blockhess::block

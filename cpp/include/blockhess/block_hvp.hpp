@@ -38,16 +38,21 @@ namespace blockhess::block {
 template <class T>
 class HessianOperator {
  public:
-  HessianOperator(const Dims& D, index_t B, const T* X, const Weights<T>& W, T eps, const Target<T>& target,
-                  Part part, const Selection& wrt)
-      : e_(forward(D, B, X, W, eps)), kind_(target.kind), part_(part) {
+  HessianOperator(Evaluation<T>&& e, const Target<T>& target, Part part, const Selection& wrt)
+      : e_(std::move(e)), kind_(target.kind), part_(part) {
+    const Dims& D = e_.dims();
+    const index_t B = e_.samples();
     auto ld = loss::derivatives(target.kind, B, D.L, D.d, e_.output(), target.values, target.classes, false);
     require_finite_loss(ld, B * D.L * D.d);
     value_ = ld.value;
     e_.reverse(ld.gZ.data());
-    e_.graph().select(flags(wrt));
-    offset_ = selected_offsets(D, wrt, &size_);
+    e_.graph().select(wrt);
+    offset_ = selected_offsets(e_, wrt, &size_);
   }
+  // The paper's block (the default spec).
+  HessianOperator(const Dims& D, index_t B, const T* X, const Weights<T>& W, T eps, const Target<T>& target,
+                  Part part, const Selection& wrt)
+      : HessianOperator(forward(D, B, X, W, eps), target, part, wrt) {}
 
   index_t size() const { return size_; }
   T loss_value() const { return value_; }

@@ -1,48 +1,116 @@
-// The block's parameter registry, the one place that says which parameters exist, what they are
-// called, their shapes and their order (the order of a flattened parameter vector and of the rows
-// and columns of a dense Hessian). Python's BlockParams reads it through _core.block_parameters.
+// The block family and its parameter registry: the one place that says which parameters a block
+// has, what they are called, their shapes and their order (the order of a flattened parameter
+// vector and of the rows and columns of a dense Hessian). Python's BlockSpec and BlockParams read
+// it through _core.block_parameters.
 #pragma once
 
-#include <array>
 #include <stdexcept>
+#include <string>
+#include <vector>
 
+#include "blockhess/activation.hpp"
 #include "blockhess/config.hpp"
 
 namespace blockhess::block {
 
-enum Param : int { W_Q = 0, W_K = 1, W_V = 2, W_1 = 3, W_2 = 4 };
-constexpr int kNumParams = 5;
-constexpr std::array<const char*, kNumParams> kParamNames{"W_Q", "W_K", "W_V", "W_1", "W_2"};
+// Which block (the paper's is the default): where the norms sit, whether they have trainable
+// gamma (and beta), biases on every linear map, the number of heads, an output projection W_O,
+// the FFN's activation and a causal mask.
+struct Spec {
+  bool pre_ln = false;
+  bool rmsnorm = false;
+  bool norm_affine = false;
+  bool bias = false;
+  index_t heads = 1;
+  bool out_proj = false;
+  activation::Kind activation = activation::Kind::relu;
+  bool causal = false;
+};
 
-// The sizes of a block: L tokens of width d, d_k query/key columns, d_ff hidden units.
+// The sizes of a block: L tokens of width d, d_k query/key and d_v value columns per head, d_ff
+// hidden units.
 struct Dims {
-  index_t L = 0, d = 0, dk = 0, dff = 0;
+  index_t L = 0, d = 0, dk = 0, dff = 0, dv = 0;  // dv = 0: d / heads (the paper: d)
 
-  // W_Q, W_K (d, d_k); W_V (d, d); W_1 (d, d_ff); W_2 (d_ff, d).
-  index_t rows(int p) const { return p == W_2 ? dff : d; }
-  index_t cols(int p) const { return p == W_Q || p == W_K ? dk : p == W_1 ? dff : d; }
+  index_t value_width(const Spec& s) const { return dv > 0 ? dv : d / s.heads; }
+
+  // The paper's block (the default spec): W_Q, W_K (d, d_k); W_V (d, d); W_1 (d, d_ff); W_2 (d_ff, d).
+  index_t rows(int p) const { return p == 4 ? dff : d; }
+  index_t cols(int p) const { return p <= 1 ? dk : p == 3 ? dff : d; }
   index_t size(int p) const { return rows(p) * cols(p); }
-  index_t total_size() const {
-    index_t P = 0;
-    for (int p = 0; p < kNumParams; ++p) P += size(p);
-    return P;
-  }
+  index_t total_size() const { return size(0) + size(1) + size(2) + size(3) + size(4); }
   void check() const {
     if (L < 1 || d < 1 || dk < 1 || dff < 1)
       throw std::invalid_argument("block: L, d, d_k and d_ff must all be >= 1");
   }
 };
 
-// The parameters chosen for a derivative (wrt), and where each sits in the flattened vector of
-// the chosen ones.
-using Selection = std::array<bool, kNumParams>;
+// The paper's parameters, by position.
+enum Param : int { W_Q = 0, W_K = 1, W_V = 2, W_1 = 3, W_2 = 4 };
+constexpr int kNumParams = 5;
 
-// Offsets of the selected parameters in the flattened vector; returns the total size.
-inline index_t offsets(const Dims& D, const Selection& wrt, std::array<index_t, kNumParams>& off) {
+struct ParamShape {
+  std::string name;
+  index_t rows = 0, cols = 0;
+  bool vector = false;  // a bias, gamma or beta: shape (cols,) to the caller, (1, cols) inside
+  index_t size() const { return rows * cols; }
+};
+
+inline void check(const Spec& s, const Dims& D) {
+  D.check();
+  if (s.heads < 1) throw std::invalid_argument("block: heads must be >= 1");
+  if (s.heads > 1) throw std::invalid_argument("block: multi-head attention (heads > 1) is not wired into the engine yet");
+  if (s.rmsnorm) throw std::invalid_argument("block: RMSNorm is not wired into the engine yet");
+  if (s.pre_ln && s.norm_affine)
+    throw std::invalid_argument("block: a pre-LN block with trainable norm parameters (the attention's input then "
+                                "moves) is not wired into the engine yet");
+  if (!s.out_proj && s.heads * D.value_width(s) != D.d)
+    throw std::invalid_argument("block: without out_proj, heads * d_v must equal d");
+}
+
+// The parameters of a block, in the canonical order: W_Q, b_Q, W_K, b_K, W_V, b_V, W_O, b_O,
+// gamma_1, beta_1, W_1, b_1, W_2, b_2, gamma_2, beta_2 (each only where the spec has it).
+inline std::vector<ParamShape> parameters(const Spec& s, const Dims& D) {
+  const index_t d = D.d, hk = s.heads * D.dk, hv = s.heads * D.value_width(s), dff = D.dff;
+  std::vector<ParamShape> out;
+  auto matrix = [&](const char* name, index_t rows, index_t cols) { out.push_back({name, rows, cols, false}); };
+  auto vector = [&](const char* name, index_t n) { out.push_back({name, 1, n, true}); };
+  matrix("W_Q", d, hk);
+  if (s.bias) vector("b_Q", hk);
+  matrix("W_K", d, hk);
+  if (s.bias) vector("b_K", hk);
+  matrix("W_V", d, hv);
+  if (s.bias) vector("b_V", hv);
+  if (s.out_proj) {
+    matrix("W_O", hv, d);
+    if (s.bias) vector("b_O", d);
+  }
+  auto norm = [&](const char* gamma, const char* beta) {
+    if (!s.norm_affine) return;
+    vector(gamma, d);
+    if (!s.rmsnorm) vector(beta, d);
+  };
+  norm("gamma_1", "beta_1");
+  matrix("W_1", d, dff);
+  if (s.bias) vector("b_1", dff);
+  matrix("W_2", dff, d);
+  if (s.bias) vector("b_2", d);
+  norm("gamma_2", "beta_2");
+  return out;
+}
+
+// The parameters chosen for a derivative (wrt): one flag per parameter.
+using Selection = std::vector<bool>;
+
+// Where each parameter sits in the flattened vector of the selected ones (an unselected one: where
+// it would); returns the total size.
+inline index_t offsets(const std::vector<ParamShape>& shapes, const Selection& wrt, std::vector<index_t>& off) {
+  if (wrt.size() != shapes.size()) throw std::invalid_argument("block: wrt needs one flag per parameter");
+  off.assign(shapes.size(), 0);
   index_t total = 0;
-  for (int p = 0; p < kNumParams; ++p) {
+  for (size_t p = 0; p < shapes.size(); ++p) {
     off[p] = total;
-    if (wrt[p]) total += D.size(p);
+    if (wrt[p]) total += shapes[p].size();
   }
   return total;
 }

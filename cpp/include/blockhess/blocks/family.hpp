@@ -1,0 +1,21 @@
+// A block of the family (params.hpp's Spec) wired onto an engine graph.
+#pragma once
+
+#include <vector>
+
+#include "blockhess/blocks/post_ln.hpp"
+#include "blockhess/blocks/pre_ln.hpp"
+
+namespace blockhess::blocks {
+
+template <class T>
+Values wire(engine::Graph<T>& g, const block::Spec& s, const block::Dims& D, const T* X,
+            const std::vector<const T*>& weights, T eps) {
+  block::check(s, D);
+  ParamCursor p(g, block::parameters(s, D), weights);
+  const Values v = s.pre_ln ? wire_pre_ln(g, s, D, p, X, eps) : wire_post_ln(g, s, D, p, X, eps);
+  if (!p.done()) throw std::logic_error("block: the wiring left parameters unused");
+  return v;
+}
+
+}  // namespace blockhess::blocks

@@ -1,0 +1,69 @@
+"""Which Transformer block: :class:`BlockSpec`, a frozen, hashable value (the paper's block is the
+default). The parameters each spec has, their names, shapes and order come from the core's
+registry (``cpp/include/blockhess/params.hpp``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ._validate import nonneg_scalar
+
+_NORM_POSITIONS = ("post", "pre")
+_NORMS = ("layernorm", "rmsnorm")
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")  # the codes of activation.hpp, in order
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """A block of the family.
+
+    - ``norm_position``: "post" (the paper's: ``Y = N_1(X + attn(X)), Z = N_2(Y + ffn(Y))``) or
+      "pre" (GPT-2's: ``Y = X + attn(N_1(X)), Z = Y + ffn(N_2(Y))``);
+    - ``norm``: "layernorm" (population variance) or "rmsnorm";
+    - ``norm_affine``: trainable gamma (and beta) in both norms;
+    - ``bias``: a bias on every linear map (b_Q, b_K, b_V, b_O, b_1, b_2);
+    - ``heads``, ``out_proj`` (W_O after the heads); without ``out_proj``, heads * d_v == d;
+    - ``activation``: "relu", "gelu" (erf form), "gelu_tanh" or "silu";
+    - ``causal``: keys after the query are masked;
+    - ``eps``: the norms' epsilon, used when a function is called without ``eps=``.
+
+    Not wired into the engine yet (a clear ValueError when used): heads > 1, "rmsnorm", and
+    "pre" together with ``norm_affine``.
+    """
+
+    norm_position: str = "post"
+    norm: str = "layernorm"
+    norm_affine: bool = False
+    bias: bool = False
+    heads: int = 1
+    out_proj: bool = False
+    activation: str = "relu"
+    causal: bool = False
+    eps: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("norm_position", _NORM_POSITIONS), ("norm", _NORMS), ("activation", ACTIVATIONS)):
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"BlockSpec.{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+        for name in ("norm_affine", "bias", "out_proj", "causal"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"BlockSpec.{name} must be a bool, got {getattr(self, name)!r}")
+        if isinstance(self.heads, bool) or not isinstance(self.heads, int) or self.heads < 1:
+            raise ValueError(f"BlockSpec.heads must be an int >= 1, got {self.heads!r}")
+        object.__setattr__(self, "eps", nonneg_scalar(self.eps, "BlockSpec.eps"))
+
+    @property
+    def is_paper_block(self) -> bool:
+        """The paper's block: post-LN, no affine norms, no biases, one head, relu, not causal."""
+        return (self.norm_position, self.norm, self.norm_affine, self.bias, self.heads, self.out_proj,
+                self.activation, self.causal) == ("post", "layernorm", False, False, 1, False, "relu", False)
+
+    def _core(self) -> tuple[Any, ...]:
+        """The tuple the core's bindings take (bind_block.cpp, SpecTuple)."""
+        return (self.norm_position == "pre", self.norm == "rmsnorm", self.norm_affine, self.bias, self.heads,
+                self.out_proj, ACTIVATIONS.index(self.activation), self.causal)
+
+
+PAPER_BLOCK = BlockSpec()
