@@ -90,12 +90,11 @@ class AttentionNode final : public Node<T> {
     if (!biased()) return;
     T *gbQ = g.gradient_out(bq()), *gbK = g.gradient_out(bk()), *gbV = g.gradient_out(bv());
     if (gbQ) MapM<T>(gbQ, 1, dk_).setZero();
-    if (gbK) MapM<T>(gbK, 1, dk_).setZero();
+    if (gbK) MapM<T>(gbK, 1, dk_).setZero();  // exactly: the rows of gT sum to 0
     if (gbV) MapM<T>(gbV, 1, dv_).setZero();
     for (index_t b = 0; b < B; ++b) {
       const MapC<T> gT(gT_.data() + b * L * L, L, L), A(A_.data() + b * L * L, L, L);
       if (gbQ) MapM<T>(gbQ, 1, dk_) += s_ * (gT * sample(K_, b, dk_, L)).colwise().sum();
-      if (gbK) MapM<T>(gbK, 1, dk_) += s_ * (gT.transpose() * sample(Q_, b, dk_, L)).colwise().sum();
       if (gbV) MapM<T>(gbV, 1, dv_) += (A.transpose() * MapC<T>(gF + b * L * dv_, L, dv_)).colwise().sum();
     }
   }
@@ -269,7 +268,7 @@ class AttentionNode final : public Node<T> {
     if (oK) MapM<T>(oK, d, dk_).setZero();
     if (oV) MapM<T>(oV, d, dv_).setZero();
     if (obQ) MapM<T>(obQ, 1, dk_).setZero();
-    if (obK) MapM<T>(obK, 1, dk_).setZero();
+    if (obK) MapM<T>(obK, 1, dk_).setZero();  // b_K moves nothing: its rows of H v are exactly 0
     if (obV) MapM<T>(obV, 1, dv_).setZero();
     const MapM<T> iq(tg.scratch(this->index, kInnerQ, L * dk_).data(), L, dk_);
     const MapM<T> ik(tg.scratch(this->index, kInnerK, L * dk_).data(), L, dk_);
@@ -283,11 +282,10 @@ class AttentionNode final : public Node<T> {
         if (oQ) product(MapM<T>(oQ, d, dk_), X.transpose(), iq, s_, true);
         if (obQ) MapM<T>(obQ, 1, dk_) += s_ * iq.colwise().sum();
       }
-      if (oK || obK) {
+      if (oK) {
         product(ik, dgTb.transpose(), sample(Q_, b, dk_, L), T(1), false);
         if (curved && moves_q) product(ik, gT.transpose(), sample(dQ, b, dk_, L), T(1), true);
-        if (oK) product(MapM<T>(oK, d, dk_), X.transpose(), ik, s_, true);
-        if (obK) MapM<T>(obK, 1, dk_) += s_ * ik.colwise().sum();
+        product(MapM<T>(oK, d, dk_), X.transpose(), ik, s_, true);
       }
       if (oV || obV) {
         product(iv, A.transpose(), MapC<T>(dgF + b * L * dv_, L, dv_), T(1), false);
