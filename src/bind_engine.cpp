@@ -11,6 +11,7 @@
 //   "attention"         out = attention(cur; W_Q, W_K, W_V) (takes three; cur must be X)
 //   "attention_causal"  the same with keys after the query masked
 //   "attention_bias"    with biases: takes W_Q, b_Q, W_K, b_K, W_V, b_V (biases (1, width))
+//   "attention_2heads"  two heads (W_Q, W_K, W_V each split into two blocks of columns), with biases
 #include "binding.hpp"
 
 #include <memory>
@@ -70,11 +71,13 @@ py::tuple engine_chain(const std::vector<std::string>& kinds, const carray<T>& X
     } else if (kind == "residual") {
       if (before < 0 || g.width(before) != g.width(cur)) throw std::invalid_argument("engine_chain: residual needs a same-width skip");
       cur = g.add(std::make_unique<ResidualNode<T>>("engine_chain: residual"), {cur, before}, {}, g.width(cur));
-    } else if (kind == "attention" || kind == "attention_causal" || kind == "attention_bias") {
+    } else if (kind == "attention" || kind == "attention_causal" || kind == "attention_bias" || kind == "attention_2heads") {
       std::vector<int> owned;
-      for (int k = 0; k < (kind == "attention_bias" ? 6 : 3); ++k) owned.push_back(take());
+      const bool biased = kind == "attention_bias" || kind == "attention_2heads";
+      for (int k = 0; k < (biased ? 6 : 3); ++k) owned.push_back(take());
       const index_t w_out = g.parameter(owned.back()).cols;
-      cur = g.add(std::make_unique<AttentionNode<T>>(kind == "attention_causal"), {cur}, owned, w_out);
+      cur = g.add(std::make_unique<AttentionNode<T>>(kind == "attention_causal", kind == "attention_2heads" ? 2 : 1), {cur},
+                  owned, w_out);
     } else {
       throw std::invalid_argument("engine_chain: unknown node '" + kind + "'");
     }

@@ -50,10 +50,16 @@ def _torch_chain(kinds, X, params, eps):
             cur = cur + before
         elif kind == "attention":
             cur, k = ref.attention(cur, params[k], params[k + 1], params[k + 2]), k + 3
-        elif kind == "attention_bias":
+        elif kind in ("attention_bias", "attention_2heads"):
             WQ, bQ, WK, bK, WV, bV = params[k:k + 6]
-            T = (X @ WQ + bQ[0]) @ (X @ WK + bK[0]).transpose(-1, -2) / np.sqrt(WQ.shape[1])
-            cur, k = torch.softmax(T, dim=-1) @ (X @ WV + bV[0]), k + 6
+            Q, K, V = X @ WQ + bQ[0], X @ WK + bK[0], X @ WV + bV[0]
+            h = 2 if kind == "attention_2heads" else 1
+            dk, dv = Q.shape[-1] // h, V.shape[-1] // h
+            heads = []
+            for i in range(h):
+                T = Q[..., i * dk:(i + 1) * dk] @ K[..., i * dk:(i + 1) * dk].transpose(-1, -2) / np.sqrt(dk)
+                heads.append(torch.softmax(T, dim=-1) @ V[..., i * dv:(i + 1) * dv])
+            cur, k = torch.cat(heads, dim=-1), k + 6
         elif kind == "attention_causal":
             cur, k = _causal_attention(cur, params[k], params[k + 1], params[k + 2]), k + 3
         before = start
@@ -81,6 +87,11 @@ CHAINS = {
     "attention_bias-linear": (["attention_bias", "linear"], [(5, 3), (1, 3), (5, 3), (1, 3), (5, 4), (1, 4), (4, 3)]),
     "attention_bias-residual-layernorm_affine": (["attention_bias", "residual", "layernorm_affine"],
                                                  [(5, 3), (1, 3), (5, 3), (1, 3), (5, 5), (1, 5), (1, 5), (1, 5)]),
+    "attention_2heads-layernorm-linear": (["attention_2heads", "layernorm", "linear"],
+                                          [(5, 4), (1, 4), (5, 4), (1, 4), (5, 6), (1, 6), (6, 3)]),
+    "attention_2heads-linear_bias-residual": (["attention_2heads", "linear_bias", "residual", "layernorm_affine"],
+                                              [(5, 4), (1, 4), (5, 4), (1, 4), (5, 6), (1, 6), (6, 6), (1, 6),
+                                               (1, 6), (1, 6)]),
     "attention_causal-layernorm_affine-linear_bias": (["attention_causal", "layernorm_affine", "linear_bias"],
                                                       [(5, 3), (5, 3), (5, 5), (1, 5), (1, 5), (5, 2), (1, 2)]),
 }

@@ -29,13 +29,19 @@ SPECS = {
     "affine-causal-out_proj": BlockSpec(norm_affine=True, causal=True, out_proj=True),
     "post-everything": BlockSpec(norm_affine=True, bias=True, out_proj=True, activation="gelu", causal=True,
                                  eps=1e-3),
+    "heads2-out_proj": BlockSpec(heads=2, out_proj=True),
+    "post-everything-heads2": BlockSpec(norm_affine=True, bias=True, heads=2, out_proj=True, activation="gelu",
+                                        causal=True, eps=1e-3),
+    "pre-heads2-bias-out_proj-gelu_tanh-causal": BlockSpec(norm_position="pre", heads=2, bias=True, out_proj=True,
+                                                           activation="gelu_tanh", causal=True),
 }
 L, D, D_K, D_FF = 4, 5, 3, 6
 
 
 def _case(rng, spec, B, loss, dtype=np.float64):
-    d_v = 4 if spec.out_proj else None
-    params = BlockParams.random(spec, d=D, d_k=D_K, d_ff=D_FF, d_v=d_v, seed=int(rng.integers(1 << 30)), dtype=dtype)
+    d_v = (4 if spec.heads == 1 else 2) if spec.out_proj else None
+    d_k = D_K if spec.heads == 1 else 2
+    params = BlockParams.random(spec, d=D, d_k=d_k, d_ff=D_FF, d_v=d_v, seed=int(rng.integers(1 << 30)), dtype=dtype)
     shape = (L, D) if B is None else (B, L, D)
     X = rng.standard_normal(shape).astype(dtype)
     if loss == "mse":
@@ -137,7 +143,7 @@ def test_bad_specs_and_arrays_are_named(rng):
         BlockSpec(bias=1)
     with pytest.raises(ValueError, match="eps"):
         BlockSpec(eps=-1.0)
-    for spec, what in ((BlockSpec(heads=2), "multi-head"), (BlockSpec(norm="rmsnorm"), "RMSNorm"),
+    for spec, what in ((BlockSpec(heads=3), "heads \\* d_v must equal d"), (BlockSpec(norm="rmsnorm"), "RMSNorm"),
                        (BlockSpec(norm_position="pre", norm_affine=True), "pre-LN")):
         with pytest.raises(ValueError, match=what):
             BlockParams.random(spec, d=4, d_k=2, d_ff=3)

@@ -28,8 +28,8 @@ class BlockSpec:
     - ``causal``: keys after the query are masked;
     - ``eps``: the norms' epsilon, used when a function is called without ``eps=``.
 
-    Not wired into the engine yet (a clear ValueError when used): heads > 1, "rmsnorm", and
-    "pre" together with ``norm_affine``.
+    Not wired into the engine yet (a clear ValueError when used): "rmsnorm", and "pre" together
+    with ``norm_affine`` (the attention's input then moves with gamma_1 and beta_1).
     """
 
     norm_position: str = "post"

@@ -54,22 +54,22 @@ void jacobian(Evaluation<T>& e, int p, T* J) {
   g.select(only);
   g.push_factors(/*to_output=*/true);
   const index_t d = e.dims().d, np = e.shapes()[static_cast<size_t>(p)].size();
-  const engine::Factor<T>& f = g.factor(g.output(), p);
-  if (!f.present) {  // the parameter does not move the output (a key bias): its Jacobian is 0
-    std::fill_n(J, e.tokens() * d * np, T(0));
-    return;
+  std::fill_n(J, e.tokens() * d * np, T(0));  // a piece that does not move the output (a key bias) stays 0
+  for (int piece : g.pieces_of(p)) {
+    const engine::Factor<T>& f = g.factor(g.output(), piece);
+    if (!f.present) continue;
+    const index_t no = f.split.n_vec(), nr = f.n_mat();
+    blockhess::detail::parallel_for(e.tokens(), d * np, [&](index_t t) {
+      Mat<T> U;
+      f.materialise(t, U);
+      const T* v = f.vec->data() + t * no;
+      for (index_t a = 0; a < d; ++a) {
+        T* row = J + (t * d + a) * np;
+        for (index_t o = 0; o < no; ++o)
+          for (index_t r = 0; r < nr; ++r) row[f.split.flat(o, r)] = v[o] * U(a, r);
+      }
+    });
   }
-  const index_t no = f.split.n_vec(), nr = f.n_mat();
-  blockhess::detail::parallel_for(e.tokens(), d * np, [&](index_t t) {
-    Mat<T> U;
-    f.materialise(t, U);
-    const T* v = f.vec->data() + t * no;
-    for (index_t a = 0; a < d; ++a) {
-      T* row = J + (t * d + a) * np;
-      for (index_t o = 0; o < no; ++o)
-        for (index_t r = 0; r < nr; ++r) row[f.split.flat(o, r)] = v[o] * U(a, r);
-    }
-  });
 }
 
 // d2 Z / dW_i dW_j for one sample, in the paper's layout (L d n_i, n_j): for each output entry o,

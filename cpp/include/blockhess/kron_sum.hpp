@@ -25,15 +25,22 @@
 namespace blockhess::kron {
 
 // How a parameter matrix of shape (n_first, n_second) is split into vector and matrix indices.
+// The matrix may be a block of columns of a wider parameter (one attention head's columns): its
+// rows are then `stride` apart and its first column is column `offset` of the parameter.
 struct Split {
   index_t n_first = 0, n_second = 0;
   bool vec_on_first = true;
+  index_t stride = 0, offset = 0;  // stride 0: n_second (the whole parameter)
 
   index_t n_vec() const { return vec_on_first ? n_first : n_second; }
   index_t n_mat() const { return vec_on_first ? n_second : n_first; }
   index_t size() const { return n_first * n_second; }
+  index_t row_stride() const { return stride > 0 ? stride : n_second; }
+  bool whole() const { return offset == 0 && row_stride() == n_second; }
   // Flat (row-major) parameter index of (vector index o, matrix index r).
-  index_t flat(index_t o, index_t r) const { return vec_on_first ? o * n_second + r : r * n_second + o; }
+  index_t flat(index_t o, index_t r) const {
+    return (vec_on_first ? o * row_stride() + r : r * row_stride() + o) + offset;
+  }
 };
 
 namespace detail {
@@ -61,7 +68,7 @@ void accumulate(index_t tokens, const Split& si, const T* u, const Split& sj, co
   const index_t noi = si.n_vec(), nri = si.n_mat(), noj = sj.n_vec(), nrj = sj.n_mat();
   const index_t gsize = nri * nrj;
   if (tokens <= 0 || gsize == 0) return;
-  upper_only = upper_only && si.vec_on_first && sj.vec_on_first;
+  upper_only = upper_only && si.vec_on_first && sj.vec_on_first && si.whole() && sj.whole();
   const index_t chunk = detail::chunk_tokens(tokens, gsize);
   Buffer<T> gammas(static_cast<size_t>(chunk * gsize));
 
@@ -110,13 +117,13 @@ void accumulate(index_t tokens, const Split& si, const T* u, const Split& sj, co
             T* row = H + si.flat(oi, ri) * ldH;
             const T* r = R.data() + k * gsize + ri * nrj;
             if (sj.vec_on_first) {
-              T* dst = row + oj * sj.n_second;  // contiguous run over r_j
+              T* dst = row + sj.flat(oj, 0);  // contiguous run over r_j
               if (assign) std::copy_n(r, nrj, dst);
               else for (index_t rj = 0; rj < nrj; ++rj) dst[rj] += r[rj];
             } else if (assign) {
-              for (index_t rj = 0; rj < nrj; ++rj) row[rj * sj.n_second + oj] = r[rj];
+              for (index_t rj = 0; rj < nrj; ++rj) row[sj.flat(oj, rj)] = r[rj];
             } else {
-              for (index_t rj = 0; rj < nrj; ++rj) row[rj * sj.n_second + oj] += r[rj];
+              for (index_t rj = 0; rj < nrj; ++rj) row[sj.flat(oj, rj)] += r[rj];
             }
           }
     });

@@ -41,7 +41,7 @@ class ParamCursor {
 template <class T>
 int attention_sublayer(engine::Graph<T>& g, const block::Spec& s, const block::Dims& D, ParamCursor& p, int input) {
   const index_t hv = s.heads * D.value_width(s);
-  int F = g.add(std::make_unique<engine::AttentionNode<T>>(s.causal), {input}, p.next(s.bias ? 6 : 3), hv);
+  int F = g.add(std::make_unique<engine::AttentionNode<T>>(s.causal, s.heads), {input}, p.next(s.bias ? 6 : 3), hv);
   if (s.out_proj)
     F = g.add(std::make_unique<engine::LinearNode<T>>("block: the attention's output projection A V W_O"), {F},
               p.next(s.bias ? 2 : 1), D.d);

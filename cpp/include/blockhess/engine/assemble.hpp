@@ -90,28 +90,40 @@ auto sandwich(const Factor<T>& fi, const Factor<T>& fj, const Site<T>& site) {
 
 }  // namespace detail
 
-// H (P x P, the selected parameters at `offset`) = the sum of the terms. The first site that every
-// selected parameter reaches overwrites H (no zero fill of a memory-bound output); the rest add.
+// H (P x P, the selected parameters at `offset`) = the sum of the terms. Terms name pieces (a
+// parameter, or one head's block of its columns: Graph::split_columns); each pair of parameters is
+// written into the upper block triangle, and the pieces of one parameter in both orders (their
+// columns interleave). The first site that every selected piece reaches overwrites H (no zero fill
+// of a memory-bound output); the rest add.
 template <class T>
 void assemble(const Graph<T>& g, Terms<T> terms, const std::vector<index_t>& offset, index_t P, T* H) {
   const index_t n = g.tokens();
   std::vector<Site<T>> sites = detail::settle_sites(g, std::move(terms.sites));
   std::vector<int> selected;
-  for (int p = 0; p < g.num_params(); ++p)
-    if (g.selected(p)) selected.push_back(p);
+  for (int f = 0; f < g.num_pieces(); ++f)
+    if (g.piece_selected(f)) selected.push_back(f);
   auto reaches_all = [&](const Site<T>& s) {
-    return std::all_of(selected.begin(), selected.end(), [&](int p) { return g.factor(s.value, p).present; });
+    return std::all_of(selected.begin(), selected.end(), [&](int f) { return g.factor(s.value, f).present; });
   };
   auto first = std::find_if(sites.begin(), sites.end(), reaches_all);
   if (first != sites.end()) std::rotate(sites.begin(), first, first + 1);
   else std::fill_n(H, P * P, T(0));
   bool overwrite = first != sites.end();
-  auto block = [&](int i, int j) { return H + offset[static_cast<size_t>(i)] * P + offset[static_cast<size_t>(j)]; };
+  auto param = [&](int f) { return g.piece(f).param; };
+  auto block = [&](int fi, int fj) {
+    return H + offset[static_cast<size_t>(param(fi))] * P + offset[static_cast<size_t>(param(fj))];
+  };
+  // Whether the pair (fi, fj) is assembled as it stands: upper block triangle, or one parameter's
+  // pieces in both orders.
+  auto assembled = [&](int fi, int fj) {
+    if (param(fi) != param(fj)) return param(fi) < param(fj);
+    return fi == fj || g.pieces_of(param(fi)).size() > 1;
+  };
 
   for (const Site<T>& s : sites) {
     for (int i : selected)
       for (int j : selected) {
-        if (j < i) continue;
+        if (!assembled(i, j)) continue;
         const Factor<T>&fi = g.factor(s.value, i), &fj = g.factor(s.value, j);
         if (!fi.present || !fj.present) continue;
         kron::accumulate(n, fi.split, fi.vec->data(), fj.split, fj.vec->data(), detail::sandwich(fi, fj, s),
@@ -120,24 +132,22 @@ void assemble(const Graph<T>& g, Terms<T> terms, const std::vector<index_t>& off
     overwrite = false;
   }
   for (const KronTerm<T>& k : terms.kron) {
-    if (!g.selected(k.i) || !g.selected(k.j)) continue;
-    if (k.i <= k.j) {
-      kron::accumulate(n, k.si, k.u, k.sj, k.w, k.gamma, T(1), block(k.i, k.j), P, k.symmetric);
-    } else {  // the pair's upper block is (j, i): the transposed term
-      const index_t ri = k.si.n_mat(), rj = k.sj.n_mat();
-      kron::accumulate(n, k.sj, k.w, k.si, k.u,
-                       [&k, ri, rj](index_t t, T* out) {
-                         Mat<T> G(ri, rj);
-                         k.gamma(t, G.data());
-                         MapM<T>(out, rj, ri) = G.transpose();
-                       },
-                       T(1), block(k.j, k.i), P);
-    }
+    if (!g.piece_selected(k.i) || !g.piece_selected(k.j)) continue;
+    const index_t ri = k.si.n_mat(), rj = k.sj.n_mat();
+    auto transposed = [&k, ri, rj](index_t t, T* out) {
+      Mat<T> G(ri, rj);
+      k.gamma(t, G.data());
+      MapM<T>(out, rj, ri) = G.transpose();
+    };
+    if (assembled(k.i, k.j) || k.i == k.j) kron::accumulate(n, k.si, k.u, k.sj, k.w, k.gamma, T(1), block(k.i, k.j), P, k.symmetric);
+    if (k.i != k.j && (assembled(k.j, k.i) || param(k.i) == param(k.j)))  // the pair's upper block is (j, i)
+      kron::accumulate(n, k.sj, k.w, k.si, k.u, transposed, T(1), block(k.j, k.i), P);
   }
   for (const DiagonalTerm<T>& k : terms.diagonal) {
-    if (!g.selected(k.i) || !g.selected(k.j)) continue;
-    if (k.i <= k.j) kron::accumulate_diagonal(n, k.si, k.u, k.sj, k.w, k.D, T(1), block(k.i, k.j), P);
-    else kron::accumulate_diagonal(n, k.sj, k.w, k.si, k.u, k.D, T(1), block(k.j, k.i), P);
+    if (!g.piece_selected(k.i) || !g.piece_selected(k.j)) continue;
+    if (assembled(k.i, k.j) || k.i == k.j) kron::accumulate_diagonal(n, k.si, k.u, k.sj, k.w, k.D, T(1), block(k.i, k.j), P);
+    if (k.i != k.j && (assembled(k.j, k.i) || param(k.i) == param(k.j)))
+      kron::accumulate_diagonal(n, k.sj, k.w, k.si, k.u, k.D, T(1), block(k.j, k.i), P);
   }
   if (!kron::mirror_upper(H, P))  // checks every entry as it mirrors: no extra pass over H
     throw non_finite_error("block: the assembled Hessian (a sum of products of finite factors) is not finite "

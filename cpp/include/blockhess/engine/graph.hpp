@@ -33,6 +33,12 @@ namespace blockhess::engine {
 template <class T>
 class Graph;
 
+// A parameter, or one block of its columns, with its own tangent factors (factor.hpp).
+struct Piece {
+  int param = -1;
+  index_t col_offset = 0, cols = 0;
+};
+
 // Where a node writes its share of a value's cotangent: assigned by the first node, added by the rest.
 template <class T>
 struct Slot {
@@ -121,7 +127,22 @@ class Graph {
   }
   int param(std::string name, index_t rows, index_t cols, const T* data) {
     params_.push_back(Param{std::move(name), rows, cols, Buffer<T>(data, data + rows * cols)});
-    return static_cast<int>(params_.size()) - 1;
+    const int p = static_cast<int>(params_.size()) - 1;
+    pieces_of_.push_back({static_cast<int>(pieces_.size())});
+    pieces_.push_back(Piece{p, 0, cols});
+    return p;
+  }
+  // Splits a parameter into `parts` equal blocks of columns, each with its own tangent factors
+  // (attention heads: each head's columns of W_Q, W_K, W_V reach the output through its own A).
+  void split_columns(int p, index_t parts) {
+    const index_t cols = parameter(p).cols / parts;
+    std::vector<int>& list = pieces_of_[static_cast<size_t>(p)];
+    pieces_[static_cast<size_t>(list[0])] = Piece{p, 0, cols};
+    list.resize(1);
+    for (index_t k = 1; k < parts; ++k) {
+      list.push_back(static_cast<int>(pieces_.size()));
+      pieces_.push_back(Piece{p, k * cols, cols});
+    }
   }
   // Adds a node reading `inputs` and owning `params`; returns the id of its output value.
   int add(std::unique_ptr<Node<T>> node, std::vector<int> inputs, std::vector<int> params, index_t out_width) {
@@ -140,6 +161,19 @@ class Graph {
   int output() const { return output_; }
   int num_values() const { return static_cast<int>(width_.size()); }
   int num_params() const { return static_cast<int>(params_.size()); }
+  int num_pieces() const { return static_cast<int>(pieces_.size()); }
+  const Piece& piece(int f) const { return pieces_[static_cast<size_t>(f)]; }
+  const std::vector<int>& pieces_of(int p) const { return pieces_of_[static_cast<size_t>(p)]; }
+  int whole(int p) const {  // the one piece of an unsplit parameter
+    const std::vector<int>& list = pieces_of(p);
+    if (list.size() != 1) throw std::logic_error("engine: parameter " + parameter(p).name + " is split into pieces");
+    return list[0];
+  }
+  // Where a factor of piece f sits in its parameter: the Split of a block of columns.
+  kron::Split split_of(int f, bool vec_on_first) const {
+    const Piece& pc = piece(f);
+    return kron::Split{parameter(pc.param).rows, pc.cols, vec_on_first, parameter(pc.param).cols, pc.col_offset};
+  }
   const Param& parameter(int p) const { return params_[static_cast<size_t>(p)]; }
   const T* weight(int p) const { return params_[static_cast<size_t>(p)].data.data(); }
   index_t width(int v) const { return width_[static_cast<size_t>(v)]; }
@@ -166,6 +200,8 @@ class Graph {
   }
   T* gradient_out(int p) const { return grad_out_[static_cast<size_t>(p)]; }
   bool selected(int p) const { return selected_[static_cast<size_t>(p)] != 0; }
+  bool piece_selected(int f) const { return selected(piece(f).param); }
+  // Factors are kept per piece (f); an unsplit parameter p has the one piece whole(p).
   const Factor<T>& factor(int v, int p) const { return factors_[static_cast<size_t>(v)][static_cast<size_t>(p)]; }
   void set_factor(int v, int p, Factor<T> f) { factors_[static_cast<size_t>(v)][static_cast<size_t>(p)] = std::move(f); }
   std::vector<const Factor<T>*> factors(int v) const {
@@ -204,7 +240,7 @@ class Graph {
   // The tangent factors of the selected parameters at every value, up to the output's producer's
   // input (to_output: at the output too; sites at the output are pulled back instead).
   void push_factors(bool to_output) {
-    for (auto& per_value : factors_) per_value.assign(params_.size(), Factor<T>{});
+    for (auto& per_value : factors_) per_value.assign(pieces_.size(), Factor<T>{});
     for (auto& node : nodes_) {
       if (!to_output && node->output == output_ && node->pulls_sites()) continue;
       node->push(*this);
@@ -253,6 +289,8 @@ class Graph {
 
   index_t B_, L_;
   std::vector<Param> params_;
+  std::vector<Piece> pieces_;
+  std::vector<std::vector<int>> pieces_of_;
   std::vector<std::unique_ptr<Node<T>>> nodes_;
   std::vector<index_t> width_;
   std::vector<int> producer_;

@@ -64,9 +64,10 @@ class LayerNormNode final : public Node<T> {
     auto ones = std::make_shared<const Buffer<T>>(n, T(1));
     if (g.selected(gamma_param())) {
       const Factor<T> entered = entering<T>(kron::Split{1, d, true}, ones, d);
-      g.set_factor(this->output, gamma_param(), moved(entered, Form::diagonal, d, Buffer<T>(normalized_)));
+      g.set_factor(this->output, g.whole(gamma_param()), moved(entered, Form::diagonal, d, Buffer<T>(normalized_)));
     }
-    if (g.selected(beta_param())) g.set_factor(this->output, beta_param(), entering<T>(kron::Split{1, d, true}, ones, d));
+    if (g.selected(beta_param()))
+      g.set_factor(this->output, g.whole(beta_param()), entering<T>(kron::Split{1, d, true}, ones, d));
   }
 
   void curvature(const Graph<T>& g, Terms<T>& terms) const override {
@@ -82,10 +83,10 @@ class LayerNormNode final : public Node<T> {
     if (!affine() || !g.selected(gamma_param())) return;
     // <g, dn dgamma>: sum_t sum_a g_ta (J0_t du_t)_a dgamma_a, with gamma's vec [1].
     const T* ones = terms.kept(Buffer<T>(n, T(1)));
-    for (int p = 0; p < g.num_params(); ++p) {
+    for (int p = 0; p < g.num_pieces(); ++p) {
       const Factor<T>& f = g.factor(in(), p);
       if (!f.present) continue;
-      terms.kron.push_back(KronTerm<T>{p, gamma_param(), f.split, kron::Split{1, d, true}, f.vec->data(), ones,
+      terms.kron.push_back(KronTerm<T>{p, g.whole(gamma_param()), f.split, kron::Split{1, d, true}, f.vec->data(), ones,
                                        [this, &g, f, gy, d](index_t t, T* out) {
                                          Mat<T> U;
                                          f.materialise(t, U);

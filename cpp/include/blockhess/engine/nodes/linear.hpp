@@ -46,9 +46,10 @@ class LinearNode final : public Node<T> {
     const Mat<T> Wt = W(g).transpose();
     g.set_factors(this->output, left_multiply(g.factors(in()), n, w_out(g), [&](index_t) -> const Mat<T>& { return Wt; }));
     if (g.selected(param()))
-      g.set_factor(this->output, param(), entering<T>(kron::Split{w_in(g), w_out(g), true}, g.value_buffer(in()), w_out(g)));
+      g.set_factor(this->output, g.whole(param()),
+                   entering<T>(kron::Split{w_in(g), w_out(g), true}, g.value_buffer(in()), w_out(g)));
     if (has_bias() && g.selected(bias_param()))
-      g.set_factor(this->output, bias_param(),
+      g.set_factor(this->output, g.whole(bias_param()),
                    entering<T>(kron::Split{1, w_out(g), true}, std::make_shared<const Buffer<T>>(n, T(1)), w_out(g)));
   }
 
@@ -56,18 +57,19 @@ class LinearNode final : public Node<T> {
     if (!g.selected(param())) return;
     const kron::Split by_columns{w_in(g), w_out(g), false};  // g_t on W's columns, W's rows meet U_t
     const T* gout = g.cotangent(this->output);
-    for (int p = 0; p < g.num_params(); ++p) {
+    const int weight = g.whole(param());
+    for (int p = 0; p < g.num_pieces(); ++p) {
       const Factor<T>& f = g.factor(in(), p);
       if (!f.present) continue;
       if (f.form == Form::dense) {
         const index_t wi = w_in(g), r = f.n_mat();
-        terms.kron.push_back(KronTerm<T>{p, param(), f.split, by_columns, f.vec->data(), gout,
+        terms.kron.push_back(KronTerm<T>{p, weight, f.split, by_columns, f.vec->data(), gout,
                                          [f, wi, r](index_t t, T* out) {
                                            MapM<T>(out, r, wi) = MapC<T>(f.dense_t(t), wi, r).transpose();
                                          },
                                          false});
       } else {
-        terms.diagonal.push_back(DiagonalTerm<T>{p, param(), f.split, by_columns, f.vec->data(), gout,
+        terms.diagonal.push_back(DiagonalTerm<T>{p, weight, f.split, by_columns, f.vec->data(), gout,
                                                  f.form == Form::diagonal ? f.U->data() : nullptr});
       }
     }

@@ -29,7 +29,7 @@ class PointwiseNode final : public Node<T> {
   }
 
   void push(Graph<T>& g) const override {
-    for (int p = 0; p < g.num_params(); ++p) {
+    for (int p = 0; p < g.num_pieces(); ++p) {
       const Factor<T>& f = g.factor(in(), p);
       if (f.present) g.set_factor(this->output, p, scale_rows(f, g.tokens(), first_.data()));
     }

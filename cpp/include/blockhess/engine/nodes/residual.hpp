@@ -29,7 +29,7 @@ class ResidualNode final : public Node<T> {
   }
 
   void push(Graph<T>& g) const override {
-    for (int p = 0; p < g.num_params(); ++p)
+    for (int p = 0; p < g.num_pieces(); ++p)
       if (g.factor(this->inputs[0], p).present || g.factor(this->inputs[1], p).present)
         g.set_factor(this->output, p, add(g.factor(this->inputs[0], p), g.factor(this->inputs[1], p), g.tokens()));
   }
