@@ -52,7 +52,7 @@ def _torch_chain(kinds, X, params, eps):
             cur, k = ref.attention(cur, params[k], params[k + 1], params[k + 2]), k + 3
         elif kind in ("attention_bias", "attention_2heads"):
             WQ, bQ, WK, bK, WV, bV = params[k:k + 6]
-            Q, K, V = X @ WQ + bQ[0], X @ WK + bK[0], X @ WV + bV[0]
+            Q, K, V = cur @ WQ + bQ[0], cur @ WK + bK[0], cur @ WV + bV[0]
             h = 2 if kind == "attention_2heads" else 1
             dk, dv = Q.shape[-1] // h, V.shape[-1] // h
             heads = []
@@ -92,6 +92,12 @@ CHAINS = {
     "attention_2heads-linear_bias-residual": (["attention_2heads", "linear_bias", "residual", "layernorm_affine"],
                                               [(5, 4), (1, 4), (5, 4), (1, 4), (5, 6), (1, 6), (6, 6), (1, 6),
                                                (1, 6), (1, 6)]),
+    # parameters that move the attention's input (a pre-LN block's gamma_1, beta_1): mixed tokens
+    "layernorm_affine-attention-linear": (["layernorm_affine", "attention", "linear"],
+                                          [(1, 5), (1, 5), (5, 3), (5, 3), (5, 4), (4, 2)]),
+    "layernorm_affine-attention_2heads-layernorm-linear": (["layernorm_affine", "attention_2heads", "layernorm", "linear"],
+                                                           [(1, 5), (1, 5), (5, 4), (1, 4), (5, 4), (1, 4), (5, 6), (1, 6),
+                                                            (6, 2)]),
     "attention_causal-layernorm_affine-linear_bias": (["attention_causal", "layernorm_affine", "linear_bias"],
                                                       [(5, 3), (5, 3), (5, 5), (1, 5), (1, 5), (5, 2), (1, 2)]),
 }

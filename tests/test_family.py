@@ -32,6 +32,9 @@ SPECS = {
     "heads2-out_proj": BlockSpec(heads=2, out_proj=True),
     "post-everything-heads2": BlockSpec(norm_affine=True, bias=True, heads=2, out_proj=True, activation="gelu",
                                         causal=True, eps=1e-3),
+    "pre-affine": BlockSpec(norm_position="pre", norm_affine=True),
+    "pre-everything-heads2": BlockSpec(norm_position="pre", norm_affine=True, heads=2, bias=True, out_proj=True,
+                                       activation="gelu_tanh", causal=True, eps=1e-5),
     "pre-heads2-bias-out_proj-gelu_tanh-causal": BlockSpec(norm_position="pre", heads=2, bias=True, out_proj=True,
                                                            activation="gelu_tanh", causal=True),
 }
@@ -143,8 +146,7 @@ def test_bad_specs_and_arrays_are_named(rng):
         BlockSpec(bias=1)
     with pytest.raises(ValueError, match="eps"):
         BlockSpec(eps=-1.0)
-    for spec, what in ((BlockSpec(heads=3), "heads \\* d_v must equal d"), (BlockSpec(norm="rmsnorm"), "RMSNorm"),
-                       (BlockSpec(norm_position="pre", norm_affine=True), "pre-LN")):
+    for spec, what in ((BlockSpec(heads=3), "heads \\* d_v must equal d"), (BlockSpec(norm="rmsnorm"), "RMSNorm")):
         with pytest.raises(ValueError, match=what):
             BlockParams.random(spec, d=4, d_k=2, d_ff=3)
     spec = BlockSpec(bias=True)

@@ -28,8 +28,7 @@ class BlockSpec:
     - ``causal``: keys after the query are masked;
     - ``eps``: the norms' epsilon, used when a function is called without ``eps=``.
 
-    Not wired into the engine yet (a clear ValueError when used): "rmsnorm", and "pre" together
-    with ``norm_affine`` (the attention's input then moves with gamma_1 and beta_1).
+    Not wired into the engine yet (a clear ValueError when used): "rmsnorm".
     """
 
     norm_position: str = "post"

@@ -17,50 +17,79 @@
 
 namespace blockhess::blocks {
 
-// The registered parameters, handed out in the canonical order as the wiring asks for them.
+// The registered parameters, handed out by name as the wiring asks for them (the registry's order,
+// which is also the Hessian's, need not be the order in which a wiring meets them: a pre-LN block
+// meets gamma_1 before W_Q).
 class ParamCursor {
  public:
   template <class T>
   ParamCursor(engine::Graph<T>& g, const std::vector<block::ParamShape>& shapes, const std::vector<const T*>& data) {
     if (shapes.size() != data.size()) throw std::invalid_argument("block: one array per parameter");
-    for (size_t k = 0; k < shapes.size(); ++k) ids_.push_back(g.param(shapes[k].name, shapes[k].rows, shapes[k].cols, data[k]));
+    for (size_t k = 0; k < shapes.size(); ++k) {
+      names_.push_back(shapes[k].name);
+      ids_.push_back(g.param(shapes[k].name, shapes[k].rows, shapes[k].cols, data[k]));
+    }
+    taken_.assign(ids_.size(), false);
   }
-  int next() { return ids_.at(next_++); }
-  std::vector<int> next(int count) {
+  int take(const std::string& name) {
+    for (size_t k = 0; k < names_.size(); ++k)
+      if (names_[k] == name) {
+        if (taken_[k]) throw std::logic_error("block: the wiring takes " + name + " twice");
+        taken_[k] = true;
+        return ids_[k];
+      }
+    throw std::logic_error("block: the wiring asks for " + name + ", which the registry does not list");
+  }
+  // The parameters among `names` that the spec has, in that order.
+  std::vector<int> take_present(std::initializer_list<const char*> names) {
     std::vector<int> out;
-    for (int k = 0; k < count; ++k) out.push_back(next());
+    for (const char* name : names)
+      if (has(name)) out.push_back(take(name));
     return out;
   }
-  bool done() const { return next_ == ids_.size(); }
+  bool has(const std::string& name) const {
+    for (const std::string& n : names_)
+      if (n == name) return true;
+    return false;
+  }
+  bool done() const {
+    for (bool t : taken_)
+      if (!t) return false;
+    return true;
+  }
 
  private:
+  std::vector<std::string> names_;
   std::vector<int> ids_;
-  size_t next_ = 0;
+  std::vector<bool> taken_;
 };
 
 template <class T>
 int attention_sublayer(engine::Graph<T>& g, const block::Spec& s, const block::Dims& D, ParamCursor& p, int input) {
   const index_t hv = s.heads * D.value_width(s);
-  int F = g.add(std::make_unique<engine::AttentionNode<T>>(s.causal, s.heads), {input}, p.next(s.bias ? 6 : 3), hv);
+  int F = g.add(std::make_unique<engine::AttentionNode<T>>(s.causal, s.heads), {input},
+                p.take_present({"W_Q", "b_Q", "W_K", "b_K", "W_V", "b_V"}), hv);
   if (s.out_proj)
     F = g.add(std::make_unique<engine::LinearNode<T>>("block: the attention's output projection A V W_O"), {F},
-              p.next(s.bias ? 2 : 1), D.d);
+              p.take_present({"W_O", "b_O"}), D.d);
   return F;
 }
 
 template <class T>
 int ffn_sublayer(engine::Graph<T>& g, const block::Spec& s, const block::Dims& D, ParamCursor& p, int input) {
   const int H1 = g.add(std::make_unique<engine::LinearNode<T>>("block: the FFN pre-activations Y W_1"), {input},
-                       p.next(s.bias ? 2 : 1), D.dff);
+                       p.take_present({"W_1", "b_1"}), D.dff);
   const int R = g.add(std::make_unique<engine::PointwiseNode<T>>(s.activation), {H1}, {}, D.dff);
-  return g.add(std::make_unique<engine::LinearNode<T>>("block: the FFN output act(Y W_1) W_2"), {R}, p.next(s.bias ? 2 : 1),
-               D.d);
+  return g.add(std::make_unique<engine::LinearNode<T>>("block: the FFN output act(Y W_1) W_2"), {R},
+               p.take_present({"W_2", "b_2"}), D.d);
 }
 
+// Norm k (1 or 2) with its gamma_k (and beta_k) when the spec has them.
 template <class T>
-int norm(engine::Graph<T>& g, const block::Spec& s, ParamCursor& p, int input, T eps) {
-  const std::vector<int> affine = s.norm_affine ? p.next(s.rmsnorm ? 1 : 2) : std::vector<int>{};
-  return g.add(std::make_unique<engine::LayerNormNode<T>>(eps), {input}, affine, g.width(input));
+int norm(engine::Graph<T>& g, ParamCursor& p, int k, int input, T eps) {
+  const std::string gamma = "gamma_" + std::to_string(k), beta = "beta_" + std::to_string(k);
+  return g.add(std::make_unique<engine::LayerNormNode<T>>(eps), {input},
+               p.take_present({gamma.c_str(), beta.c_str()}), g.width(input));
 }
 
 // The values a caller may want by name (the reverse pass's checks name the stages they close).

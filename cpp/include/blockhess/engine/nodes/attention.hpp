@@ -41,7 +41,6 @@ class AttentionNode final : public Node<T> {
   explicit AttentionNode(bool causal = false, index_t heads = 1) : causal_(causal), heads_(heads) {}
 
   void forward(Graph<T>& g) override {
-    if (g.varies(x())) throw std::logic_error("engine: attention of an input that parameters move is not wired yet");
     const index_t B = g.samples(), L = g.tokens_per_sample(), n = g.tokens(), d = g.width(x());
     hk_ = g.parameter(wq()).cols;
     hv_ = g.width(this->output);
@@ -82,45 +81,42 @@ class AttentionNode final : public Node<T> {
     require_finite(F, n * hv_, "block: the attention output A X W_V");
   }
 
-  // gA = gF V^T, gT = Jsm gA (row by row), head by head; the gradients s X^T gT K, s X^T gT^T Q,
-  // X^T A^T gF on each head's columns.
+  // gA = gF V^T, gT = Jsm gA (row by row), head by head; the cotangents of Q, K and V,
+  // gQ = s gT K, gK = s gT^T Q, gV = A^T gF (kept: curvature and vjp_tangent read them), then the
+  // gradients X^T gQ, X^T gK, X^T gV (and their column sums for the biases) and, where the input
+  // moves, its cotangent gQ W_Q^T + gK W_K^T + gV W_V^T.
   void vjp(Graph<T>& g) const override {
-    const index_t B = g.samples(), L = g.tokens_per_sample(), d = g.width(x());
+    const index_t B = g.samples(), L = g.tokens_per_sample(), n = g.tokens(), d = g.width(x());
     const T* gF = g.cotangent(this->output);
     gA_.resize(A_.size()), gT_.resize(A_.size());
+    gQ_.resize(Q_.size()), gK_.resize(K_.size()), gV_.resize(V_.size());
     for (index_t b = 0; b < B; ++b)
       for (index_t i = 0; i < heads_; ++i) {
         T* gA = gA_.data() + (b * heads_ + i) * L * L;
         product(MapM<T>(gA, L, L), head_cols(gF, b, i, L), v(b, i, L).transpose(), T(1), false);
         for (index_t r = 0; r < L; ++r)
           softmax::vjp_row(weights(b, i, L) + r * L, gA + r * L, L, gT_.data() + (b * heads_ + i) * L * L + r * L);
+        const MapC<T> gT(logit_cotangent(b, i, L), L, L), A(weights(b, i, L), L, L);
+        product(head_of(gQ_, b, i, L, hk_, dk_), gT, k(b, i, L), s_, false);
+        product(head_of(gK_, b, i, L, hk_, dk_), gT.transpose(), q(b, i, L), s_, false);
+        product(head_of(gV_, b, i, L, hv_, dv_), A.transpose(), head_cols(gF, b, i, L), T(1), false);
       }
     require_finite(gT_.data(), static_cast<index_t>(gT_.size()), "block: the reverse pass through the attention weights");
-    T *gQ = g.gradient_out(wq()), *gK = g.gradient_out(wk()), *gV = g.gradient_out(wv());
-    T *gbQ = biased() ? g.gradient_out(bq()) : nullptr, *gbV = biased() ? g.gradient_out(bv()) : nullptr;
-    if (gQ) MapM<T>(gQ, d, hk_).setZero();
-    if (gK) MapM<T>(gK, d, hk_).setZero();
-    if (gV) MapM<T>(gV, d, hv_).setZero();
-    if (gbQ) MapM<T>(gbQ, 1, hk_).setZero();
-    if (gbV) MapM<T>(gbV, 1, hv_).setZero();
-    if (biased())
-      if (T* gbK = g.gradient_out(bk())) MapM<T>(gbK, 1, hk_).setZero();  // exactly: the rows of gT sum to 0
-    for (index_t b = 0; b < B; ++b)
-      for (index_t i = 0; i < heads_; ++i) {
-        const MapC<T> X = sample_x(g, b), gT(logit_cotangent(b, i, L), L, L), A(weights(b, i, L), L, L);
-        const auto gFi = head_cols(gF, b, i, L);
-        if (gQ || gbQ) {
-          const Mat<T> inner = s_ * (gT * k(b, i, L));
-          if (gQ) MapM<T>(gQ, d, hk_).middleCols(i * dk_, dk_).noalias() += X.transpose() * inner;
-          if (gbQ) MapM<T>(gbQ, 1, hk_).middleCols(i * dk_, dk_) += inner.colwise().sum();
-        }
-        if (gK) MapM<T>(gK, d, hk_).middleCols(i * dk_, dk_).noalias() += s_ * X.transpose() * (gT.transpose() * q(b, i, L));
-        if (gV || gbV) {
-          const Mat<T> inner = A.transpose() * gFi;
-          if (gV) MapM<T>(gV, d, hv_).middleCols(i * dv_, dv_).noalias() += X.transpose() * inner;
-          if (gbV) MapM<T>(gbV, 1, hv_).middleCols(i * dv_, dv_) += inner.colwise().sum();
-        }
-      }
+    const MapC<T> X(g.value(x()), n, d), gQ(gQ_.data(), n, hk_), gK(gK_.data(), n, hk_), gV(gV_.data(), n, hv_);
+    if (T* o = g.gradient_out(wq())) product(MapM<T>(o, d, hk_), X.transpose(), gQ, T(1), false);
+    if (T* o = g.gradient_out(wk())) product(MapM<T>(o, d, hk_), X.transpose(), gK, T(1), false);
+    if (T* o = g.gradient_out(wv())) product(MapM<T>(o, d, hv_), X.transpose(), gV, T(1), false);
+    if (biased()) {
+      if (T* o = g.gradient_out(bq())) MapM<T>(o, 1, hk_) = gQ.colwise().sum();
+      if (T* o = g.gradient_out(bk())) MapM<T>(o, 1, hk_).setZero();  // exactly: the rows of gT sum to 0
+      if (T* o = g.gradient_out(bv())) MapM<T>(o, 1, hv_) = gV.colwise().sum();
+    }
+    if (!g.varies(x())) return;
+    const Slot<T> slot = g.cotangent_slot(x());
+    MapM<T> gX(slot.data, n, d);
+    product(gX, gQ, W(g, wq()).transpose(), T(1), slot.add);
+    product(gX, gK, W(g, wk()).transpose(), T(1), true);
+    product(gX, gV, W(g, wv()).transpose(), T(1), true);
   }
 
   void push(Graph<T>& g) const override {
@@ -209,6 +205,13 @@ class AttentionNode final : public Node<T> {
         g.set_factor(this->output, piece, at_V);
       }
     }
+    mixed_.clear();
+    if (!g.varies(x())) return;
+    for (int f = 0; f < g.num_pieces(); ++f)
+      if (g.factor(x(), f).present) {
+        mixed_.push_back(mix(g, f));
+        g.set_factor(this->output, f, mixed_.back().at_F);
+      }
   }
 
   void curvature(const Graph<T>& g, Terms<T>& terms) const override {
@@ -216,13 +219,17 @@ class AttentionNode final : public Node<T> {
     const T* gF = g.cotangent(this->output);
     const T* ones = terms.kept(Buffer<T>(n, T(1)));
     for (index_t i = 0; i < heads_; ++i) {
-      // The logits row of head i moves by s K_i (W_Q, b_Q) or by X (W_K) on the matrix side.
+      // Row t of the logits of head i moves by a matrix times the piece's vector: s K_i (W_Q, b_Q),
+      // X (W_K), or dT_t (a parameter that moves the input, mix()).
       std::vector<int> logit_pieces;
       for (int p : {wq(), biased() ? bq() : -1, wk()})
         if (p >= 0 && g.selected(p)) logit_pieces.push_back(g.pieces_of(p)[i]);
+      for (const Mixed& m : mixed_) logit_pieces.push_back(m.piece);
       const int key_piece = g.pieces_of(wk())[i];
-      auto logit_matrix = [this, &g, L, i, key_piece](int piece, index_t b) -> Mat<T> {
+      auto logit_matrix = [this, &g, L, i, key_piece](int piece, index_t t) -> Mat<T> {
+        const index_t b = t / L;
         if (piece == key_piece) return sample_x(g, b);
+        if (const Mixed* m = mixed(piece)) return MapC<T>(m->logits(i, t, L), L, m->r);
         return s_ * k(b, i, L);
       };
       // <gA_i, softmax''[dT_i, dT_i]>: the softmax site at T_i, with the logits' own factors.
@@ -237,7 +244,7 @@ class AttentionNode final : public Node<T> {
                                              softmax::hessian_contract_row(weights(b, i, L) + r * L,
                                                                            logit_cotangent_of_weights(b, i, L) + r * L, L,
                                                                            Hs.data());
-                                             const Mat<T> Ui = logit_matrix(pi, b), Uj = logit_matrix(pj, b);
+                                             const Mat<T> Ui = logit_matrix(pi, t), Uj = logit_matrix(pj, t);
                                              MapM<T>(out, Ui.cols(), Uj.cols()).noalias() = Ui.transpose() * Hs * Uj;
                                            },
                                            pi == pj});
@@ -254,7 +261,7 @@ class AttentionNode final : public Node<T> {
                                            [this, &g, logit_matrix, pi, L, i](index_t t, T* out) {
                                              const index_t b = t / L, r = t % L;
                                              const Vec a(weights(b, i, L) + r * L, L);
-                                             const Mat<T> U = logit_matrix(pi, b);
+                                             const Mat<T> U = logit_matrix(pi, t);
                                              const MapC<T> X = sample_x(g, b);
                                              // U^T Jsm_t X = U^T diag(a) X - (a^T U)^T (a^T X)
                                              MapM<T>(out, U.cols(), X.cols()).noalias() =
@@ -282,6 +289,7 @@ class AttentionNode final : public Node<T> {
           terms.diagonal.push_back(DiagonalTerm<T>{piece, key_piece, g.split_of(piece, true), key_rows, ones, gtx, nullptr});
         }
       }
+      if (!mixed_.empty()) moving_input_terms(g, terms, i, logit_pieces, logit_matrix, ones);
     }
   }
 
@@ -289,20 +297,22 @@ class AttentionNode final : public Node<T> {
     const T *dWQ = tg.dW[wq()], *dWK = tg.dW[wk()], *dWV = tg.dW[wv()];
     const T *dbQ = biased() ? tg.dW[bq()] : nullptr, *dbK = biased() ? tg.dW[bk()] : nullptr;
     const T* dbV = biased() ? tg.dW[bv()] : nullptr;
-    if (!dWQ && !dWK && !dWV && !dbQ && !dbK && !dbV) return;
+    const T* dX = tg.in(x());
+    if (!dWQ && !dWK && !dWV && !dbQ && !dbK && !dbV && !dX) return;
     const index_t B = g.samples(), L = g.tokens_per_sample(), n = g.tokens(), d = g.width(x());
     const MapC<T> X(g.value(x()), n, d);
-    // X dW + 1 db, zero where neither is selected.
-    auto input_times = [&](int slot, const T* dW, const T* db, index_t cols) -> const Buffer<T>& {
+    // dX W + X dW + 1 db, zero where nothing moves.
+    auto tangent_of = [&](int slot, int weight, const T* dW, const T* db, index_t cols) -> const Buffer<T>& {
       Buffer<T>& out = tg.scratch(this->index, slot, n * cols);
       MapM<T> o(out.data(), n, cols);
       if (dW) product(o, X, MapC<T>(dW, d, cols), T(1), false);
-      else o.setZero();
+      if (dX) product(o, MapC<T>(dX, n, d), W(g, weight), T(1), dW != nullptr);
+      if (!dW && !dX) o.setZero();
       if (db) o.rowwise() += MapC<T>(db, 1, cols).row(0);
       return out;
     };
-    const Buffer<T>&dQ = input_times(kDQ, dWQ, dbQ, hk_), &dK = input_times(kDK, dWK, dbK, hk_);
-    const Buffer<T>& dV = input_times(kDV, dWV, dbV, hv_);
+    const Buffer<T>&dQ = tangent_of(kDQ, wq(), dWQ, dbQ, hk_), &dK = tangent_of(kDK, wk(), dWK, dbK, hk_);
+    const Buffer<T>& dV = tangent_of(kDV, wv(), dWV, dbV, hv_);
     Buffer<T>& dA = tg.scratch(this->index, kDA, static_cast<index_t>(A_.size()));
     MapM<T> dT(tg.scratch(this->index, kRows, L * L).data(), L, L);
     T* dF = tg.out(this->output, n * hv_);
@@ -319,18 +329,25 @@ class AttentionNode final : public Node<T> {
       }
   }
 
+  // The tangents of gQ = s gT K, gK = s gT^T Q and gV = A^T gF (the product rule, with gT's own
+  // tangent from the softmax), then of the gradients X^T gQ, ... and of the input's cotangent.
   void vjp_tangent(const Graph<T>& g, Tangent<T>& tg, bool curved) const override {
     const index_t B = g.samples(), L = g.tokens_per_sample(), n = g.tokens(), d = g.width(x());
     const T* gF = g.cotangent(this->output);
     const T* dgF = tg.dcot[this->output].data();
-    // Which inputs move: a weight or its bias (the tangents dQ, dK, dV of jvp hold both).
-    const bool moves_q = tg.dW[wq()] || (biased() && tg.dW[bq()]), moves_k = tg.dW[wk()] || (biased() && tg.dW[bk()]);
-    const bool moves_v = tg.dW[wv()] || (biased() && tg.dW[bv()]);
+    const T* dX = tg.in(x());
+    // Which inputs move: a weight, its bias or the input (the tangents dQ, dK, dV of jvp hold all).
+    const bool moves_q = dX || tg.dW[wq()] || (biased() && tg.dW[bq()]);
+    const bool moves_k = dX || tg.dW[wk()] || (biased() && tg.dW[bk()]);
+    const bool moves_v = dX || tg.dW[wv()] || (biased() && tg.dW[bv()]);
     const index_t nA = static_cast<index_t>(A_.size());
     const Buffer<T>&dQ = tg.scratch(this->index, kDQ, n * hk_), &dK = tg.scratch(this->index, kDK, n * hk_);
     const Buffer<T>&dV = tg.scratch(this->index, kDV, n * hv_), &dA = tg.scratch(this->index, kDA, nA);
-    Buffer<T>& dgT = tg.scratch(this->index, kDgT, nA);
+    Buffer<T>& dgQ = tg.scratch(this->index, kDgQ, n * hk_);
+    Buffer<T>& dgK = tg.scratch(this->index, kDgK, n * hk_);
+    Buffer<T>& dgV = tg.scratch(this->index, kDgV, n * hv_);
     const MapM<T> dgA(tg.scratch(this->index, kRows, L * L).data(), L, L);
+    MapM<T> dgT(tg.scratch(this->index, kDgT, L * L).data(), L, L);
     for (index_t b = 0; b < B; ++b)
       for (index_t i = 0; i < heads_; ++i) {
         product(dgA, head_cols(dgF, b, i, L), v(b, i, L).transpose(), T(1), false);
@@ -338,51 +355,218 @@ class AttentionNode final : public Node<T> {
         const index_t at = (b * heads_ + i) * L * L;
         for (index_t r = 0; r < L; ++r) {
           const index_t row = at + r * L;
-          if (curved) softmax::vjp_tangent_row(A_.data() + row, dA.data() + row, gA_.data() + row, dgA.data() + r * L, L, dgT.data() + row);
-          else softmax::vjp_row(A_.data() + row, dgA.data() + r * L, L, dgT.data() + row);
+          if (curved) softmax::vjp_tangent_row(A_.data() + row, dA.data() + row, gA_.data() + row, dgA.data() + r * L, L, dgT.data() + r * L);
+          else softmax::vjp_row(A_.data() + row, dgA.data() + r * L, L, dgT.data() + r * L);
         }
+        const MapC<T> gT(gT_.data() + at, L, L), A(A_.data() + at, L, L), dAi(dA.data() + at, L, L);
+        auto dgQi = head_of(dgQ, b, i, L, hk_, dk_);
+        product(dgQi, dgT, k(b, i, L), s_, false);
+        if (curved && moves_k) product(dgQi, gT, head(dK, b, i, L, hk_, dk_), s_, true);
+        auto dgKi = head_of(dgK, b, i, L, hk_, dk_);
+        product(dgKi, dgT.transpose(), q(b, i, L), s_, false);
+        if (curved && moves_q) product(dgKi, gT.transpose(), head(dQ, b, i, L, hk_, dk_), s_, true);
+        auto dgVi = head_of(dgV, b, i, L, hv_, dv_);
+        product(dgVi, A.transpose(), head_cols(dgF, b, i, L), T(1), false);
+        if (curved) product(dgVi, dAi.transpose(), head_cols(gF, b, i, L), T(1), true);
       }
-    // Each weight's gradient, differentiated by the product rule.
-    T *oQ = tg.dgrad[wq()], *oK = tg.dgrad[wk()], *oV = tg.dgrad[wv()];
-    T *obQ = biased() ? tg.dgrad[bq()] : nullptr, *obV = biased() ? tg.dgrad[bv()] : nullptr;
-    if (oQ) MapM<T>(oQ, d, hk_).setZero();
-    if (oK) MapM<T>(oK, d, hk_).setZero();
-    if (oV) MapM<T>(oV, d, hv_).setZero();
-    if (obQ) MapM<T>(obQ, 1, hk_).setZero();
-    if (obV) MapM<T>(obV, 1, hv_).setZero();
-    if (biased())
-      if (T* obK = tg.dgrad[bk()]) MapM<T>(obK, 1, hk_).setZero();  // b_K moves nothing: its rows of H v are exactly 0
-    const MapM<T> iq(tg.scratch(this->index, kInnerQ, L * dk_).data(), L, dk_);
-    const MapM<T> ik(tg.scratch(this->index, kInnerK, L * dk_).data(), L, dk_);
-    const MapM<T> iv(tg.scratch(this->index, kInnerV, L * dv_).data(), L, dv_);
-    for (index_t b = 0; b < B; ++b)
-      for (index_t i = 0; i < heads_; ++i) {
-        const index_t at = (b * heads_ + i) * L * L;
-        const MapC<T> X = sample_x(g, b), gT(gT_.data() + at, L, L), dgTi(dgT.data() + at, L, L);
-        const MapC<T> A(A_.data() + at, L, L), dAi(dA.data() + at, L, L);
-        if (oQ || obQ) {
-          product(iq, dgTi, k(b, i, L), T(1), false);
-          if (curved && moves_k) product(iq, gT, head(dK, b, i, L, hk_, dk_), T(1), true);
-          if (oQ) product(MapM<T>(oQ, d, hk_).middleCols(i * dk_, dk_), X.transpose(), iq, s_, true);
-          if (obQ) MapM<T>(obQ, 1, hk_).middleCols(i * dk_, dk_) += s_ * iq.colwise().sum();
-        }
-        if (oK) {
-          product(ik, dgTi.transpose(), q(b, i, L), T(1), false);
-          if (curved && moves_q) product(ik, gT.transpose(), head(dQ, b, i, L, hk_, dk_), T(1), true);
-          product(MapM<T>(oK, d, hk_).middleCols(i * dk_, dk_), X.transpose(), ik, s_, true);
-        }
-        if (oV || obV) {
-          product(iv, A.transpose(), head_cols(dgF, b, i, L), T(1), false);
-          if (curved) product(iv, dAi.transpose(), head_cols(gF, b, i, L), T(1), true);
-          if (oV) product(MapM<T>(oV, d, hv_).middleCols(i * dv_, dv_), X.transpose(), iv, T(1), true);
-          if (obV) MapM<T>(obV, 1, hv_).middleCols(i * dv_, dv_) += iv.colwise().sum();
-        }
-      }
+    const MapC<T> X(g.value(x()), n, d);
+    const MapC<T> gQ(gQ_.data(), n, hk_), gK(gK_.data(), n, hk_), gV(gV_.data(), n, hv_);
+    const MapC<T> dgQm(dgQ.data(), n, hk_), dgKm(dgK.data(), n, hk_), dgVm(dgV.data(), n, hv_);
+    // d(X^T g) = X^T dg + (curved) dX^T g for each of the three weights.
+    auto weight_tangent = [&](T* out, index_t cols, const MapC<T>& dg, const MapC<T>& g0) {
+      if (!out) return;
+      MapM<T> o(out, d, cols);
+      product(o, X.transpose(), dg, T(1), false);
+      if (curved && dX) product(o, MapC<T>(dX, n, d).transpose(), g0, T(1), true);
+    };
+    weight_tangent(tg.dgrad[wq()], hk_, dgQm, gQ);
+    weight_tangent(tg.dgrad[wk()], hk_, dgKm, gK);
+    weight_tangent(tg.dgrad[wv()], hv_, dgVm, gV);
+    if (biased()) {
+      if (T* o = tg.dgrad[bq()]) MapM<T>(o, 1, hk_) = dgQm.colwise().sum();
+      if (T* o = tg.dgrad[bk()]) MapM<T>(o, 1, hk_).setZero();  // b_K moves nothing: its rows of H v are exactly 0
+      if (T* o = tg.dgrad[bv()]) MapM<T>(o, 1, hv_) = dgVm.colwise().sum();
+    }
+    if (!dX) return;
+    // d(gQ W_Q^T + ...) = dgQ W_Q^T + (curved) gQ dW_Q^T + ...
+    const Slot<T> slot = tg.dcot_slot(x(), n * d);
+    MapM<T> dgX(slot.data, n, d);
+    product(dgX, dgQm, W(g, wq()).transpose(), T(1), slot.add);
+    product(dgX, dgKm, W(g, wk()).transpose(), T(1), true);
+    product(dgX, dgVm, W(g, wv()).transpose(), T(1), true);
+    if (!curved) return;
+    if (const T* dW = tg.dW[wq()]) product(dgX, gQ, MapC<T>(dW, d, hk_).transpose(), T(1), true);
+    if (const T* dW = tg.dW[wk()]) product(dgX, gK, MapC<T>(dW, d, hk_).transpose(), T(1), true);
+    if (const T* dW = tg.dW[wv()]) product(dgX, gV, MapC<T>(dW, d, hv_).transpose(), T(1), true);
   }
 
  private:
+  // A parameter that moves the input (a pre-LN block's gamma_1, beta_1) with a factor whose vector is
+  // the same for every token: mixing the tokens keeps it a factor, U_F,t = sum_s (dF_t/dx_s) M_s.
+  struct Mixed {
+    int piece = -1;
+    index_t r = 0, tokens = 0;
+    Factor<T> at_F;
+    Buffer<T> M;       // (n, d, r): the input's U_t, dense
+    Buffer<T> Pq, Pk;  // (n, h d_k, r): W_Q^T M_t, W_K^T M_t (how Q_t and K_t move)
+    Buffer<T> Pv;      // (n, h d_v, r): W_V^T M_t
+    Buffer<T> dT;      // (heads, n, L, r): how row t of each head's logits moves
+    const T* logits(index_t i, index_t t, index_t L) const { return dT.data() + (i * tokens + t) * L * r; }
+  };
+
+  const Mixed* mixed(int piece) const {
+    for (const Mixed& m : mixed_)
+      if (m.piece == piece) return &m;
+    return nullptr;
+  }
+
+  // dQ_t = Pq_t, dK_s = Pk_s, dV_s = Pv_s (times the parameter's tangent); per head
+  //   dT_t = s (K_i Pq_t + [q_t^T Pk_s]_s),   U_F,t = sum_s a_ts Pv_s + V_i^T Jsm_t dT_t.
+  Mixed mix(const Graph<T>& g, int f) const {
+    const Factor<T>& in = g.factor(x(), f);
+    const index_t L = g.tokens_per_sample(), n = g.tokens(), d = g.width(x()), r = in.n_mat();
+    bool constant = in.split.n_vec() == 1;
+    for (index_t t = 1; constant && t < n; ++t) constant = (*in.vec)[t] == (*in.vec)[0];
+    if (!constant)
+      throw std::logic_error("engine: attention mixes tokens, so a parameter that moves its input must have the same "
+                             "factor vector for every token");
+    Mixed m;
+    m.piece = f, m.r = r, m.tokens = n;
+    m.M.resize(n * d * r), m.Pq.resize(n * hk_ * r), m.Pk.resize(n * hk_ * r), m.Pv.resize(n * hv_ * r);
+    m.dT.resize(heads_ * n * L * r);
+    blockhess::detail::parallel_for(n, d * r * (2 * hk_ + hv_), [&](index_t t) {
+      Mat<T> U;
+      in.materialise(t, U);
+      MapM<T>(m.M.data() + t * d * r, d, r) = U;
+      MapM<T>(m.Pq.data() + t * hk_ * r, hk_, r).noalias() = W(g, wq()).transpose() * U;
+      MapM<T>(m.Pk.data() + t * hk_ * r, hk_, r).noalias() = W(g, wk()).transpose() * U;
+      MapM<T>(m.Pv.data() + t * hv_ * r, hv_, r).noalias() = W(g, wv()).transpose() * U;
+    });
+    Buffer<T> UF(n * hv_ * r, T(0));
+    blockhess::detail::parallel_for(n, heads_ * L * r * (dk_ + dv_), [&](index_t t) {
+      const index_t b = t / L, row = t % L;
+      for (index_t i = 0; i < heads_; ++i) {
+        MapM<T> dT(m.dT.data() + (i * n + t) * L * r, L, r);
+        dT.noalias() = s_ * (k(b, i, L) * MapC<T>(m.Pq.data() + t * hk_ * r, hk_, r).middleRows(i * dk_, dk_));
+        const auto qt = MapC<T>(Q_.data() + t * hk_ + i * dk_, 1, dk_);
+        for (index_t u = 0; u < L; ++u)
+          dT.row(u).noalias() += s_ * (qt * MapC<T>(m.Pk.data() + (b * L + u) * hk_ * r, hk_, r).middleRows(i * dk_, dk_));
+        const Vec a(weights(b, i, L) + row * L, L);
+        auto out = MapM<T>(UF.data() + t * hv_ * r, hv_, r).middleRows(i * dv_, dv_);
+        for (index_t u = 0; u < L; ++u)
+          out += a[u] * MapC<T>(m.Pv.data() + (b * L + u) * hv_ * r, hv_, r).middleRows(i * dv_, dv_);
+        const Mat<T> JdT = a.asDiagonal() * dT - a * (a.transpose() * dT);  // Jsm_t dT_t
+        out.noalias() += v(b, i, L).transpose() * JdT;
+      }
+    });
+    m.at_F.present = true;
+    m.at_F.split = in.split;
+    m.at_F.vec = in.vec;
+    m.at_F.form = Form::dense;
+    m.at_F.width = hv_;
+    m.at_F.U = std::make_shared<const Buffer<T>>(std::move(UF));
+    return m;
+  }
+
+  // The curvature of head i that involves a moving input: <gF_i, dA_i dV_i> with dV moved by it,
+  // <gT_i, s dQ_i dK_i^T> with either side moved by it, and the maps Q = X W_Q, K = X W_K,
+  // V = X W_V, bilinear in (X, W).
+  template <class LogitMatrix>
+  void moving_input_terms(const Graph<T>& g, Terms<T>& terms, index_t i, const std::vector<int>& logit_pieces,
+                          const LogitMatrix& logit_matrix, const T* ones) const {
+    const index_t B = g.samples(), L = g.tokens_per_sample(), n = g.tokens(), d = g.width(x());
+    const T* gF = g.cotangent(this->output);
+    const int q_piece = g.pieces_of(wq())[i], k_piece = g.pieces_of(wk())[i], v_piece = g.pieces_of(wv())[i];
+    auto symmetrised = [](auto gamma, index_t r) {
+      return [gamma, r](index_t t, T* out) {
+        gamma(t, out);
+        MapM<T> G(out, r, r);
+        G = (G + G.transpose()).eval();
+      };
+    };
+    for (const Mixed& mv : mixed_) {
+      const index_t rv = mv.r;
+      // <gF_i, dA_i dV_i>, dV_s = Pv_s: Gamma_t = (Jsm_t U_a,t)^T G_t, row s of G_t = gF_t,i^T Pv_s,i.
+      for (int pa : logit_pieces) {
+        const Factor<T>& fa = g.factor(this->output, pa);
+        const index_t ra = fa.n_mat();
+        auto gamma = [this, &mv, logit_matrix, pa, gF, L, i, ra, rv](index_t t, T* out) {
+          const index_t b = t / L, row = t % L;
+          const Vec a(weights(b, i, L) + row * L, L);
+          const Mat<T> U = logit_matrix(pa, t);
+          const Mat<T> JU = a.asDiagonal() * U - a * (a.transpose() * U);
+          const auto gFt = MapC<T>(gF + t * hv_ + i * dv_, 1, dv_);
+          Mat<T> G(L, rv);
+          for (index_t u = 0; u < L; ++u)
+            G.row(u).noalias() = gFt * MapC<T>(mv.Pv.data() + (b * L + u) * hv_ * rv, hv_, rv).middleRows(i * dv_, dv_);
+          MapM<T>(out, ra, rv).noalias() = JU.transpose() * G;
+        };
+        if (pa == mv.piece) terms.kron.push_back(KronTerm<T>{pa, pa, fa.split, fa.split, fa.vec->data(), fa.vec->data(), symmetrised(gamma, rv), true});
+        else terms.kron.push_back(KronTerm<T>{pa, mv.piece, fa.split, mv.at_F.split, fa.vec->data(), mv.at_F.vec->data(), gamma, false});
+      }
+      // <gT_i, s dQ_i dK_i^T>: the key side moved by the input, SK_t = s sum_u gT_tu Pk_u,i (d_k, r),
+      // and the query side, SQ_u = s sum_t gT_tu Pq_t,i (d_k, r) at key u.
+      Buffer<T> PqI(n * dk_ * rv), PkI(n * dk_ * rv), SK(n * dk_ * rv), SQ(n * dk_ * rv);
+      for (index_t t = 0; t < n; ++t) {
+        MapM<T>(PqI.data() + t * dk_ * rv, dk_, rv) = MapC<T>(mv.Pq.data() + t * hk_ * rv, hk_, rv).middleRows(i * dk_, dk_);
+        MapM<T>(PkI.data() + t * dk_ * rv, dk_, rv) = MapC<T>(mv.Pk.data() + t * hk_ * rv, hk_, rv).middleRows(i * dk_, dk_);
+      }
+      for (index_t b = 0; b < B; ++b) {
+        const MapC<T> gT(logit_cotangent(b, i, L), L, L);
+        product(MapM<T>(SK.data() + b * L * dk_ * rv, L, dk_ * rv), gT, MapC<T>(PkI.data() + b * L * dk_ * rv, L, dk_ * rv), s_, false);
+        product(MapM<T>(SQ.data() + b * L * dk_ * rv, L, dk_ * rv), gT.transpose(), MapC<T>(PqI.data() + b * L * dk_ * rv, L, dk_ * rv), s_, false);
+      }
+      const T* sk = terms.kept(std::move(SK));
+      const T* sq = terms.kept(std::move(SQ));
+      const T* pq = terms.kept(std::move(PqI));
+      const index_t dk = dk_;
+      auto copy_of = [dk, rv](const T* base) {
+        return [base, dk, rv](index_t t, T* out) { std::copy_n(base + t * dk * rv, dk * rv, out); };
+      };
+      if (g.selected(wq())) terms.kron.push_back(KronTerm<T>{q_piece, mv.piece, g.split_of(q_piece, true), mv.at_F.split, g.value(x()), mv.at_F.vec->data(), copy_of(sk), false});
+      if (biased() && g.selected(bq())) {
+        const int piece = g.pieces_of(bq())[i];
+        terms.kron.push_back(KronTerm<T>{piece, mv.piece, g.split_of(piece, true), mv.at_F.split, ones, mv.at_F.vec->data(), copy_of(sk), false});
+      }
+      if (g.selected(wk()))
+        terms.kron.push_back(KronTerm<T>{mv.piece, k_piece, mv.at_F.split, g.split_of(k_piece, true), mv.at_F.vec->data(), g.value(x()),
+                                         [sq, dk, rv](index_t t, T* out) { MapM<T>(out, rv, dk) = MapC<T>(sq + t * dk * rv, dk, rv).transpose(); },
+                                         false});
+      for (const Mixed& mk : mixed_) {  // both sides moved by the input: Gamma_t = s Pq_t,f^T SK'_t
+        const index_t rk = mk.r;
+        // SK for mk's key side (recomputed where mk is not mv)
+        const T* skk = sk;
+        if (&mk != &mv) {
+          Buffer<T> PkK(n * dk_ * rk), SKK(n * dk_ * rk);
+          for (index_t t = 0; t < n; ++t)
+            MapM<T>(PkK.data() + t * dk_ * rk, dk_, rk) = MapC<T>(mk.Pk.data() + t * hk_ * rk, hk_, rk).middleRows(i * dk_, dk_);
+          for (index_t b = 0; b < B; ++b)
+            product(MapM<T>(SKK.data() + b * L * dk_ * rk, L, dk_ * rk), MapC<T>(logit_cotangent(b, i, L), L, L),
+                    MapC<T>(PkK.data() + b * L * dk_ * rk, L, dk_ * rk), s_, false);
+          skk = terms.kept(std::move(SKK));
+        }
+        auto gamma = [pq, skk, dk, rv, rk](index_t t, T* out) {
+          MapM<T>(out, rv, rk).noalias() = MapC<T>(pq + t * dk * rv, dk, rv).transpose() * MapC<T>(skk + t * dk * rk, dk, rk);
+        };
+        if (&mk == &mv) terms.kron.push_back(KronTerm<T>{mv.piece, mv.piece, mv.at_F.split, mv.at_F.split, mv.at_F.vec->data(), mv.at_F.vec->data(), symmetrised(gamma, rv), true});
+        else terms.kron.push_back(KronTerm<T>{mv.piece, mk.piece, mv.at_F.split, mk.at_F.split, mv.at_F.vec->data(), mk.at_F.vec->data(), gamma, false});
+      }
+      // <gQ, dX dW_Q>, <gK, dX dW_K>, <gV, dX dW_V> on head i's columns: Gamma_t = M_t^T.
+      const T* M = mv.M.data();
+      auto input_matrix = [M, d, rv](index_t t, T* out) { MapM<T>(out, rv, d) = MapC<T>(M + t * d * rv, d, rv).transpose(); };
+      auto head_copy = [&](const Buffer<T>& full, index_t width, index_t cols) {
+        Buffer<T> out(n * cols);
+        for (index_t t = 0; t < n; ++t) std::copy_n(full.data() + t * width + i * cols, cols, out.data() + t * cols);
+        return terms.kept(std::move(out));
+      };
+      if (g.selected(wq())) terms.kron.push_back(KronTerm<T>{mv.piece, q_piece, mv.at_F.split, g.split_of(q_piece, false), mv.at_F.vec->data(), head_copy(gQ_, hk_, dk_), input_matrix, false});
+      if (g.selected(wk())) terms.kron.push_back(KronTerm<T>{mv.piece, k_piece, mv.at_F.split, g.split_of(k_piece, false), mv.at_F.vec->data(), head_copy(gK_, hk_, dk_), input_matrix, false});
+      if (g.selected(wv())) terms.kron.push_back(KronTerm<T>{mv.piece, v_piece, mv.at_F.split, g.split_of(v_piece, false), mv.at_F.vec->data(), head_copy(gV_, hv_, dv_), input_matrix, false});
+    }
+  }
+
   // Per-product scratch slots in a Tangent.
-  enum : int { kDQ, kDK, kDV, kDA, kRows, kDgT, kInnerQ, kInnerK, kInnerV };
+  enum : int { kDQ, kDK, kDV, kDA, kRows, kDgT, kDgQ, kDgK, kDgV };
 
   // Parameters in the canonical order: W_Q, W_K, W_V, or W_Q, b_Q, W_K, b_K, W_V, b_V.
   bool biased() const { return this->params.size() == 6; }
@@ -398,6 +582,9 @@ class AttentionNode final : public Node<T> {
   // Head i's columns of sample b of a token-major array with `width` columns.
   static auto head(const Buffer<T>& rows, index_t b, index_t i, index_t L, index_t width, index_t cols) {
     return MapC<T>(rows.data() + b * L * width, L, width).middleCols(i * cols, cols);
+  }
+  static auto head_of(Buffer<T>& rows, index_t b, index_t i, index_t L, index_t width, index_t cols) {
+    return MapM<T>(rows.data() + b * L * width, L, width).middleCols(i * cols, cols);
   }
   auto q(index_t b, index_t i, index_t L) const { return head(Q_, b, i, L, hk_, dk_); }
   auto k(index_t b, index_t i, index_t L) const { return head(K_, b, i, L, hk_, dk_); }
@@ -423,7 +610,9 @@ class AttentionNode final : public Node<T> {
   index_t hk_ = 0, hv_ = 0, dk_ = 0, dv_ = 0;
   T s_ = 0;
   Buffer<T> Q_, K_, V_, A_;     // A: (B, heads, L, L)
-  mutable Buffer<T> gA_, gT_;  // the reverse pass's (vjp), read by curvature and vjp_tangent
+  mutable Buffer<T> gA_, gT_;         // the reverse pass's (vjp), read by curvature and vjp_tangent
+  mutable Buffer<T> gQ_, gK_, gV_;    // the cotangents of Q, K, V
+  mutable std::vector<Mixed> mixed_;  // the parameters that move the input (push), read by curvature
 };
 
 }  // namespace blockhess::engine
