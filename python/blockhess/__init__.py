@@ -42,6 +42,7 @@ from .block import (
 )
 from .hvp import HessianOperator, hessian_operator, loss_hvp
 from .spec import BlockSpec
+from .from_torch import from_torch
 
 __version__ = _version("blockhess")
 
@@ -49,6 +50,7 @@ __all__ = [
     # the Transformer block and its loss
     "BlockParams",
     "BlockSpec",
+    "from_torch",
     "HessianOperator",
     "hessian_operator",
     "loss_hvp",

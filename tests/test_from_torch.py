@@ -1,0 +1,126 @@
+"""from_torch: torch.nn.TransformerEncoderLayer and transformers' GPT2Block imported into the
+family. The forward equals the module's (float64, 1e-12) and loss_hessian equals autograd's Hessian
+of the same loss as a function of the module's own parameters (mapped to blockhess's order)."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.attention
+
+import blockhess
+import reference as ref
+
+L, B = 5, 2
+
+
+def _hessian_of_module(call, to_module, params, X, target):
+    """torch.func.hessian of mean((module(X) - target)^2) as a function of the flat blockhess vector v,
+    with v mapped to the module's parameters by to_module."""
+    names, shapes, sizes = params.names, params.shapes, params.sizes
+
+    def loss_of(v):
+        pieces = dict(zip(names, (p.reshape(s) for p, s in zip(v.split(list(sizes)), shapes))))
+        return ((call(to_module(pieces), ref.t(X)) - ref.t(target)) ** 2).mean()
+
+    # Double backward through autograd, with the math kernel of scaled_dot_product_attention (the
+    # fused CPU one has no second derivative). Not torch.func: its second derivatives of
+    # nn.TransformerEncoderLayer disagree with finite differences of the layer's own autograd
+    # gradient (by 2% here, torch 2.13), while torch.autograd's agree with them and with blockhess.
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        return torch.autograd.functional.hessian(loss_of, ref.t(params.flatten())).numpy()
+
+
+def _encoder_to_module(p, d):
+    out = {"self_attn.in_proj_weight": torch.cat([p["W_Q"].T, p["W_K"].T, p["W_V"].T]),
+           "self_attn.out_proj.weight": p["W_O"].T, "linear1.weight": p["W_1"].T, "linear2.weight": p["W_2"].T,
+           "norm1.weight": p["gamma_1"], "norm1.bias": p["beta_1"], "norm2.weight": p["gamma_2"], "norm2.bias": p["beta_2"]}
+    if "b_Q" in p:
+        out.update({"self_attn.in_proj_bias": torch.cat([p["b_Q"], p["b_K"], p["b_V"]]), "self_attn.out_proj.bias": p["b_O"],
+                    "linear1.bias": p["b_1"], "linear2.bias": p["b_2"]})
+    return out
+
+
+@pytest.mark.parametrize("nhead", [1, 2])
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_transformer_encoder_layer(rng, nhead, norm_first, activation, batch_first):
+    torch.manual_seed(int(rng.integers(1 << 30)))
+    d = 4
+    layer = torch.nn.TransformerEncoderLayer(d, nhead, dim_feedforward=6, dropout=0.0, activation=activation,
+                                             batch_first=batch_first, norm_first=norm_first, layer_norm_eps=1e-4,
+                                             dtype=torch.float64).eval()
+    with torch.no_grad():  # away from the defaults (gamma = 1, beta = 0)
+        for p in layer.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    spec, params = blockhess.from_torch(layer)
+    assert spec.norm_position == ("pre" if norm_first else "post") and spec.heads == nhead and spec.activation == activation
+    X = rng.standard_normal((B, L, d))
+    target = rng.standard_normal((B, L, d))
+
+    def call(module_params, x):
+        layer.train()  # dropout is 0; eval mode would take torch's fused fast path
+        x = x if batch_first else x.transpose(0, 1)
+        out = torch.func.functional_call(layer, module_params, (x,))
+        return out if batch_first else out.transpose(0, 1)
+
+    with torch.no_grad():
+        Z_module = call(dict(layer.named_parameters()), ref.t(X)).numpy()
+    assert ref.rel_err(blockhess.block_forward(X, params), Z_module) <= 1e-12
+    H = blockhess.loss_hessian(X, target, params)
+    assert ref.rel_err(H, _hessian_of_module(call, lambda p: _encoder_to_module(p, d), params, X, target)) <= 1e-10
+
+
+def test_encoder_layer_refusals_and_warnings():
+    layer = torch.nn.TransformerEncoderLayer(4, 2, dim_feedforward=6, dropout=0.1, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="dropout"):
+        blockhess.from_torch(layer.train())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        blockhess.from_torch(layer.eval())
+    with pytest.raises(ValueError, match="activation"):
+        blockhess.from_torch(torch.nn.TransformerEncoderLayer(4, 2, activation=torch.tanh, dtype=torch.float64).eval())
+    with pytest.raises(ValueError, match="without bias"):
+        blockhess.from_torch(torch.nn.TransformerEncoderLayer(4, 2, bias=False, dtype=torch.float64).eval())
+    with pytest.raises(TypeError, match="TransformerEncoderLayer or a transformers GPT2Block"):
+        blockhess.from_torch(torch.nn.Linear(3, 3))
+
+
+def test_gpt2_block(rng):
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    torch.manual_seed(int(rng.integers(1 << 30)))
+    config = transformers.GPT2Config(n_embd=6, n_head=2, n_layer=1, n_positions=16, n_inner=8,
+                                     attn_implementation="eager")
+    block = GPT2Block(config).eval().double()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    spec, params = blockhess.from_torch(block)
+    assert (spec.norm_position, spec.causal, spec.activation, spec.heads) == ("pre", True, "gelu_tanh", 2)
+    X = rng.standard_normal((B, L, 6))
+    target = rng.standard_normal((B, L, 6))
+    # GPT-2 builds the causal mask in the model and hands it to each block: an additive (B, 1, L, L) mask.
+    mask = torch.full((L, L), float("-inf"), dtype=torch.float64).triu(1)[None, None].expand(B, 1, L, L)
+
+    def call(module_params, x):
+        out = torch.func.functional_call(block, module_params, (x,), {"attention_mask": mask})
+        return out[0] if isinstance(out, tuple) else out
+
+    def to_module(p):
+        return {"attn.c_attn.weight": torch.cat([p["W_Q"], p["W_K"], p["W_V"]], 1),
+                "attn.c_attn.bias": torch.cat([p["b_Q"], p["b_K"], p["b_V"]]),
+                "attn.c_proj.weight": p["W_O"], "attn.c_proj.bias": p["b_O"],
+                "ln_1.weight": p["gamma_1"], "ln_1.bias": p["beta_1"], "ln_2.weight": p["gamma_2"], "ln_2.bias": p["beta_2"],
+                "mlp.c_fc.weight": p["W_1"], "mlp.c_fc.bias": p["b_1"], "mlp.c_proj.weight": p["W_2"], "mlp.c_proj.bias": p["b_2"]}
+
+    with torch.no_grad():
+        Z_module = call(dict(block.named_parameters()), ref.t(X)).numpy()
+    assert ref.rel_err(blockhess.block_forward(X, params), Z_module) <= 1e-12
+    H = blockhess.loss_hessian(X, target, params)
+    assert ref.rel_err(H, _hessian_of_module(call, to_module, params, X, target)) <= 1e-10
