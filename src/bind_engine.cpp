@@ -7,6 +7,7 @@
 //   "relu", "gelu", "gelu_tanh", "silu"   out = phi(cur) (activation.hpp)
 //   "layernorm"         out = LN(cur) (eps)
 //   "layernorm_affine"  out = gamma * LN(cur) + beta (takes two, each (1, width))
+//   "rmsnorm"           out = RMSNorm(cur) (eps); "rmsnorm_affine": gamma * RMSNorm(cur) (takes gamma)
 //   "residual"          out = cur + (the input of the node that produced cur): a skip around it
 //   "attention"         out = attention(cur; W_Q, W_K, W_V) (takes three; cur must be X)
 //   "attention_causal"  the same with keys after the query masked
@@ -62,6 +63,13 @@ py::tuple engine_chain(const std::vector<std::string>& kinds, const carray<T>& X
       cur = g.add(std::make_unique<PointwiseNode<T>>(activation::parse(kind)), {cur}, {}, g.width(cur));
     } else if (kind == "layernorm") {
       cur = g.add(std::make_unique<LayerNormNode<T>>(eps), {cur}, {}, g.width(cur));
+    } else if (kind == "rmsnorm" || kind == "rmsnorm_affine") {
+      std::vector<int> owned;
+      if (kind == "rmsnorm_affine") owned.push_back(take());
+      for (int p : owned)
+        if (g.parameter(p).rows != 1 || g.parameter(p).cols != g.width(cur))
+          throw std::invalid_argument("engine_chain: gamma must be (1, width)");
+      cur = g.add(std::make_unique<RmsNormNode<T>>(eps), {cur}, owned, g.width(cur));
     } else if (kind == "layernorm_affine") {
       const int gamma = take(), beta = take();
       for (int p : {gamma, beta})

@@ -44,6 +44,10 @@ def _torch_chain(kinds, X, params, eps):
             cur = ACTIVATIONS[kind](cur)
         elif kind == "layernorm":
             cur = ref.layernorm(cur, eps)
+        elif kind in ("rmsnorm", "rmsnorm_affine"):
+            cur = cur / torch.sqrt((cur * cur).mean(-1, keepdim=True) + eps)
+            if kind == "rmsnorm_affine":
+                cur, k = cur * params[k][0], k + 1
         elif kind == "layernorm_affine":
             cur, k = ref.layernorm(cur, eps, params[k][0], params[k + 1][0]), k + 2
         elif kind == "residual":
@@ -92,6 +96,9 @@ CHAINS = {
     "attention_2heads-linear_bias-residual": (["attention_2heads", "linear_bias", "residual", "layernorm_affine"],
                                               [(5, 4), (1, 4), (5, 4), (1, 4), (5, 6), (1, 6), (6, 6), (1, 6),
                                                (1, 6), (1, 6)]),
+    "linear-rmsnorm-linear": (["linear", "rmsnorm", "linear"], [(5, 4), (4, 3)]),
+    "linear-rmsnorm_affine-linear": (["linear", "rmsnorm_affine", "linear"], [(5, 4), (1, 4), (4, 3)]),
+    "rmsnorm_affine-attention-linear": (["rmsnorm_affine", "attention", "linear"], [(1, 5), (5, 3), (5, 3), (5, 4), (4, 2)]),
     # parameters that move the attention's input (a pre-LN block's gamma_1, beta_1): mixed tokens
     "layernorm_affine-attention-linear": (["layernorm_affine", "attention", "linear"],
                                           [(1, 5), (1, 5), (5, 3), (5, 3), (5, 4), (4, 2)]),

@@ -33,6 +33,9 @@ SPECS = {
     "post-everything-heads2": BlockSpec(norm_affine=True, bias=True, heads=2, out_proj=True, activation="gelu",
                                         causal=True, eps=1e-3),
     "pre-affine": BlockSpec(norm_position="pre", norm_affine=True),
+    "rmsnorm": BlockSpec(norm="rmsnorm", eps=1e-6),
+    "pre-rmsnorm-affine-heads2-silu-causal": BlockSpec(norm_position="pre", norm="rmsnorm", norm_affine=True, heads=2,
+                                                       bias=True, out_proj=True, activation="silu", causal=True, eps=1e-6),
     "pre-everything-heads2": BlockSpec(norm_position="pre", norm_affine=True, heads=2, bias=True, out_proj=True,
                                        activation="gelu_tanh", causal=True, eps=1e-5),
     "pre-heads2-bias-out_proj-gelu_tanh-causal": BlockSpec(norm_position="pre", heads=2, bias=True, out_proj=True,
@@ -146,7 +149,7 @@ def test_bad_specs_and_arrays_are_named(rng):
         BlockSpec(bias=1)
     with pytest.raises(ValueError, match="eps"):
         BlockSpec(eps=-1.0)
-    for spec, what in ((BlockSpec(heads=3), "heads \\* d_v must equal d"), (BlockSpec(norm="rmsnorm"), "RMSNorm")):
+    for spec, what in ((BlockSpec(heads=3), "heads \\* d_v must equal d"),):
         with pytest.raises(ValueError, match=what):
             BlockParams.random(spec, d=4, d_k=2, d_ff=3)
     spec = BlockSpec(bias=True)

@@ -28,7 +28,6 @@ class BlockSpec:
     - ``causal``: keys after the query are masked;
     - ``eps``: the norms' epsilon, used when a function is called without ``eps=``.
 
-    Not wired into the engine yet (a clear ValueError when used): "rmsnorm".
     """
 
     norm_position: str = "post"

@@ -59,7 +59,6 @@ struct ParamShape {
 inline void check(const Spec& s, const Dims& D) {
   D.check();
   if (s.heads < 1) throw std::invalid_argument("block: heads must be >= 1");
-  if (s.rmsnorm) throw std::invalid_argument("block: RMSNorm is not wired into the engine yet");
   if (D.value_width(s) < 1) throw std::invalid_argument("block: d_v must be >= 1");
   if (!s.out_proj && s.heads * D.value_width(s) != D.d)
     throw std::invalid_argument("block: without out_proj, heads * d_v must equal d");

@@ -13,11 +13,11 @@ Values wire_post_ln(engine::Graph<T>& g, const block::Spec& s, const block::Dims
   v.X = g.input(X, D.d);
   const int F = attention_sublayer(g, s, D, p, v.X);
   v.attention_sum = g.add(std::make_unique<engine::ResidualNode<T>>("block: the residual X + F"), {v.X, F}, {}, D.d);
-  const int Y = norm(g, p, 1, v.attention_sum, eps);
+  const int Y = norm(g, s, p, 1, v.attention_sum, eps);
   const int G = ffn_sublayer(g, s, D, p, Y);
   v.ffn_sum = g.add(std::make_unique<engine::ResidualNode<T>>("block: the FFN output with its residual act(Y W_1) W_2 + Y"),
                     {G, Y}, {}, D.d);
-  v.Z = norm(g, p, 2, v.ffn_sum, eps);
+  v.Z = norm(g, s, p, 2, v.ffn_sum, eps);
   g.set_output(v.Z);
   return v;
 }

@@ -84,12 +84,13 @@ int ffn_sublayer(engine::Graph<T>& g, const block::Spec& s, const block::Dims& D
                p.take_present({"W_2", "b_2"}), D.d);
 }
 
-// Norm k (1 or 2) with its gamma_k (and beta_k) when the spec has them.
+// Norm k (1 or 2), LayerNorm or RMSNorm, with its gamma_k (and beta_k) when the spec has them.
 template <class T>
-int norm(engine::Graph<T>& g, ParamCursor& p, int k, int input, T eps) {
+int norm(engine::Graph<T>& g, const block::Spec& s, ParamCursor& p, int k, int input, T eps) {
   const std::string gamma = "gamma_" + std::to_string(k), beta = "beta_" + std::to_string(k);
-  return g.add(std::make_unique<engine::LayerNormNode<T>>(eps), {input},
-               p.take_present({gamma.c_str(), beta.c_str()}), g.width(input));
+  std::vector<int> affine = p.take_present({gamma.c_str(), beta.c_str()});
+  if (s.rmsnorm) return g.add(std::make_unique<engine::RmsNormNode<T>>(eps), {input}, std::move(affine), g.width(input));
+  return g.add(std::make_unique<engine::LayerNormNode<T>>(eps), {input}, std::move(affine), g.width(input));
 }
 
 // The values a caller may want by name (the reverse pass's checks name the stages they close).

@@ -1,6 +1,7 @@
-// LayerNorm, row by row: n_t = (u_t - mean(u_t)) / sigma_t, y_t = gamma * n_t + beta
-// (docs/derivation.md §3.1), with gamma and beta (1, d) parameters when the node owns two, or the
-// constants 1 and 0. Its row functions (layernorm.hpp) are also the public layernorm_* functions'.
+// A row norm: LayerNorm, n_t = (u_t - mean(u_t)) / sigma_t (docs/derivation.md §3.1), or RMSNorm,
+// n_t = u_t / r_t (rmsnorm.hpp), then y_t = gamma * n_t + beta, with gamma and beta (1, d)
+// parameters when the node owns them (RMSNorm: gamma only), or the constants 1 and 0. The row
+// functions (layernorm.hpp) are also the public layernorm_* functions'. For either norm:
 //   Jacobian J_t = diag(gamma) J0_t, J0_t the symmetric Jacobian of n_t;
 //   gamma enters with vec_t = [1], U_t = diag(n_t); beta with vec_t = [1], U_t = I;
 //   curvature: the site sum_a g_a gamma_a d2 n_a / du_t^2 at its input, and (affine) the bilinear
@@ -14,26 +15,43 @@
 #include "blockhess/finite.hpp"
 #include "blockhess/layernorm.hpp"
 #include "blockhess/parallel.hpp"
+#include "blockhess/rmsnorm.hpp"
 
 namespace blockhess::engine {
 
-template <class T>
-class LayerNormNode final : public Node<T> {
+// The row math of each norm, behind one interface (the per-row scale is sigma or r).
+struct LayerNormRows {
+  template <class... A> static void normalize(A... a) { layernorm::normalize(a...); }
+  template <class... A> static void jacobian_row(A... a) { layernorm::jacobian_row(a...); }
+  template <class... A> static void hessian_contract_row(A... a) { layernorm::hessian_contract_row(a...); }
+  template <class... A> static void vjp_row(A... a) { layernorm::vjp_row(a...); }
+  template <class... A> static void vjp_tangent_row(A... a) { layernorm::vjp_tangent_row(a...); }
+};
+struct RmsNormRows {
+  template <class... A> static void normalize(A... a) { rmsnorm::normalize(a...); }
+  template <class... A> static void jacobian_row(A... a) { rmsnorm::jacobian_row(a...); }
+  template <class... A> static void hessian_contract_row(A... a) { rmsnorm::hessian_contract_row(a...); }
+  template <class... A> static void vjp_row(A... a) { rmsnorm::vjp_row(a...); }
+  template <class... A> static void vjp_tangent_row(A... a) { rmsnorm::vjp_tangent_row(a...); }
+};
+
+template <class T, class Rows>
+class NormNode final : public Node<T> {
  public:
-  explicit LayerNormNode(T eps) : eps_(eps) {}
+  explicit NormNode(T eps) : eps_(eps) {}
 
   void forward(Graph<T>& g) override {
     const index_t n = g.tokens(), d = g.width(this->output);
     sigma_.resize(static_cast<size_t>(n));
     if (!affine()) {
-      layernorm::normalize(g.value(in()), n, d, eps_, g.value_out(this->output), sigma_.data());
+      Rows::normalize(g.value(in()), n, d, eps_, g.value_out(this->output), sigma_.data());
       return;
     }
     normalized_.resize(static_cast<size_t>(n * d));
-    layernorm::normalize(g.value(in()), n, d, eps_, normalized_.data(), sigma_.data());
+    Rows::normalize(g.value(in()), n, d, eps_, normalized_.data(), sigma_.data());
     MapM<T> y(g.value_out(this->output), n, d);
     y = MapC<T>(normalized_.data(), n, d) * gamma(g).asDiagonal();
-    y.rowwise() += MapC<T>(g.weight(beta_param()), 1, d).row(0);
+    if (has_beta()) y.rowwise() += MapC<T>(g.weight(beta_param()), 1, d).row(0);
     require_finite(y.data(), n * d, "block: a LayerNorm's output gamma * n + beta");
   }
 
@@ -46,7 +64,7 @@ class LayerNormNode final : public Node<T> {
         Buffer<T> row(static_cast<size_t>(2 * d));
         const T* g_t = scaled_cotangent(g, gy + t * d, row.data() + d);
         T* u = slot.add ? row.data() : slot.data + t * d;
-        layernorm::vjp_row(n_t(g, t), sigma_[t], g_t, d, u);
+        Rows::vjp_row(n_t(g, t), sigma_[t], g_t, d, u);
         if (slot.add)
           for (index_t a = 0; a < d; ++a) slot.data[t * d + a] += u[a];
       });
@@ -54,7 +72,8 @@ class LayerNormNode final : public Node<T> {
     if (!affine()) return;
     const MapC<T> G(gy, n, d), N(normalized_.data(), n, d);
     if (T* grad = g.gradient_out(gamma_param())) MapM<T>(grad, 1, d) = G.cwiseProduct(N).colwise().sum();
-    if (T* grad = g.gradient_out(beta_param())) MapM<T>(grad, 1, d) = G.colwise().sum();
+    if (has_beta())
+      if (T* grad = g.gradient_out(beta_param())) MapM<T>(grad, 1, d) = G.colwise().sum();
   }
 
   void push(Graph<T>& g) const override {
@@ -66,7 +85,7 @@ class LayerNormNode final : public Node<T> {
       const Factor<T> entered = entering<T>(kron::Split{1, d, true}, ones, d);
       g.set_factor(this->output, g.whole(gamma_param()), moved(entered, Form::diagonal, d, Buffer<T>(normalized_)));
     }
-    if (g.selected(beta_param()))
+    if (has_beta() && g.selected(beta_param()))
       g.set_factor(this->output, g.whole(beta_param()), entering<T>(kron::Split{1, d, true}, ones, d));
   }
 
@@ -77,7 +96,7 @@ class LayerNormNode final : public Node<T> {
     auto omega = std::make_shared<Buffer<T>>(static_cast<size_t>(n * d * d));
     const T* gam = affine() ? g.weight(gamma_param()) : nullptr;
     blockhess::detail::parallel_for(n, d * d, [&](index_t t) {
-      layernorm::hessian_contract_row(n_t(g, t), sigma_[t], gam, gy + t * d, d, omega->data() + t * d * d);
+      Rows::hessian_contract_row(n_t(g, t), sigma_[t], gam, gy + t * d, d, omega->data() + t * d * d);
     });
     terms.sites.push_back(Site<T>{in(), std::move(omega)});
     if (!affine() || !g.selected(gamma_param())) return;
@@ -108,14 +127,14 @@ class LayerNormNode final : public Node<T> {
   // dy = gamma * J0 du + n * dgamma + dbeta.
   void jvp(const Graph<T>& g, Tangent<T>& tg) const override {
     const T* du = tg.in(in());
-    const T *dgamma = affine() ? tg.dW[gamma_param()] : nullptr, *dbeta = affine() ? tg.dW[beta_param()] : nullptr;
+    const T *dgamma = affine() ? tg.dW[gamma_param()] : nullptr, *dbeta = has_beta() ? tg.dW[beta_param()] : nullptr;
     if (!du && !dgamma && !dbeta) return;
     const index_t n = g.tokens(), d = width(g);
     T* dy = tg.out(this->output, n * d);
     T* dn = affine() && du ? tg.scratch(this->index, kNormalizedTangent, n * d).data() : dy;
     for (index_t t = 0; t < n; ++t) {
       T* row = dy + t * d;
-      if (du) layernorm::vjp_row(n_t(g, t), sigma_[t], du + t * d, d, dn + t * d);  // J0 is symmetric
+      if (du) Rows::vjp_row(n_t(g, t), sigma_[t], du + t * d, d, dn + t * d);  // J0 is symmetric
       if (!affine()) continue;
       const T* gam = g.weight(gamma_param());
       const T* nt = n_t(g, t);
@@ -144,10 +163,10 @@ class LayerNormNode final : public Node<T> {
           if (dgh != dg_hat) std::copy_n(dgh, d, dg_hat), dgh = dg_hat;
           for (index_t a = 0; a < d; ++a) dg_hat[a] += dgamma[a] * gy[t * d + a];
         }
-        layernorm::vjp_row(n_t(g, t), sigma_[t], dgh, d, term);
+        Rows::vjp_row(n_t(g, t), sigma_[t], dgh, d, term);
         if (curved) {
-          layernorm::vjp_row(n_t(g, t), sigma_[t], gh, d, u);  // this node's own J0^T g^
-          layernorm::vjp_tangent_row(n_t(g, t), sigma_[t], gh, u, du + t * d, dn + t * d, d, du_t);
+          Rows::vjp_row(n_t(g, t), sigma_[t], gh, d, u);  // this node's own J0^T g^
+          Rows::vjp_tangent_row(n_t(g, t), sigma_[t], gh, u, du + t * d, dn + t * d, d, du_t);
           for (index_t a = 0; a < d; ++a) term[a] += du_t[a];
         }
         T* o = slot.data + t * d;
@@ -161,13 +180,15 @@ class LayerNormNode final : public Node<T> {
       o = dG.cwiseProduct(N).colwise().sum();
       if (curved && dn) o += G.cwiseProduct(MapC<T>(dn, n, d)).colwise().sum();
     }
-    if (T* out = tg.dgrad[beta_param()]) MapM<T>(out, 1, d) = dG.colwise().sum();
+    if (has_beta())
+      if (T* out = tg.dgrad[beta_param()]) MapM<T>(out, 1, d) = dG.colwise().sum();
   }
 
  private:
   enum : int { kNormalizedTangent, kRows };
 
-  bool affine() const { return this->params.size() == 2; }
+  bool affine() const { return !this->params.empty(); }  // gamma, and beta unless RMSNorm
+  bool has_beta() const { return this->params.size() == 2; }
   int in() const { return this->inputs[0]; }
   int gamma_param() const { return this->params[0]; }
   int beta_param() const { return this->params[1]; }
@@ -191,7 +212,7 @@ class LayerNormNode final : public Node<T> {
     const index_t d = width(g);
     Mat<T> J(d, d);
     const T* gam = with_gamma && affine() ? g.weight(gamma_param()) : nullptr;
-    layernorm::jacobian_row(n_t(g, t), sigma_[t], gam, d, J.data());
+    Rows::jacobian_row(n_t(g, t), sigma_[t], gam, d, J.data());
     return J;
   }
 
@@ -199,5 +220,10 @@ class LayerNormNode final : public Node<T> {
   Buffer<T> sigma_;
   Buffer<T> normalized_;  // n (only with affine parameters; otherwise the output is n)
 };
+
+template <class T>
+using LayerNormNode = NormNode<T, LayerNormRows>;
+template <class T>
+using RmsNormNode = NormNode<T, RmsNormRows>;
 
 }  // namespace blockhess::engine
