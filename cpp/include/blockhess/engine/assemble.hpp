@@ -99,9 +99,15 @@ template <class T>
 void assemble(const Graph<T>& g, Terms<T> terms, const std::vector<index_t>& offset, index_t P, T* H) {
   const index_t n = g.tokens();
   std::vector<Site<T>> sites = detail::settle_sites(g, std::move(terms.sites));
-  std::vector<int> selected;
-  for (int f = 0; f < g.num_pieces(); ++f)
-    if (g.piece_selected(f)) selected.push_back(f);
+  auto param = [&](int f) { return g.piece(f).param; };
+  // A piece with no factor anywhere moves nothing (a key bias): its rows and columns are 0.
+  std::vector<int> selected, inert;
+  for (int f = 0; f < g.num_pieces(); ++f) {
+    if (!g.piece_selected(f)) continue;
+    bool present = false;
+    for (int v = 0; v < g.num_values() && !present; ++v) present = g.factor(v, f).present;
+    (present ? selected : inert).push_back(f);
+  }
   auto reaches_all = [&](const Site<T>& s) {
     return std::all_of(selected.begin(), selected.end(), [&](int f) { return g.factor(s.value, f).present; });
   };
@@ -109,7 +115,16 @@ void assemble(const Graph<T>& g, Terms<T> terms, const std::vector<index_t>& off
   if (first != sites.end()) std::rotate(sites.begin(), first, first + 1);
   else std::fill_n(H, P * P, T(0));
   bool overwrite = first != sites.end();
-  auto param = [&](int f) { return g.piece(f).param; };
+  if (overwrite)
+    for (int f : inert) {
+      const kron::Split piece = g.split_of(f, true);
+      for (index_t r = 0; r < piece.n_vec(); ++r)
+        for (index_t c = 0; c < piece.n_mat(); ++c) {
+          const index_t k = offset[static_cast<size_t>(param(f))] + piece.flat(r, c);
+          std::fill_n(H + k * P, P, T(0));
+          for (index_t i = 0; i < P; ++i) H[i * P + k] = T(0);
+        }
+    }
   auto block = [&](int fi, int fj) {
     return H + offset[static_cast<size_t>(param(fi))] * P + offset[static_cast<size_t>(param(fj))];
   };
