@@ -568,6 +568,70 @@ void check_block(std::mt19937_64& rng, const BlockCase<T>& bc) {
   }
 }
 
+// Blocks of the family (pieces for heads, a moving attention input, RMSNorm, every node option):
+// the Hessian in every part is symmetric, outer + functional = full, the operator equals the dense
+// Hessian, and the loss gradient matches central differences (double).
+template <class T>
+void check_family(std::mt19937_64& rng, const bh::block::Spec& spec, const bh::block::Dims& D, index_t B, T eps) {
+  namespace blk = bh::block;
+  const std::string ctx = std::string("family ") + type_name<T>() + (spec.pre_ln ? " pre" : " post") +
+                          (spec.rmsnorm ? " rms" : "") + " heads=" + std::to_string(spec.heads);
+  const auto shapes = blk::parameters(spec, D);
+  std::vector<std::vector<T>> W;
+  for (const auto& p : shapes) W.push_back(randn<T>(rng, p.size(), 1.0 / std::sqrt(static_cast<double>(p.rows))));
+  std::vector<const T*> w;
+  for (auto& a : W) w.push_back(a.data());
+  const auto X = randn<T>(rng, B * D.L * D.d), target = randn<T>(rng, B * D.L * D.d);
+  blk::Target<T> tgt;
+  tgt.values = target.data();
+  index_t P = 0;
+  for (const auto& p : shapes) P += p.size();
+  const blk::Selection all(shapes.size(), true);
+  std::vector<T> H(P * P), Ho(P * P), Hf(P * P);
+  for (auto [part, out] : {std::pair{blk::Part::full, &H}, {blk::Part::outer, &Ho}, {blk::Part::functional, &Hf}}) {
+    auto e = blk::forward(spec, D, B, X.data(), w, eps);
+    blk::loss_hessian(e, tgt, part, all, out->data());
+  }
+  bool sym = true;
+  for (index_t i = 0; i < P; ++i)
+    for (index_t j = 0; j < i; ++j) sym &= H[i * P + j] == H[j * P + i];
+  CHECK(all_finite(H) && sym, ctx + " Hessian finite and symmetric (bit for bit)");
+  std::vector<T> sum(P * P);
+  for (index_t k = 0; k < P * P; ++k) sum[k] = Ho[k] + Hf[k];
+  CHECK(rel_diff(sum, H) < 100 * tol<T>(), ctx + " outer + functional = full");
+  const index_t k = 2;
+  const auto V = randn<T>(rng, P * k);
+  const blk::HessianOperator<T> op(blk::forward(spec, D, B, X.data(), w, eps), tgt, blk::Part::full, all);
+  std::vector<T> HV(P * k), ref(P * k, T(0));
+  op.apply_columns(V.data(), k, HV.data());
+  for (index_t i = 0; i < P; ++i)
+    for (index_t j = 0; j < P; ++j)
+      for (index_t c = 0; c < k; ++c) ref[i * k + c] += H[i * P + j] * V[j * k + c];
+  CHECK(rel_diff(HV, ref) < 100 * tol<T>(), ctx + " H V = dense H times V");
+  if constexpr (std::is_same_v<T, double>) {
+    std::vector<T> grad(P);
+    auto e = blk::forward(spec, D, B, X.data(), w, eps);
+    blk::loss_gradient(e, tgt, grad.data());
+    const auto v = randn<T>(rng, P);
+    auto loss_at = [&](double step) {
+      std::vector<std::vector<T>> moved = W;
+      std::vector<const T*> mw;
+      index_t at = 0;
+      for (auto& a : moved) {
+        for (T& x : a) x += step * v[at++];
+        mw.push_back(a.data());
+      }
+      auto em = blk::forward(spec, D, B, X.data(), mw, eps);
+      return blk::loss_gradient(em, tgt, static_cast<T*>(nullptr));
+    };
+    double gv = 0;
+    for (index_t i = 0; i < P; ++i) gv += grad[i] * v[i];
+    const double h = 1e-5;
+    CHECK(std::abs((loss_at(h) - loss_at(-h)) / (2 * h) - gv) < 1e-6 * std::max(1.0, std::abs(gv)),
+          ctx + " finite differences of the loss = gradient . v");
+  }
+}
+
 // dZ/dW_p and d2Z/dW_i dW_j of one sample (small: output_hessian assembles one Hessian per entry).
 inline void check_block_output_derivatives(std::mt19937_64& rng) {
   namespace blk = bh::block;
@@ -683,6 +747,17 @@ void run_all(std::mt19937_64& rng) {
   check_block<T>(rng, {{5, 3, 4, 7}, 3, K::cross_entropy, T(0)});
   check_block<T>(rng, {{16, 8, 6, 24}, 2, K::mse, T(1e-5)});
   check_block<T>(rng, {{9, 5, 7, 13}, 2, K::cross_entropy, T(0)});
+  // The family: everything on, pre- and post-LN, two heads, RMSNorm.
+  bh::block::Spec everything;
+  everything.norm_affine = everything.bias = everything.out_proj = everything.causal = true;
+  everything.heads = 2;
+  everything.activation = bh::activation::Kind::gelu_tanh;
+  check_family<T>(rng, everything, {5, 6, 3, 7, 2}, 2, T(1e-3));
+  everything.pre_ln = true;
+  check_family<T>(rng, everything, {5, 6, 3, 7, 2}, 2, T(1e-3));
+  everything.rmsnorm = true;
+  everything.activation = bh::activation::Kind::silu;
+  check_family<T>(rng, everything, {4, 4, 2, 5, 0}, 1, T(1e-3));
 }
 
 }  // namespace sanitize
