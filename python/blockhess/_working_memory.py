@@ -35,16 +35,19 @@ def ffn(L: int, d: int, f: int, e: int, itemsize: int) -> int:
     return itemsize * (L * d + d * f + L * f + f * e + L * e + 2 * f)
 
 
-def block(B: int, L: int, d: int, dk: int, dff: int, itemsize: int, *, hessian: bool, outer: bool = True) -> int:
+def block(B: int, L: int, d: int, dk: int, dff: int, itemsize: int, *, hessian: bool, outer: bool = True,
+          heads: int = 1, P: int | None = None) -> int:
     """block.hpp on the engine (engine/graph.hpp, blocks/post_ln.hpp), loss.hpp: the values and
     caches of the forward pass, the reverse pass's cotangents, the loss derivatives, and for a
-    Hessian the per-token factors at every value, the sites' Omegas and kron::accumulate's chunks."""
+    Hessian the per-token factors at every value, the sites' Omegas and kron::accumulate's chunks.
+    For the family: dk per head, every (L, L) array once per head, P the spec's parameter count."""
     n = B * L
-    P = 2 * d * dk + d * d + 2 * d * dff
+    dk, B_heads = heads * dk, B * heads  # all heads' query columns; the (L, L) arrays of every head
+    P = 2 * d * dk + d * d + 2 * d * dff if P is None else P
     # X, F, X + F, Y, Y W_1, relu, R W_2, S, Z; Q, K, V, A and two (L, L) products in flight; two
     # LayerNorm sigmas and the relu mask
-    forward = P + 3 * B * L * L + n * (7 * d + 3 * dff + 2 * dk + d + 2)
-    reverse = 2 * B * L * L + n * (6 * d + 2 * dff)  # every value's cotangent, gA, gT
+    forward = P + 3 * B_heads * L * L + n * (7 * d + 3 * dff + 2 * dk + d + 2)
+    reverse = 2 * B_heads * L * L + n * (6 * d + 2 * dff + 2 * dk + d)  # every value's cotangent, gA, gT
     loss = n * d * (d + 1 if outer else 1)
     total = forward + reverse + loss
     if hessian:
@@ -58,13 +61,15 @@ def block(B: int, L: int, d: int, dk: int, dff: int, itemsize: int, *, hessian: 
     return itemsize * total
 
 
-def hvp(B: int, L: int, d: int, dk: int, dff: int, itemsize: int, columns: int, threads: int) -> int:
+def hvp(B: int, L: int, d: int, dk: int, dff: int, itemsize: int, columns: int, threads: int, *, heads: int = 1,
+        P: int | None = None) -> int:
     """block_hvp.hpp: the operator keeps the forward caches, the loss gradient and the reverse pass;
     each product in flight (one per thread) holds the tangents of the values and of their
     cotangents (engine::Tangent) and a copy of its column and product."""
     n = B * L
-    P = 2 * d * dk + d * d + 2 * d * dff
-    kept = block(B, L, d, dk, dff, itemsize, hessian=False, outer=False) // itemsize
+    kept = block(B, L, d, dk, dff, itemsize, hessian=False, outer=False, heads=heads, P=P) // itemsize
+    dk, B = heads * dk, B * heads
+    P = 2 * d * dk + d * d + 2 * d * dff if P is None else P
     values = n * (8 * d + 2 * dff)  # every varying value, once as a tangent and once as a cotangent's
     attention = 2 * B * L * L + n * (2 * dk + d) + 2 * L * L + L * (2 * dk + d)
     per_product = 2 * values + attention + 2 * P

@@ -205,6 +205,11 @@ def _on_gpu(X3: Any, params: BlockParams) -> bool:
     return True
 
 
+def _family_size(params: BlockParams) -> dict[str, int]:
+    """What the working-memory estimates need beyond the paper's sizes (_working_memory.py)."""
+    return {"heads": params.spec.heads, "P": params.size}
+
+
 def _eps(eps: Any, params: BlockParams) -> float:
     """eps as given, or the spec's when not given."""
     return nonneg_scalar(params.spec.eps if eps is None else eps, "eps")
@@ -265,7 +270,7 @@ def block_forward(X: Any, params: BlockParams, *, eps: float | None = None) -> n
     shape = tuple(X.shape)
     B, L, d = X3.shape
     require_output_fits(X3.shape, dtype, "the block output", "pass fewer samples or tokens at a time",
-                        working=_working_memory.block(B, L, d, params.d_k, params.d_ff, dtype.itemsize, hessian=False))
+                        working=_working_memory.block(B, L, d, params.d_k, params.d_ff, dtype.itemsize, hessian=False, **_family_size(params)))
     if _on_gpu(X3, params):
         return require_finite(_gpu.block_forward(X3, W, eps), "the block output Z").reshape(shape)
     out = np.empty_like(X3)
@@ -282,7 +287,7 @@ def block_jacobian(X: Any, params: BlockParams, wrt: str, *, eps: float | None =
     X3, W, dtype = _batch(X, params, single=True)
     L, d = X3.shape[1:]
     shape = (L * d, params.sizes[p])
-    working = _working_memory.block(1, L, d, params.d_k, params.d_ff, dtype.itemsize, hessian=True, outer=False)
+    working = _working_memory.block(1, L, d, params.d_k, params.d_ff, dtype.itemsize, hessian=True, outer=False, **_family_size(params))
     require_output_fits(shape, dtype, f"the block Jacobian with respect to {wrt}", "use loss_gradient or a smaller L",
                         working=working)
     what = f"the block Jacobian with respect to {wrt}"
@@ -307,7 +312,7 @@ def block_output_hessian(X: Any, params: BlockParams, wrt_i: str, wrt_j: str, *,
     L, d = X3.shape[1:]
     shape = (L * d * params.sizes[i], params.sizes[j])
     pair = params.sizes[i] + (params.sizes[j] if i != j else 0)
-    working = _working_memory.block(1, L, d, params.d_k, params.d_ff, dtype.itemsize, hessian=True) + pair**2 * dtype.itemsize
+    working = _working_memory.block(1, L, d, params.d_k, params.d_ff, dtype.itemsize, hessian=True, **_family_size(params)) + pair**2 * dtype.itemsize
     require_output_fits(shape, dtype, f"d2Z/d{wrt_i}d{wrt_j}", "use loss_hessian, which contracts it with the loss",
                         working=working)
     if _on_gpu(X3, params):
@@ -337,7 +342,7 @@ def loss_value(X: Any, target: Any, params: BlockParams, *, loss: str = "mse", e
     params, X3, W, dtype, eps, kind, values, classes = _loss_inputs(X, target, params, loss, eps)
     B, L, d = X3.shape
     require_output_fits((1,), dtype, "the loss", "pass fewer samples at a time",
-                        working=_working_memory.block(B, L, d, params.d_k, params.d_ff, dtype.itemsize, hessian=False))
+                        working=_working_memory.block(B, L, d, params.d_k, params.d_ff, dtype.itemsize, hessian=False, **_family_size(params)))
     if _on_gpu(X3, params):
         value = float(_gpu.loss_value(X3, W, eps, kind, values, classes))
         return float(require_finite(np.asarray(value), "the loss value"))
@@ -355,7 +360,7 @@ def loss_gradient(X: Any, target: Any, params: BlockParams, *, loss: str = "mse"
     params, X3, W, dtype, eps, kind, values, classes = _loss_inputs(X, target, params, loss, eps)
     B, L, d = X3.shape
     require_output_fits((params.size,), dtype, "the loss gradient", "pass fewer samples at a time",
-                        working=_working_memory.block(B, L, d, params.d_k, params.d_ff, dtype.itemsize, hessian=False))
+                        working=_working_memory.block(B, L, d, params.d_k, params.d_ff, dtype.itemsize, hessian=False, **_family_size(params)))
     if _on_gpu(X3, params):
         return require_finite(_gpu.loss_gradient(X3, W, eps, kind, values, classes), "the loss gradient")
     out = np.empty(params.size, dtype=dtype)
@@ -392,7 +397,7 @@ def loss_hessian(
     layout = choice(layout, "layout", ("dense", "blocks"))
     names, selected, P = _selection(params, wrt)
     B, L, d = X3.shape
-    working = _working_memory.block(B, L, d, params.d_k, params.d_ff, dtype.itemsize, hessian=True, outer=part != "functional")
+    working = _working_memory.block(B, L, d, params.d_k, params.d_ff, dtype.itemsize, hessian=True, outer=part != "functional", **_family_size(params))
     if out is None:
         require_output_fits(
             (P, P), dtype, f"the loss Hessian over {', '.join(names)} (P = {P})",

@@ -15,7 +15,7 @@ from . import _backend, _core, _working_memory
 from ._interop import is_torch_tensor, returns_callers_kind, to_torch
 from ._threads import get_num_threads
 from ._validate import choice, contiguous, float_array, require_output_fits
-from .block import _LOSSES, _PARTS, BlockParams, _loss_inputs, _selection
+from .block import _LOSSES, _PARTS, BlockParams, _family_size, _loss_inputs, _selection
 
 
 class HessianOperator:
@@ -110,7 +110,7 @@ def _build(X, target, params, loss, part, eps, wrt, columns, promote_with=()) ->
         raise TypeError("hessian_operator and loss_hvp run on the CPU only so far; pass NumPy arrays "
                         "(cupy.asnumpy) or use loss_hessian on the GPU")
     B, L, d = X3.shape
-    working = _working_memory.hvp(B, L, d, params.d_k, params.d_ff, dtype.itemsize, columns, get_num_threads())
+    working = _working_memory.hvp(B, L, d, params.d_k, params.d_ff, dtype.itemsize, columns, get_num_threads(), **_family_size(params))
     require_output_fits((P, columns), dtype, f"the Hessian-vector products over {', '.join(names)} (P = {P})",
                         "pass fewer samples or tokens at a time, or fewer vectors", working=working)
     core_class = _core.HessianOperator64 if dtype == np.float64 else _core.HessianOperator32
