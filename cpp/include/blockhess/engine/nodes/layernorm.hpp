@@ -9,6 +9,7 @@
 #pragma once
 
 #include <memory>
+#include <vector>
 
 #include "blockhess/eigen.hpp"
 #include "blockhess/engine/graph.hpp"
@@ -60,8 +61,10 @@ class NormNode final : public Node<T> {
     const T* gy = g.cotangent(this->output);
     if (g.varies(in())) {
       const Slot<T> slot = g.cotangent_slot(in());
-      blockhess::detail::parallel_for(n, 4 * d, [&](index_t t) {
-        Buffer<T> row(static_cast<size_t>(2 * d));
+      // One scratch row pair per thread (not one allocation per token).
+      std::vector<Buffer<T>> rows(static_cast<size_t>(parallel::num_threads()), Buffer<T>(static_cast<size_t>(2 * d)));
+      blockhess::detail::parallel_for(n, 4 * d, [&](index_t t, int thread) {
+        Buffer<T>& row = rows[static_cast<size_t>(thread)];
         const T* g_t = scaled_cotangent(g, gy + t * d, row.data() + d);
         T* u = slot.add ? row.data() : slot.data + t * d;
         Rows::vjp_row(n_t(g, t), sigma_[t], g_t, d, u);
