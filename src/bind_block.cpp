@@ -85,19 +85,34 @@ block::Selection selection(const std::vector<bool>& wrt, size_t count) {
 
 template <class T>
 block::Target<T> target(const Problem<T>& p, int kind, const optional_carray<T>& values,
-                        const optional_carray<std::int64_t>& classes) {
-  if (kind != 0 && kind != 1) throw std::invalid_argument("block: unknown loss kind");
-  if (values) require_shape(*values, {p.B, p.dims.L, p.dims.d}, "target");
-  if (classes) {
-    require_shape(*classes, {p.B, p.dims.L}, "target");
-    const std::int64_t* c = classes->data();
-    for (index_t k = 0; k < p.B * p.dims.L; ++k)
-      if (c[k] < 0 || c[k] >= p.dims.d) throw std::invalid_argument("block: class index out of range [0, d)");
-  }
-  if ((kind == 0) != static_cast<bool>(values) || (kind == 1) != static_cast<bool>(classes))
-    throw std::invalid_argument("block: mse needs values, cross_entropy needs classes");
+                        const optional_carray<std::int64_t>& classes, const optional_carray<T>& head_weight,
+                        const optional_carray<T>& head_bias) {
+  if (kind < 0 || kind > 2) throw std::invalid_argument("block: unknown loss kind");
+  const bool pooled = kind == 2;
+  if ((kind == 0) != static_cast<bool>(values) || (kind != 0) != static_cast<bool>(classes))
+    throw std::invalid_argument("block: mse needs values, cross_entropy and pooled_cross_entropy need classes");
+  if (pooled != (head_weight && head_bias))
+    throw std::invalid_argument("block: pooled_cross_entropy, and only it, needs a head (W_C, b_C)");
   block::Target<T> t;
   t.kind = static_cast<loss::Kind>(kind);
+  index_t classes_range = p.dims.d;
+  if (pooled) {
+    if (head_weight->ndim() != 2) throw std::invalid_argument("block: W_C must be 2-D (d, classes)");
+    t.head.classes = static_cast<index_t>(head_weight->shape(1));
+    require_shape(*head_weight, {p.dims.d, t.head.classes}, "W_C");
+    require_shape(*head_bias, {t.head.classes}, "b_C");
+    t.head.weight = head_weight->data();
+    t.head.bias = head_bias->data();
+    classes_range = t.head.classes;
+  }
+  if (values) require_shape(*values, {p.B, p.dims.L, p.dims.d}, "target");
+  if (classes) {
+    if (pooled) require_shape(*classes, {p.B}, "target");
+    else require_shape(*classes, {p.B, p.dims.L}, "target");
+    const std::int64_t* c = classes->data();
+    for (index_t k = 0; k < static_cast<index_t>(classes->size()); ++k)
+      if (c[k] < 0 || c[k] >= classes_range) throw std::invalid_argument("block: class index out of range");
+  }
   t.values = data_or_null(values);
   t.classes = data_or_null(classes);
   return t;
@@ -157,7 +172,8 @@ void bind_for(py::module_& m) {
   m.def(
       "loss_gradient",
       [](A X, const SpecTuple& spec, Weights W, T eps, int kind, const optional_carray<T>& values,
-         const opt_classes& classes, std::optional<carray<T>> out) {
+         const opt_classes& classes, std::optional<carray<T>> out, const optional_carray<T>& head_weight,
+         const optional_carray<T>& head_bias) {
         const auto p = problem(X, spec, W);
         T* o = nullptr;
         if (out) {
@@ -166,19 +182,21 @@ void bind_for(py::module_& m) {
           require_shape(*out, {P}, "out");
           o = mutable_ptr(*out);
         }
-        const auto tgt = target<T>(p, kind, values, classes);
+        const auto tgt = target<T>(p, kind, values, classes, head_weight, head_bias);
         py::gil_scoped_release release;
         auto e = p.evaluate(X.data(), eps);
         return block::loss_gradient(e, tgt, o);
       },
       py::arg("X").noconvert(), py::arg("spec"), py::arg("weights"), py::arg("eps"), py::arg("kind"),
       py::arg("values").noconvert().none(true), py::arg("classes").noconvert().none(true),
-      py::arg("out").noconvert().none(true));
+      py::arg("out").noconvert().none(true), py::arg("head_weight").noconvert().none(true) = py::none(),
+      py::arg("head_bias").noconvert().none(true) = py::none());
 
   m.def(
       "loss_hessian",
       [](A X, const SpecTuple& spec, Weights W, T eps, int kind, const optional_carray<T>& values,
-         const opt_classes& classes, int part, const std::vector<bool>& wrt, carray<T>& out) {
+         const opt_classes& classes, int part, const std::vector<bool>& wrt, carray<T>& out,
+         const optional_carray<T>& head_weight, const optional_carray<T>& head_bias) {
         const auto p = problem(X, spec, W);
         const auto shapes = p.shapes();
         const auto sel = selection(wrt, shapes.size());
@@ -187,14 +205,15 @@ void bind_for(py::module_& m) {
         require_shape(out, {P, P}, "out");
         if (part < 0 || part > 2) throw std::invalid_argument("loss_hessian: bad part");
         T* o = mutable_ptr(out);
-        const auto tgt = target<T>(p, kind, values, classes);
+        const auto tgt = target<T>(p, kind, values, classes, head_weight, head_bias);
         py::gil_scoped_release release;
         auto e = p.evaluate(X.data(), eps);
         return block::loss_hessian(e, tgt, static_cast<block::Part>(part), sel, o);
       },
       py::arg("X").noconvert(), py::arg("spec"), py::arg("weights"), py::arg("eps"), py::arg("kind"),
       py::arg("values").noconvert().none(true), py::arg("classes").noconvert().none(true), py::arg("part"),
-      py::arg("wrt"), py::arg("out").noconvert());
+      py::arg("wrt"), py::arg("out").noconvert(), py::arg("head_weight").noconvert().none(true) = py::none(),
+      py::arg("head_bias").noconvert().none(true) = py::none());
 
   // The loss Hessian as an operator: the forward and reverse passes are computed once, at
   // construction; apply(V, out) writes H V for V of shape (P,) or (P, k).
@@ -202,16 +221,18 @@ void bind_for(py::module_& m) {
   // module_local: the portable and x86-64-v3 builds of the core each bind this same C++ type.
   py::class_<Operator>(m, sizeof(T) == 8 ? "HessianOperator64" : "HessianOperator32", py::module_local())
       .def(py::init([](A X, const SpecTuple& spec, Weights W, T eps, int kind, const optional_carray<T>& values,
-                       const opt_classes& classes, int part, const std::vector<bool>& wrt) {
+                       const opt_classes& classes, int part, const std::vector<bool>& wrt,
+                       const optional_carray<T>& head_weight, const optional_carray<T>& head_bias) {
              const auto p = problem(X, spec, W);
              const auto sel = selection(wrt, p.shapes().size());
              if (part < 0 || part > 2) throw std::invalid_argument("HessianOperator: bad part");
-             const auto tgt = target<T>(p, kind, values, classes);
+             const auto tgt = target<T>(p, kind, values, classes, head_weight, head_bias);
              py::gil_scoped_release release;
              return new Operator(p.evaluate(X.data(), eps), tgt, static_cast<block::Part>(part), sel);
            }),
            py::arg("X").noconvert(), py::arg("spec"), py::arg("weights"), py::arg("eps"), py::arg("kind"), py::arg("values").noconvert().none(true), py::arg("classes").noconvert().none(true),
-           py::arg("part"), py::arg("wrt"))
+           py::arg("part"), py::arg("wrt"), py::arg("head_weight").noconvert().none(true) = py::none(),
+           py::arg("head_bias").noconvert().none(true) = py::none())
       .def_property_readonly("size", &Operator::size)
       .def_property_readonly("loss_value", &Operator::loss_value)
       .def(

@@ -5,7 +5,9 @@
 
 LN is row-wise over the last axis, population variance, ``eps`` inside the square root, no affine
 parameters inside the block. Losses: "mse" = mean of (Z - target)^2 over every entry (and sample);
-"cross_entropy" = mean over tokens (and samples) of the cross-entropy of the rows of Z as logits.
+"cross_entropy" = mean over tokens (and samples) of the cross-entropy of the rows of Z as logits;
+"pooled_cross_entropy" = mean over samples of the cross-entropy of mean_tokens(Z) W_C + b_C, with
+head = (W_C, b_C) fixed and one class per sample.
 
 The one independent reference of the package: the tests, ``blockhess check`` and the benchmarks
 compare blockhess's closed forms against it. Derivatives come from autograd, never from blockhess's
@@ -24,7 +26,7 @@ import torch
 from torch.func import grad, hessian, jacrev, jvp, vjp
 
 from .block import PARAM_NAMES  # the parameter registry (params.hpp), the one table of names
-LOSSES = ("mse", "cross_entropy")
+LOSSES = ("mse", "cross_entropy", "pooled_cross_entropy")
 PARTS = ("full", "outer", "functional")
 
 
@@ -70,12 +72,18 @@ def block(X, WQ, WK, WV, W1, W2, eps=0.0, *, fused=False):
     return layernorm(ffn(Y, W1, W2) + Y, eps, fused=fused)
 
 
-def loss(Z, target, kind):
-    """"mse": mean (Z - target)^2; "cross_entropy": mean over tokens of -log softmax(Z row)[class]."""
+def loss(Z, target, kind, head=None):
+    """"mse": mean (Z - target)^2; "cross_entropy": mean over tokens of -log softmax(Z row)[class];
+    "pooled_cross_entropy": mean over samples of -log softmax(mean_t Z_t W_C + b_C)[class], with
+    head = (W_C, b_C)."""
     if kind == "mse":
         return ((Z - target) ** 2).mean()
     if kind == "cross_entropy":
         return torch.nn.functional.cross_entropy(Z.reshape(-1, Z.shape[-1]), target.reshape(-1))
+    if kind == "pooled_cross_entropy":
+        W_C, b_C = (torch.as_tensor(a, dtype=Z.dtype, device=Z.device) for a in head)
+        logits = Z.mean(-2) @ W_C + b_C
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, W_C.shape[1]), target.reshape(-1))
     raise ValueError(f"kind must be one of {LOSSES}, got {kind!r}")
 
 
@@ -84,10 +92,10 @@ def loss(Z, target, kind):
 
 def as_problem(X, target, weights, kind, *, dtype=None, device=None):
     """(X, target, weights) as tensors: float ones in ``dtype`` (default: X's), on ``device`` (default:
-    X's); for "cross_entropy" the target as int64 class indices."""
+    X's); for the cross-entropies the target as int64 class indices."""
     X = torch.as_tensor(X, dtype=dtype, device=device)
     weights = [torch.as_tensor(w, dtype=X.dtype, device=X.device) for w in weights]
-    target_dtype = torch.int64 if kind == "cross_entropy" else X.dtype
+    target_dtype = X.dtype if kind == "mse" else torch.int64
     return X, torch.as_tensor(target, dtype=target_dtype, device=X.device), weights
 
 
@@ -102,9 +110,9 @@ def unflatten(v, shapes):
     return [piece.reshape(shape) for piece, shape in zip(pieces, shapes)]
 
 
-def loss_of_flat(X, target, shapes, kind, eps=0.0, *, fused=False):
+def loss_of_flat(X, target, shapes, kind, eps=0.0, *, fused=False, head=None):
     """The loss as a function of the flat vector of all five weights (for torch.func.hessian)."""
-    return lambda v: loss(block(X, *unflatten(v, shapes), eps=eps, fused=fused), target, kind)
+    return lambda v: loss(block(X, *unflatten(v, shapes), eps=eps, fused=fused), target, kind, head)
 
 
 def _selected(wrt):
@@ -142,14 +150,14 @@ def _hvp(f, x, v):
 # ---- loss derivatives -----------------------------------------------------------------------------
 
 
-def loss_gradient(X, target, weights, kind="mse", eps=0.0, wrt=None):
+def loss_gradient(X, target, weights, kind="mse", eps=0.0, wrt=None, head=None):
     """Gradient of the loss over the flat vector of the weights named in wrt (default: all five)."""
     X, target, weights = as_problem(X, target, weights, kind)
     output_of, v0 = _output_of_flat(X, weights, eps, wrt)
-    return grad(lambda v: loss(output_of(v), target, kind))(v0)
+    return grad(lambda v: loss(output_of(v), target, kind, head))(v0)
 
 
-def loss_hessian(X, target, weights, kind="mse", eps=0.0, part="full", wrt=None):
+def loss_hessian(X, target, weights, kind="mse", eps=0.0, part="full", wrt=None, head=None):
     """(P, P) loss Hessian over the weights named in wrt. part "full": torch.func.hessian of the
     loss; "outer" (Gauss-Newton): J^T H_loss J with J = jacrev of Z and H_loss the loss's Hessian in
     Z; "functional": full - outer."""
@@ -158,17 +166,17 @@ def loss_hessian(X, target, weights, kind="mse", eps=0.0, part="full", wrt=None)
     X, target, weights = as_problem(X, target, weights, kind)
     output_of, v0 = _output_of_flat(X, weights, eps, wrt)
     if part != "outer":
-        full = hessian(lambda v: loss(output_of(v), target, kind))(v0)
+        full = hessian(lambda v: loss(output_of(v), target, kind, head))(v0)
         if part == "full":
             return full
     Z = output_of(v0)
     J = jacrev(output_of)(v0).reshape(Z.numel(), -1)
-    H_loss = hessian(lambda z: loss(z.reshape(Z.shape), target, kind))(Z.reshape(-1))
+    H_loss = hessian(lambda z: loss(z.reshape(Z.shape), target, kind, head))(Z.reshape(-1))
     outer = J.T @ H_loss @ J
     return outer if part == "outer" else full - outer
 
 
-def loss_hvp(X, target, weights, v, kind="mse", eps=0.0, part="full", wrt=None):
+def loss_hvp(X, target, weights, v, kind="mse", eps=0.0, part="full", wrt=None, head=None):
     """Loss Hessian (over the weights named in wrt) times the flat vector v, without forming it.
     part "full": double backward; "outer": J^T (H_loss (J v)) with torch.func.jvp / vjp of Z and
     double backward of the loss in Z; "functional": full - outer."""
@@ -178,11 +186,11 @@ def loss_hvp(X, target, weights, v, kind="mse", eps=0.0, part="full", wrt=None):
     output_of, v0 = _output_of_flat(X, weights, eps, wrt)
     v = torch.as_tensor(v, dtype=v0.dtype, device=v0.device).reshape(v0.shape)
     if part != "outer":
-        full = _hvp(lambda w: loss(output_of(w), target, kind), v0, v)
+        full = _hvp(lambda w: loss(output_of(w), target, kind, head), v0, v)
         if part == "full":
             return full
     Z, Jv = jvp(output_of, (v0,), (v,))
-    H_loss_Jv = _hvp(lambda z: loss(z, target, kind), Z.detach(), Jv)
+    H_loss_Jv = _hvp(lambda z: loss(z, target, kind, head), Z.detach(), Jv)
     _, pullback = vjp(output_of, v0)
     (outer,) = pullback(H_loss_Jv)
     return outer if part == "outer" else full - outer

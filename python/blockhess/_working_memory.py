@@ -36,11 +36,13 @@ def ffn(L: int, d: int, f: int, e: int, itemsize: int) -> int:
 
 
 def block(B: int, L: int, d: int, dk: int, dff: int, itemsize: int, *, hessian: bool, outer: bool = True,
-          heads: int = 1, P: int | None = None) -> int:
+          heads: int = 1, P: int | None = None, pooled: bool = False) -> int:
     """block.hpp on the engine (engine/graph.hpp, blocks/post_ln.hpp), loss.hpp: the values and
     caches of the forward pass, the reverse pass's cotangents, the loss derivatives, and for a
     Hessian the per-token factors at every value, the sites' Omegas and kron::accumulate's chunks.
-    For the family: dk per head, every (L, L) array once per head, P the spec's parameter count."""
+    For the family: dk per head, every (L, L) array once per head, P the spec's parameter count.
+    pooled (a pooled head's outer part, assemble.hpp's accumulate_pooled): the factors at Z too, and
+    two (samples, d, P) slabs of token-summed Jacobians, a few samples at a time."""
     n = B * L
     dk, B_heads = heads * dk, B * heads  # all heads' query columns; the (L, L) arrays of every head
     P = 2 * d * dk + d * d + 2 * d * dff if P is None else P
@@ -58,6 +60,8 @@ def block(B: int, L: int, d: int, dk: int, dff: int, itemsize: int, *, hessian: 
         widest = max(d, dk, dff)
         kron = 3 * min(n * widest * widest, _KRON_CHUNK)
         total += vectors + matrices + omegas + kron
+        if pooled and outer:
+            total += n * d * (dk + 3 * d + dff) + 2 * max(1, min(B, 128 // d)) * d * P
     return itemsize * total
 
 

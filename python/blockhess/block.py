@@ -38,7 +38,7 @@ def _parameter_table(spec: BlockSpec, d: int, d_k: int, d_v: int, d_ff: int) -> 
 
 
 PARAM_NAMES = tuple(name for name, _ in _parameter_table(PAPER_BLOCK, 1, 1, 1, 1))  # the paper's block
-_LOSSES = {"mse": 0, "cross_entropy": 1}
+_LOSSES = {"mse": 0, "cross_entropy": 1, "pooled_cross_entropy": 2}
 _PARTS = {"full": 0, "outer": 1, "functional": 2}
 
 
@@ -235,30 +235,53 @@ def _batch(X: Any, params: BlockParams, *, single: bool = False, promote_with: t
     return contiguous(X.reshape((1, *X.shape)) if X.ndim == 2 else X, dtype), weights, dtype
 
 
-def _target(target: Any, loss: str, X3: np.ndarray, batched: bool, dtype: np.dtype):
-    """(values, classes) for the binding; exactly one is an array."""
+def _target(target: Any, loss: str, X3: np.ndarray, batched: bool, dtype: np.dtype, classes: int | None = None):
+    """(values, classes) for the binding; exactly one is an array. ``classes``: the number of
+    classes of a pooled head (its W_C's columns)."""
     B, L, d = X3.shape
-    want = (B, L) if batched else (L,)
     if loss == "mse":
         full = (B, L, d) if batched else (L, d)
         if tuple(target.shape) != full:
             raise ValueError(f"target must have the shape of X, {full}, for loss='mse', got {tuple(target.shape)}")
         return contiguous(target, dtype).reshape(B, L, d), None
+    pooled = loss == "pooled_cross_entropy"
     target = as_array(target, "target")
     if target is None or not hasattr(target, "dtype"):
         target = np.asarray(target)
     kind = np.dtype(target.dtype).kind
     if kind not in "iu":
-        raise TypeError(
-            f"target must hold integer class indices for loss='cross_entropy', got dtype {target.dtype}"
-        )
+        raise TypeError(f"target must hold integer class indices for loss={loss!r}, got dtype {target.dtype}")
+    if pooled:
+        want, what = ((B,) if batched else ()), "one class per sample"
+    else:
+        want, what = ((B, L) if batched else (L,)), "one class per token"
     if tuple(target.shape) != want:
-        raise ValueError(f"target must have shape {want} (one class per token) for loss='cross_entropy', "
-                         f"got {tuple(target.shape)}")
-    if target.size and (int(target.min()) < 0 or int(target.max()) >= d):
+        raise ValueError(f"target must have shape {want} ({what}) for loss={loss!r}, got {tuple(target.shape)}")
+    n_classes = classes if pooled else d
+    if target.size and (int(target.min()) < 0 or int(target.max()) >= n_classes):
         bad = int(target.min()) if int(target.min()) < 0 else int(target.max())
-        raise ValueError(f"class index {bad} is out of range: classes must lie in [0, {d}) (the rows of Z have d = {d} logits)")
-    return None, _array_module(target).ascontiguousarray(target, dtype=np.int64).reshape(B, L)
+        where = (f"the head's W_C has {n_classes} columns" if pooled
+                 else f"the rows of Z have d = {d} logits")
+        raise ValueError(f"class index {bad} is out of range: classes must lie in [0, {n_classes}) ({where})")
+    shape = (B,) if pooled else (B, L)
+    return None, _array_module(target).ascontiguousarray(target, dtype=np.int64).reshape(shape)
+
+
+def _head(head: Any, loss: str, d: int) -> tuple[Any, Any]:
+    """The classifier (W_C (d, C), b_C (C,)) of loss='pooled_cross_entropy', checked; (None, None)
+    for the other losses, which take no head."""
+    if loss != "pooled_cross_entropy":
+        if head is not None:
+            raise ValueError(f"head=(W_C, b_C) is for loss='pooled_cross_entropy' only, not loss={loss!r}")
+        return None, None
+    if not isinstance(head, (tuple, list)) or len(head) != 2:
+        raise TypeError("loss='pooled_cross_entropy' needs head=(W_C, b_C): the classifier's weight (d, C) "
+                        f"and bias (C,); got {type(head).__name__}")
+    W_C, b_C = float_array(head[0], "W_C", ndim=2), float_array(head[1], "b_C", ndim=1)
+    if W_C.shape[0] != d or W_C.shape[1] < 1 or tuple(b_C.shape) != (W_C.shape[1],):
+        raise ValueError(f"head=(W_C, b_C) must have shapes (d, C) = ({d}, C) and (C,) with C >= 1, got "
+                         f"{tuple(W_C.shape)} and {tuple(b_C.shape)}")
+    return W_C, b_C
 
 
 @returns_callers_kind
@@ -322,49 +345,60 @@ def block_output_hessian(X: Any, params: BlockParams, wrt_i: str, wrt_j: str, *,
     return out
 
 
-def _loss_inputs(X, target, params, loss, eps, promote_with=()):
+def _loss_inputs(X, target, params, loss, eps, promote_with=(), head=None):
+    """Everything a loss function passes to the core, validated: (params, X3, weights, dtype, eps,
+    loss code, target values, target classes, (W_C, b_C) or (None, None))."""
     params = _check_params(params)
     loss = choice(loss, "loss", tuple(_LOSSES))
     eps = _eps(eps, params)
     if loss == "mse":  # a float target takes part in the dtype promotion like every other array
         target = float_array(target, "target")
-    floats = (target,) if loss == "mse" else ()
+    W_C, b_C = _head(head, loss, params.d)
+    floats = (target,) if loss == "mse" else (W_C, b_C) if W_C is not None else ()
     X3, W, dtype = _batch(X, params, promote_with=(*floats, *promote_with))
-    _backend.on_device(X3, target)  # TypeError for a target on the other side of X
+    _backend.on_device(X3, target, W_C, b_C)  # TypeError for a target or head on the other side of X
+    if W_C is not None and _backend.on_device(X3):
+        raise TypeError("loss='pooled_cross_entropy' runs on the CPU only so far; pass NumPy arrays "
+                        "(cupy.asnumpy) to compute it there")
     batched = len(as_array(X, "X").shape) == 3
-    values, classes = _target(target, loss, X3, batched, dtype)
-    return params, X3, W, dtype, eps, _LOSSES[loss], values, classes
+    values, classes = _target(target, loss, X3, batched, dtype, None if W_C is None else W_C.shape[1])
+    head = (contiguous(W_C, dtype), contiguous(b_C, dtype))
+    return params, X3, W, dtype, eps, _LOSSES[loss], values, classes, head
 
 
 @returns_callers_kind
-def loss_value(X: Any, target: Any, params: BlockParams, *, loss: str = "mse", eps: float | None = None) -> float:
+def loss_value(X: Any, target: Any, params: BlockParams, *, loss: str = "mse", eps: float | None = None,
+               head: Any = None) -> float:
     """The loss of the block output: mean over the batch of the per-sample loss."""
-    params, X3, W, dtype, eps, kind, values, classes = _loss_inputs(X, target, params, loss, eps)
+    params, X3, W, dtype, eps, kind, values, classes, head = _loss_inputs(X, target, params, loss, eps, head=head)
     B, L, d = X3.shape
     require_output_fits((1,), dtype, "the loss", "pass fewer samples at a time",
                         working=_working_memory.block(B, L, d, params.d_k, params.d_ff, dtype.itemsize, hessian=False, **_family_size(params)))
     if _on_gpu(X3, params):
         value = float(_gpu.loss_value(X3, W, eps, kind, values, classes))
         return float(require_finite(np.asarray(value), "the loss value"))
-    return float(_core.loss_gradient(X3, params.spec._core(), list(W), eps, kind, values, classes, None))
+    return float(_core.loss_gradient(X3, params.spec._core(), list(W), eps, kind, values, classes, None, *head))
 
 
 @returns_callers_kind
-def loss_gradient(X: Any, target: Any, params: BlockParams, *, loss: str = "mse", eps: float | None = None) -> np.ndarray:
-    """Gradient of the loss with respect to all five matrices, flattened like ``params.flatten()``: (P,).
+def loss_gradient(X: Any, target: Any, params: BlockParams, *, loss: str = "mse", eps: float | None = None,
+                  head: Any = None) -> np.ndarray:
+    """Gradient of the loss with respect to every parameter, flattened like ``params.flatten()``: (P,).
 
     ``loss="mse"``: mean of (Z - target)**2 over all entries (per sample 1/(L d) ||Z - T||_F^2);
-    ``loss="cross_entropy"``: rows of Z are logits, ``target`` holds integer classes (L,) or (B, L).
-    A batch X (B, L, d) gives the gradient of the batch-mean loss.
+    ``loss="cross_entropy"``: rows of Z are logits, ``target`` holds integer classes (L,) or (B, L);
+    ``loss="pooled_cross_entropy"``: the paper's ViT classifier, logits = mean over tokens of Z times
+    W_C plus b_C with ``head=(W_C, b_C)`` fixed (W_C (d, C), b_C (C,)), ``target`` one integer class
+    per sample, shape () or (B,). A batch X (B, L, d) gives the gradient of the batch-mean loss.
     """
-    params, X3, W, dtype, eps, kind, values, classes = _loss_inputs(X, target, params, loss, eps)
+    params, X3, W, dtype, eps, kind, values, classes, head = _loss_inputs(X, target, params, loss, eps, head=head)
     B, L, d = X3.shape
     require_output_fits((params.size,), dtype, "the loss gradient", "pass fewer samples at a time",
                         working=_working_memory.block(B, L, d, params.d_k, params.d_ff, dtype.itemsize, hessian=False, **_family_size(params)))
     if _on_gpu(X3, params):
         return require_finite(_gpu.loss_gradient(X3, W, eps, kind, values, classes), "the loss gradient")
     out = np.empty(params.size, dtype=dtype)
-    _core.loss_gradient(X3, params.spec._core(), list(W), eps, kind, values, classes, out)
+    _core.loss_gradient(X3, params.spec._core(), list(W), eps, kind, values, classes, out, *head)
     return out
 
 
@@ -380,6 +414,7 @@ def loss_hessian(
     eps: float | None = None,
     wrt: tuple[str, ...] | None = None,
     out: Any = None,
+    head: Any = None,
 ) -> Any:
     """Exact Hessian of the loss with respect to the block's weight matrices.
 
@@ -391,13 +426,17 @@ def loss_hessian(
     out: a C-contiguous (P, P) array of the result's dtype, on the same side as X, to write the
     Hessian into (and to return, or view for layout="blocks") instead of allocating one; reusing
     it across calls saves the allocation and first-touch cost of a large result.
+    loss and head as in :func:`loss_gradient` (the Hessian is with respect to the block's
+    parameters; a pooled head's W_C and b_C stay fixed).
     """
-    params, X3, W, dtype, eps, kind, values, classes = _loss_inputs(X, target, params, loss, eps)
+    params, X3, W, dtype, eps, kind, values, classes, head = _loss_inputs(X, target, params, loss, eps, head=head)
     part_code = _PARTS[choice(part, "part", tuple(_PARTS))]
     layout = choice(layout, "layout", ("dense", "blocks"))
     names, selected, P = _selection(params, wrt)
     B, L, d = X3.shape
-    working = _working_memory.block(B, L, d, params.d_k, params.d_ff, dtype.itemsize, hessian=True, outer=part != "functional", **_family_size(params))
+    working = _working_memory.block(B, L, d, params.d_k, params.d_ff, dtype.itemsize, hessian=True,
+                                    outer=part != "functional", pooled=kind == _LOSSES["pooled_cross_entropy"],
+                                    **_family_size(params))
     if out is None:
         require_output_fits(
             (P, P), dtype, f"the loss Hessian over {', '.join(names)} (P = {P})",
@@ -409,14 +448,15 @@ def loss_hessian(
                             "pass fewer samples or tokens at a time", working=working, into_out=True)
         _backend.on_device(X3, out)  # TypeError for an out on the other side of X
         # Checked against the caller's own arrays: the copies made above cannot overlap out.
-        callers = (("X", X), *zip(params.names, params._sources), ("target", target))
+        callers = (("X", X), *zip(params.names, params._sources), ("target", target),
+                   *(zip(("W_C", "b_C"), head) if head[0] is not None else ()))
         out = output_array(out, (P, P), dtype, callers)
     if _on_gpu(X3, params):
         H = require_finite(_gpu.loss_hessian(X3, W, eps, kind, values, classes, part_code, selected, out),
                            "the loss Hessian")
     else:
         H = np.empty((P, P), dtype=dtype) if out is None else out
-        _core.loss_hessian(X3, params.spec._core(), list(W), eps, kind, values, classes, part_code, selected, H)
+        _core.loss_hessian(X3, params.spec._core(), list(W), eps, kind, values, classes, part_code, selected, H, *head)
     if layout == "dense":
         return H
     bounds = np.cumsum((0, *(params.sizes[params.names.index(n)] for n in names)))

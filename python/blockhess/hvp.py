@@ -95,14 +95,16 @@ def hessian_operator(
     part: str = "full",
     eps: float | None = None,
     wrt: tuple[str, ...] | None = None,
+    head: Any = None,
 ) -> HessianOperator:
     """The exact loss Hessian as a linear operator, for Hessian-vector products at sizes where the
     dense (P, P) matrix would not fit. Arguments as in :func:`blockhess.loss_hessian`."""
-    return _build(X, target, params, loss, part, eps, wrt, columns=1)
+    return _build(X, target, params, loss, part, eps, wrt, columns=1, head=head)
 
 
-def _build(X, target, params, loss, part, eps, wrt, columns, promote_with=()) -> HessianOperator:
-    params, X3, W, dtype, eps, kind, values, classes = _loss_inputs(X, target, params, loss, eps, promote_with)
+def _build(X, target, params, loss, part, eps, wrt, columns, promote_with=(), head=None) -> HessianOperator:
+    params, X3, W, dtype, eps, kind, values, classes, head = _loss_inputs(X, target, params, loss, eps,
+                                                                          promote_with, head=head)
     loss = tuple(_LOSSES)[kind]  # the name _loss_inputs validated
     part = choice(part, "part", tuple(_PARTS))
     names, selected, P = _selection(params, wrt)
@@ -114,7 +116,8 @@ def _build(X, target, params, loss, part, eps, wrt, columns, promote_with=()) ->
     require_output_fits((P, columns), dtype, f"the Hessian-vector products over {', '.join(names)} (P = {P})",
                         "pass fewer samples or tokens at a time, or fewer vectors", working=working)
     core_class = _core.HessianOperator64 if dtype == np.float64 else _core.HessianOperator32
-    core_operator = core_class(X3, params.spec._core(), list(W), eps, kind, values, classes, _PARTS[part], selected)
+    core_operator = core_class(X3, params.spec._core(), list(W), eps, kind, values, classes, _PARTS[part], selected,
+                               *head)
     return HessianOperator(core_operator, dtype, names, part, loss)
 
 
@@ -129,6 +132,7 @@ def loss_hvp(
     part: str = "full",
     eps: float | None = None,
     wrt: tuple[str, ...] | None = None,
+    head: Any = None,
 ) -> np.ndarray:
     """H @ V, exact and matrix-free: the loss Hessian (``part`` "full", "outer" or "functional")
     over the parameters in ``wrt`` times V of shape (P,) or (P, k), rows ordered like
@@ -136,5 +140,5 @@ def loss_hvp(
     products at the same point, build :func:`hessian_operator` once."""
     V_array = float_array(V, "V", ndim=(1, 2))
     columns = V_array.shape[1] if V_array.ndim == 2 else 1
-    op = _build(X, target, params, loss, part, eps, wrt, columns, promote_with=(V_array,))
+    op = _build(X, target, params, loss, part, eps, wrt, columns, promote_with=(V_array,), head=head)
     return op._product(V_array)  # V checked once, above

@@ -32,14 +32,17 @@ std::vector<index_t> selected_offsets(const Evaluation<T>& e, const Selection& w
 
 // Writes the symmetric (P, P) Hessian of the scalar whose cotangent at Z is gZ (the reverse pass
 // of `e` must have been run with it) and whose outer curvature at Z is hessZ (per token d x d;
-// null = none), restricted to the parameters whose factors `e` holds (push_factors).
+// null = none) or pooledZ (per sample d x d, coupling every pair of its tokens: a pooled head;
+// it needs the factors at Z, push_factors(true)), restricted to the parameters whose factors `e`
+// holds (push_factors).
 template <class T>
 void assemble_hessian(const Evaluation<T>& e, std::shared_ptr<const Buffer<T>> hessZ, Part part, const Selection& wrt,
-                      T* H) {
+                      T* H, std::shared_ptr<const Buffer<T>> pooledZ = nullptr) {
   const engine::Graph<T>& g = e.graph();
   engine::Terms<T> terms;
   if (part != Part::outer) terms = g.curvature();
   if (part != Part::functional && hessZ) terms.sites.push_back(engine::Site<T>{g.output(), std::move(hessZ)});
+  if (part != Part::functional && pooledZ) terms.pooled.push_back(engine::PooledSite<T>{g.output(), std::move(pooledZ)});
   index_t P = 0;
   const std::vector<index_t> offset = selected_offsets(e, wrt, &P);
   engine::assemble(g, std::move(terms), offset, P, H);

@@ -42,9 +42,10 @@ class HessianOperator {
       : e_(std::move(e)), kind_(target.kind), part_(part) {
     const Dims& D = e_.dims();
     const index_t B = e_.samples();
-    auto ld = loss::derivatives(target.kind, B, D.L, D.d, e_.output(), target.values, target.classes, false);
+    auto ld = target.derivatives(B, D.L, D.d, e_.output(), false);
     require_finite_loss(ld, B * D.L * D.d);
     value_ = ld.value;
+    pooledZ_ = std::move(ld.pooledZ);  // empty unless the loss is pooled
     e_.reverse(ld.gZ.data());
     e_.graph().select(wrt);
     offset_ = selected_offsets(e_, wrt, &size_);
@@ -112,7 +113,7 @@ class HessianOperator {
     const Dims& D = e_.dims();
     const bool seed = part_ != Part::functional, curved = part_ != Part::outer;
     auto seed_with_loss = [&](const T* dZ, T* dgZ) {
-      if (seed) loss::hessian_apply(kind_, e_.samples(), D.L, D.d, e_.output(), dZ, dgZ);
+      if (seed) loss::hessian_apply(kind_, e_.samples(), D.L, D.d, e_.output(), dZ, dgZ, pooledZ_.data());
       return seed;
     };
     std::fill_n(out, size_, T(0));  // a selected parameter that reaches nothing has zero rows
@@ -122,6 +123,7 @@ class HessianOperator {
 
   Evaluation<T> e_;
   loss::Kind kind_;
+  Buffer<T> pooledZ_;  // a pooled head's per-sample Hessian blocks at Z (loss.hpp)
   Part part_;
   std::vector<index_t> offset_;
   index_t size_ = 0;

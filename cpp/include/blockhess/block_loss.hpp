@@ -10,12 +10,19 @@
 
 namespace blockhess::block {
 
-// What the loss is measured against: float targets (mse) or class indices (cross_entropy).
+// What the loss is measured against: float targets (mse) or class indices (cross_entropy: one per
+// token; pooled_cross_entropy: one per sample, through the fixed classifier `head`).
 template <class T>
 struct Target {
   loss::Kind kind = loss::Kind::mse;
-  const T* values = nullptr;            // (B*L, d)
-  const std::int64_t* classes = nullptr;  // (B*L)
+  const T* values = nullptr;              // (B*L, d)
+  const std::int64_t* classes = nullptr;  // (B*L), or (B) when pooled
+  loss::Head<T> head;                     // pooled_cross_entropy only
+
+  bool pooled() const { return kind == loss::Kind::pooled_cross_entropy; }
+  loss::Derivatives<T> derivatives(index_t B, index_t L, index_t d, const T* Z, bool with_hessian) const {
+    return loss::derivatives(kind, B, L, d, Z, values, classes, with_hessian, head);
+  }
 };
 
 // The loss and its derivatives with respect to Z: a target far outside Z's range (|Z| <= sqrt(d))
@@ -32,7 +39,7 @@ template <class T>
 T loss_gradient(Evaluation<T>& e, const Target<T>& target, T* grad) {
   const Dims& D = e.dims();
   const index_t B = e.samples();
-  const auto ld = loss::derivatives(target.kind, B, D.L, D.d, e.output(), target.values, target.classes, false);
+  const auto ld = target.derivatives(B, D.L, D.d, e.output(), false);
   require_finite_loss(ld, B * D.L * D.d);
   if (grad) {
     e.reverse(ld.gZ.data(), grad);
@@ -49,12 +56,15 @@ T loss_hessian(Evaluation<T>& e, const Target<T>& target, Part part, const Selec
   const Dims& D = e.dims();
   const index_t B = e.samples();
   const bool outer = part != Part::functional;
-  auto ld = loss::derivatives(target.kind, B, D.L, D.d, e.output(), target.values, target.classes, outer);
+  auto ld = target.derivatives(B, D.L, D.d, e.output(), outer);
   require_finite_loss(ld, B * D.L * D.d);
   e.reverse(ld.gZ.data());
   e.graph().select(wrt);
-  e.graph().push_factors(/*to_output=*/false);
-  assemble_hessian(e, outer ? std::make_shared<const Buffer<T>>(std::move(ld.hessZ)) : nullptr, part, wrt, H);
+  // A pooled head's outer part sums each sample's Jacobian at Z over its tokens: the factors at Z.
+  const bool pooled = outer && target.pooled();
+  e.graph().push_factors(/*to_output=*/pooled);
+  auto share = [](Buffer<T>& b) { return std::make_shared<const Buffer<T>>(std::move(b)); };
+  assemble_hessian(e, outer && !pooled ? share(ld.hessZ) : nullptr, part, wrt, H, pooled ? share(ld.pooledZ) : nullptr);
   return ld.value;
 }
 

@@ -88,6 +88,49 @@ auto sandwich(const Factor<T>& fi, const Factor<T>& fj, const Site<T>& site) {
   };
 }
 
+// H (upper triangle) += sum_b Jbar_b^T Omega_b Jbar_b for a pooled site, Jbar_b = sum_t J_b,t the
+// Jacobian of sample b's tokens at the site's value summed over tokens: (width, P), built from the
+// factors (J_t[a, flat(o, r)] = vec_t[o] U_t[a, r]) a few samples at a time, so that the products
+// have an inner dimension of about 128 and the scratch stays O(width P).
+template <class T>
+void accumulate_pooled(const Graph<T>& g, const PooledSite<T>& site, const std::vector<int>& pieces,
+                       const std::vector<index_t>& offset, index_t P, T* H) {
+  const index_t w = g.width(site.value), L = g.tokens_per_sample(), B = g.samples();
+  const index_t chunk = std::max<index_t>(1, std::min<index_t>(B, 128 / std::max<index_t>(1, w)));
+  Mat<T> J(chunk * w, P), K(chunk * w, P);
+  MapM<T> Hm(H, P, P);
+  for (index_t b0 = 0; b0 < B; b0 += chunk) {
+    const index_t nb = std::min(chunk, B - b0), rows = nb * w;
+    J.topRows(rows).setZero();
+    for (int f : pieces) {
+      const Factor<T>& fac = g.factor(site.value, f);
+      if (!fac.present) continue;
+      const index_t base = offset[static_cast<size_t>(g.piece(f).param)], no = fac.split.n_vec(), nr = fac.n_mat();
+      blockhess::detail::parallel_for(nb, L * w * no * nr, [&](index_t k) {
+        Mat<T> U;
+        for (index_t t = (b0 + k) * L; t < (b0 + k + 1) * L; ++t) {
+          fac.materialise(t, U);
+          const T* v = fac.vec->data() + t * no;
+          for (index_t a = 0; a < w; ++a)
+            for (index_t o = 0; o < no; ++o) {
+              const T vo = v[o];
+              for (index_t r = 0; r < nr; ++r) J(k * w + a, base + fac.split.flat(o, r)) += vo * U(a, r);
+            }
+        }
+      });
+    }
+    for (index_t k = 0; k < nb; ++k)
+      K.middleRows(k * w, w).noalias() = MapC<T>(site.omega->data() + (b0 + k) * w * w, w, w) * J.middleRows(k * w, w);
+    // Blocks of rows of the upper triangle (the lower one is mirrored from it at the end).
+    const index_t band = 64, bands = (P + band - 1) / band;
+    blockhess::detail::parallel_for(bands, rows * band * P / 2, [&](index_t q) {
+      const index_t r0 = q * band, nr = std::min(band, P - r0);
+      Hm.block(r0, r0, nr, P - r0).noalias() +=
+          J.topRows(rows).middleCols(r0, nr).transpose() * K.topRows(rows).rightCols(P - r0);
+    });
+  }
+}
+
 }  // namespace detail
 
 // H (P x P, the selected parameters at `offset`) = the sum of the terms. Terms name pieces (a
@@ -158,6 +201,7 @@ void assemble(const Graph<T>& g, Terms<T> terms, const std::vector<index_t>& off
     if (k.i != k.j && (assembled(k.j, k.i) || param(k.i) == param(k.j)))  // the pair's upper block is (j, i)
       kron::accumulate(n, k.sj, k.w, k.si, k.u, transposed, T(1), block(k.j, k.i), P);
   }
+  for (const PooledSite<T>& s : terms.pooled) detail::accumulate_pooled(g, s, selected, offset, P, H);
   for (const DiagonalTerm<T>& k : terms.diagonal) {
     if (!g.piece_selected(k.i) || !g.piece_selected(k.j)) continue;
     if (assembled(k.i, k.j) || k.i == k.j) kron::accumulate_diagonal(n, k.si, k.u, k.sj, k.w, k.D, T(1), block(k.i, k.j), P);

@@ -8,7 +8,12 @@
 // - bilinear terms: two varying operands multiplied, <g, dA dB> (a linear map's input and weight,
 //   attention's A and V, Q and K). These name their two parameters and bring their own vectors and
 //   Gamma_t (KronTerm), or a diagonal Gamma_t (DiagonalTerm).
-// The assembler (assemble.hpp) turns each into kron::accumulate calls on the selected pairs.
+// - pooled sites: a second derivative that couples every pair of tokens of a sample through their
+//   mean, sum_b (sum_t dv_b,t)^T Omega_b (sum_s dv_b,s) (a pooled classifier head's loss: the outer
+//   part of loss="pooled_cross_entropy"). Each sample's Jacobian at v, summed over its tokens, meets
+//   Omega_b.
+// The assembler (assemble.hpp) turns each into kron::accumulate calls on the selected pairs (pooled
+// sites into products of the token-summed Jacobians).
 #pragma once
 
 #include <functional>
@@ -26,6 +31,12 @@ struct Site {
   int value = -1;
   std::shared_ptr<const Buffer<T>> omega;  // (tokens, width, width), each Omega_t symmetric
   bool diagonal = false;                   // omega holds only the diagonals: (tokens, width)
+};
+
+template <class T>
+struct PooledSite {
+  int value = -1;
+  std::shared_ptr<const Buffer<T>> omega;  // (samples, width, width), each Omega_b symmetric
 };
 
 // H[i, j] += sum_t u_t (x) w_t (x) Gamma_t, in kron::accumulate's convention.
@@ -52,6 +63,7 @@ struct DiagonalTerm {
 template <class T>
 struct Terms {
   std::vector<Site<T>> sites;
+  std::vector<PooledSite<T>> pooled;
   std::vector<KronTerm<T>> kron;
   std::vector<DiagonalTerm<T>> diagonal;
   std::vector<std::shared_ptr<const Buffer<T>>> keep;  // buffers the terms point into
