@@ -37,6 +37,58 @@ def test_check_verifies_the_matrix_free_product(tmp_path, capsys):
     assert "matrix-free H v (hessian_operator, 4 vectors): relative error" in capsys.readouterr().out
 
 
+BLOCK_OPTIONS = {
+    "pooled": ["--loss", "pooled_cross_entropy", "--classes", "3", "--batch", "2"],
+    "pre-everything": ["--norm-position", "pre", "--affine", "--bias", "--heads", "2", "--d-k", "2", "--out-proj",
+                       "--activation", "gelu_tanh", "--causal", "--eps", "1e-5"],
+    "rmsnorm-pooled": ["--norm", "rmsnorm", "--affine", "--activation", "silu", "--eps", "1e-6",
+                       "--loss", "pooled_cross_entropy"],
+    "post-heads-gelu-ce": ["--heads", "2", "--d-k", "2", "--bias", "--activation", "gelu", "--loss", "cross_entropy"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(BLOCK_OPTIONS))
+def test_check_block_options_and_the_pooled_loss(name, tmp_path, capsys):
+    """The spec flags and --loss pooled_cross_entropy: the family's block against torch.func.hessian of
+    the family's torch reference, every parameter pair, and the matrix-free product."""
+    out = tmp_path / "report.json"
+    assert check.main([*SMALL, *BLOCK_OPTIONS[name], "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    cfg = check.Config(**{k: v for k, v in report["config"].items()})
+    names = [n for n, _ in cfg.parameters()]
+    assert report["ok"] and report["reference"] == "torch"
+    assert len(report["blocks"]) == len(names) * (len(names) + 1) // 2
+    assert report["rel_error"] <= 1e-10 and report["hvp_rel_error"] <= 1e-12 and report["max_asymmetry"] == 0.0
+    text = capsys.readouterr().out
+    assert ", ".join(names) in text and cfg.describe() in text
+
+
+def test_check_block_options_fail_when_the_reference_disagrees(monkeypatch, capsys):
+    real = check._torch_reference
+
+    def perturbed(*args):
+        H, t = real(*args)
+        H = H.copy()
+        H[-1, -1] *= 1 + 1e-6
+        return H, t
+
+    monkeypatch.setattr(check, "_torch_reference", perturbed)
+    assert check.main([*SMALL, *BLOCK_OPTIONS["pooled"]]) == 1
+    assert "FAILED" in capsys.readouterr().out
+
+
+def test_check_block_options_with_finite_differences(capsys):
+    argv = [*SMALL, *BLOCK_OPTIONS["rmsnorm-pooled"], "--reference", "finite-differences"]
+    assert check.main(argv) == 0
+    assert "finite-differences" in capsys.readouterr().out
+
+
+def test_the_paper_block_is_described_as_before(capsys):
+    assert check.Config().describe() == "post-LN Transformer block"
+    assert check.Config(norm_position="pre", heads=4, causal=True).describe() == \
+        "pre-LN Transformer block (4 heads, causal)"
+
+
 def test_a_wrong_matrix_free_product_fails(monkeypatch, capsys):
     real = check.hessian_operator
 
@@ -240,6 +292,13 @@ def _usage_error(argv, capsys) -> str:
     (["--bogus"], "unrecognized arguments: --bogus"),
     (["--L", "100000", "--d", "512", "--d-ff", "4096"], "more than the memory budget"),
     (["--d", "128", "--d-ff", "512"], "use smaller sizes"),
+    (["--heads", "0"], "--heads must be >= 1"),
+    (["--loss", "pooled_cross_entropy", "--classes", "0"], "--classes must be >= 1"),
+    (["--d", "4", "--heads", "3"], "the block options do not fit the sizes"),
+    (["--activation", "tanh"], "argument --activation: invalid choice"),
+    (["--norm-position", "middle"], "argument --norm-position: invalid choice"),
+    (["--bias", "--device", "cuda"], "--device cuda runs the paper's block"),
+    (["--loss", "pooled_cross_entropy", "--device", "cuda"], "--device cuda runs the paper's block"),
 ])
 def test_bad_options_are_one_line_errors_before_any_computation(argv, expected, capsys, no_computation):
     line = _usage_error(argv, capsys)
@@ -432,3 +491,14 @@ def test_quiet_terminal_and_no_tqdm(monkeypatch, capsys):
     assert check.main(SMALL[:-1]) == 0
     lines = terminal.getvalue().splitlines()
     assert 2 <= len(lines) <= 4 and all(line.startswith("[blockhess] ") for line in lines)
+
+
+def test_a_reader_that_goes_away_gets_no_traceback():
+    """blockhess check | head: the report's write finds a closed pipe; exit 141 quietly."""
+    proc = subprocess.Popen([sys.executable, "-m", "blockhess", "check", *SMALL], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()
+    with proc.stderr:
+        err = proc.stderr.read()
+    proc.wait()
+    assert proc.returncode == 141 and b"Traceback" not in err, err.decode()

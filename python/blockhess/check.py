@@ -24,8 +24,9 @@ from typing import Any
 import numpy as np
 
 from ._config import format_bytes
-from .block import PARAM_NAMES, BlockParams, loss_gradient, loss_hessian, loss_value
+from .block import BlockParams, _parameter_table, loss_gradient, loss_hessian, loss_value
 from .hvp import hessian_operator
+from .spec import ACTIVATIONS, BlockSpec
 
 # Relative Frobenius error allowed against each reference, by dtype.
 TOLERANCE = {
@@ -78,6 +79,42 @@ class Config:
     eps: float = 0.0
     device: str = "cpu"
     reference: str = "auto"
+    # The block (BlockSpec; the defaults are the paper's block) and a pooled head's classes.
+    norm_position: str = "post"
+    norm: str = "layernorm"
+    affine: bool = False
+    bias: bool = False
+    heads: int = 1
+    out_proj: bool = False
+    activation: str = "relu"
+    causal: bool = False
+    classes: int = 10
+
+    @property
+    def spec(self) -> BlockSpec:
+        """The block (eps is passed to every call, so the spec keeps the default)."""
+        return BlockSpec(norm_position=self.norm_position, norm=self.norm, norm_affine=self.affine, bias=self.bias,
+                         heads=self.heads, out_proj=self.out_proj, activation=self.activation, causal=self.causal)
+
+    @property
+    def pooled(self) -> bool:
+        return self.loss == "pooled_cross_entropy"
+
+    def parameters(self) -> list[tuple[str, tuple[int, ...]]]:
+        """[(name, shape)] of the block's parameters in the canonical order (d_k per head; d_v =
+        d / heads)."""
+        return _parameter_table(self.spec, self.d, self.d_k, max(1, self.d // self.heads), self.d_ff)
+
+    def describe(self) -> str:
+        """The block in words: "post-LN Transformer block" for the paper's, its options otherwise."""
+        spec = self.spec
+        name = f"{spec.norm_position}-{'LN' if spec.norm == 'layernorm' else 'RMSNorm'} Transformer block"
+        options = [f"{spec.heads} heads" if spec.heads > 1 else "",
+                   "affine norms" if spec.norm_affine else "", "biases" if spec.bias else "",
+                   "W_O" if spec.out_proj else "", spec.activation if spec.activation != "relu" else "",
+                   "causal" if spec.causal else ""]
+        options = [o for o in options if o]
+        return name + (f" ({', '.join(options)})" if options else "")
 
 
 @dataclass
@@ -132,14 +169,24 @@ class UsageError(Exception):
 
 
 def make_problem(cfg: Config):
-    """Seeded input, target and weights (weights scaled by 1/sqrt(fan-in), as at initialisation)."""
+    """Seeded input, target, parameters (in the spec's canonical order: weights scaled by
+    1/sqrt(fan-in), as at initialisation; gamma 1 + N(0, 0.1^2), betas and biases N(0, 0.1^2)) and,
+    for loss="pooled_cross_entropy", the classifier head (W_C (d, classes), b_C); else None."""
     rng = np.random.default_rng(cfg.seed)
     lead = (cfg.L,) if cfg.batch == 1 else (cfg.batch, cfg.L)
     X = rng.standard_normal((*lead, cfg.d))
-    shapes = [(cfg.d, cfg.d_k), (cfg.d, cfg.d_k), (cfg.d, cfg.d), (cfg.d, cfg.d_ff), (cfg.d_ff, cfg.d)]
-    weights = [rng.standard_normal(s) / math.sqrt(s[0]) for s in shapes]
+    weights = []
+    for name, shape in cfg.parameters():
+        if len(shape) == 2:
+            weights.append(rng.standard_normal(shape) / math.sqrt(shape[0]))
+        else:
+            weights.append((1.0 if name.startswith("gamma") else 0.0) + 0.1 * rng.standard_normal(shape))
+    head = None
     if cfg.loss == "mse":
         target = rng.standard_normal((*lead, cfg.d))
+    elif cfg.pooled:
+        target = rng.integers(0, cfg.classes, size=lead[:-1])
+        head = (rng.standard_normal((cfg.d, cfg.classes)) / math.sqrt(cfg.d), 0.1 * rng.standard_normal(cfg.classes))
     else:
         target = rng.integers(0, cfg.d, size=lead)
     dtype = np.dtype(cfg.dtype)
@@ -147,17 +194,32 @@ def make_problem(cfg: Config):
     weights = [w.astype(dtype) for w in weights]
     if cfg.loss == "mse":
         target = target.astype(dtype)
-    return X, target, weights
+    if head is not None:
+        head = tuple(a.astype(dtype) for a in head)
+    return X, target, weights, head
 
 
-def _torch_reference(X, target, weights, cfg: Config, progress=None):
-    """torch.func.hessian of the loss of the block written directly in PyTorch, float64."""
+def _params(weights, cfg: Config) -> BlockParams:
+    return BlockParams.from_arrays(cfg.spec, {name: w for (name, _), w in zip(cfg.parameters(), weights)})
+
+
+def _torch_reference(X, target, weights, cfg: Config, progress=None, head=None):
+    """torch.func.hessian of the loss of the block written directly in PyTorch, float64 (the
+    paper's block as the paper writes it; any other spec from the family's definition)."""
     import torch
 
     from . import _torch_reference as reference
 
     X, target, weights = reference.as_problem(X, target, weights, cfg.loss, dtype=torch.float64)
-    loss_of = reference.loss_of_flat(X, target, [w.shape for w in weights], cfg.loss, cfg.eps)
+    shapes = [tuple(w.shape) for w in weights]
+    if head is not None:
+        head = tuple(torch.as_tensor(a, dtype=torch.float64) for a in head)
+    if cfg.spec.is_paper_block:
+        loss_of = reference.loss_of_flat(X, target, shapes, cfg.loss, cfg.eps, head=head)
+    else:
+        names = [name for name, _ in cfg.parameters()]
+        output_of = reference.family_of_flat(X, cfg.spec, names, shapes, cfg.eps)
+        loss_of = lambda v: reference.loss(output_of(v), target, cfg.loss, head)  # noqa: E731
     v0 = reference.flatten(weights)
     hess = torch.func.hessian(loss_of)
     hess(v0)  # warm-up
@@ -171,7 +233,7 @@ def _torch_reference(X, target, weights, cfg: Config, progress=None):
     return H.numpy(), elapsed
 
 
-def _finite_difference_reference(X, target, params: BlockParams, cfg: Config, progress=None):
+def _finite_difference_reference(X, target, params: BlockParams, cfg: Config, progress=None, head=None):
     """Central differences of the exact gradient, one parameter at a time."""
     v0 = np.asarray(params.flatten(), dtype=np.float64)
     P = v0.size
@@ -183,8 +245,8 @@ def _finite_difference_reference(X, target, params: BlockParams, cfg: Config, pr
         e[k] = h
         plus = BlockParams.unflatten((v0 + e).astype(cfg.dtype), params)
         minus = BlockParams.unflatten((v0 - e).astype(cfg.dtype), params)
-        g_plus = loss_gradient(X, target, plus, loss=cfg.loss, eps=cfg.eps)
-        g_minus = loss_gradient(X, target, minus, loss=cfg.loss, eps=cfg.eps)
+        g_plus = loss_gradient(X, target, plus, loss=cfg.loss, eps=cfg.eps, head=head)
+        g_minus = loss_gradient(X, target, minus, loss=cfg.loss, eps=cfg.eps, head=head)
         cols[:, k] = (g_plus - g_minus) / (2 * h)
         if progress:
             progress.advance()
@@ -231,7 +293,12 @@ def _to_host(a):
 
 
 def _smallest_layernorm_sigma(X, weights, cfg: Config) -> float:
-    """The smallest row standard deviation (with eps) of the inputs of both LayerNorms, in float64."""
+    """The smallest row standard deviation (with eps) of the inputs of both LayerNorms, in float64,
+    for the paper's block. Other specs use 1: their floor is then sqrt(P) |loss| machine-epsilon,
+    far below the relative tolerance of a normal problem; the degenerate sizes that the floor
+    exists for were measured on the paper's block."""
+    if not cfg.spec.is_paper_block:
+        return 1.0
     X = np.asarray(X, dtype=np.float64)
     WQ, WK, WV, W1, W2 = (np.asarray(w, dtype=np.float64) for w in weights)
     T = X @ WQ @ (X @ WK).swapaxes(-1, -2) / math.sqrt(cfg.d_k)
@@ -364,17 +431,17 @@ def run_check(cfg: Config, progress: _Progress | None = None) -> tuple[Report, d
     """Compute, verify and summarise; returns the report and the arrays (for plotting)."""
     bar = progress if progress is not None else _Progress(False)
     reference = _resolve_reference(cfg.reference)
-    X, target, weights = make_problem(cfg)
+    X, target, weights, head = make_problem(cfg)
     Xd, *wd = _to_device([X, *weights], cfg.device)
     target_d = _to_device([target], cfg.device)[0]  # class indices too: no host/device mixing
-    params = BlockParams(*wd)
+    params = _params(wd, cfg)
     P = params.size
     slices = params.slices()
-    pairs = [(a, b) for i, a in enumerate(PARAM_NAMES) for b in PARAM_NAMES[i:]]
+    pairs = [(a, b) for i, a in enumerate(params.names) for b in params.names[i:]]
     closed_form = f"closed form, P = {P} ({cfg.device}, {cfg.dtype})"
     bar.start(7 + (2 if reference == "torch" else P) + len(pairs), closed_form)
     bar.phase(closed_form)
-    kwargs = dict(loss=cfg.loss, eps=cfg.eps)
+    kwargs = dict(loss=cfg.loss, eps=cfg.eps, head=head)
     loss_hessian(Xd, target_d, params, **kwargs)  # warm-up
     bar.advance()
     times = []
@@ -394,15 +461,15 @@ def run_check(cfg: Config, progress: _Progress | None = None) -> tuple[Report, d
     full = _to_host(full)
     value = float(loss_value(Xd, target_d, params, **kwargs))
     bar.phase("matrix-free H v")
-    hvp = _check_hvp(X, target, weights, full, cfg) if cfg.device == "cpu" else None
+    hvp = _check_hvp(X, target, weights, full, cfg, head) if cfg.device == "cpu" else None
     bar.advance()
 
     if reference == "torch":
         bar.phase("reference: torch.func.hessian")
-        H_ref, t_ref = _torch_reference(X, target, weights, cfg, bar)
+        H_ref, t_ref = _torch_reference(X, target, weights, cfg, bar, head)
     else:
         bar.phase("reference: finite differences")
-        H_ref, t_ref = _finite_difference_reference(X, target, BlockParams(*weights), cfg, bar)
+        H_ref, t_ref = _finite_difference_reference(X, target, _params(weights, cfg), cfg, bar, head)
 
     # Tolerances with an absolute floor (see NOISE_MULTIPLE): error <= tol * max(||ref||, floor).
     tolerance = TOLERANCE[(reference, cfg.dtype)]
@@ -460,10 +527,10 @@ def run_check(cfg: Config, progress: _Progress | None = None) -> tuple[Report, d
     return report, {"full": full, "slices": slices}
 
 
-def _check_hvp(X, target, weights, full: np.ndarray, cfg: Config) -> tuple[float, float, float]:
+def _check_hvp(X, target, weights, full: np.ndarray, cfg: Config, head=None) -> tuple[float, float, float]:
     """(||H V - full V||_F, ||full V||_F, seconds per product) for the matrix-free operator on
     HVP_VECTORS random unit vectors."""
-    op = hessian_operator(X, target, BlockParams(*weights), loss=cfg.loss, eps=cfg.eps)
+    op = hessian_operator(X, target, _params(weights, cfg), loss=cfg.loss, eps=cfg.eps, head=head)
     V = np.random.default_rng(cfg.seed + 1).standard_normal((op.shape[0], HVP_VECTORS)).astype(full.dtype)
     V /= np.linalg.norm(V, axis=0)
     op.matvec(V[:, 0])  # warm-up
@@ -477,9 +544,10 @@ def _check_hvp(X, target, weights, full: np.ndarray, cfg: Config) -> tuple[float
 def format_report(r: Report) -> str:
     c = r.config
     lines = [
-        f"blockhess check: post-LN Transformer block, L={c.L} d={c.d} d_k={c.d_k} d_ff={c.d_ff} "
-        f"batch={c.batch} loss={c.loss} eps={c.eps} {c.dtype} on {c.device}, seed {c.seed}",
-        f"P = {r.P} parameters (W_Q, W_K, W_V, W_1, W_2), loss = {r.loss_value:.6g}",
+        f"blockhess check: {c.describe()}, L={c.L} d={c.d} d_k={c.d_k} d_ff={c.d_ff} "
+        f"batch={c.batch} loss={c.loss}{f' classes={c.classes}' if c.pooled else ''} eps={c.eps} {c.dtype} "
+        f"on {c.device}, seed {c.seed}",
+        f"P = {r.P} parameters ({', '.join(name for name, _ in c.parameters())}), loss = {r.loss_value:.6g}",
         "",
         f"{'block':<10} {'shape':>12} {'||H||_2':>11} {'||outer||_F':>12} {'||funct.||_F':>12} {'rel. error':>11}",
     ]
@@ -580,7 +648,8 @@ def _closed_form_working(cfg: Config, itemsize: int) -> int:
     """Bytes that one loss_hessian call allocates besides its result."""
     from . import _working_memory
 
-    return _working_memory.block(cfg.batch, cfg.L, cfg.d, cfg.d_k, cfg.d_ff, itemsize, hessian=True)
+    return _working_memory.block(cfg.batch, cfg.L, cfg.d, cfg.d_k, cfg.d_ff, itemsize, hessian=True,
+                                 heads=cfg.heads, P=_parameter_count(cfg), pooled=cfg.pooled)
 
 
 def _memory_needs(cfg: Config, P: int, reference: str) -> dict[str, int]:
@@ -607,7 +676,7 @@ def _memory_needs(cfg: Config, P: int, reference: str) -> dict[str, int]:
 
 
 def _parameter_count(cfg: Config) -> int:
-    return 2 * cfg.d * cfg.d_k + cfg.d * cfg.d + 2 * cfg.d * cfg.d_ff
+    return sum(math.prod(shape) for _, shape in cfg.parameters())
 
 
 def _largest_fitting_P(cfg: Config, reference: str, key: str, limit: int) -> int:
@@ -718,7 +787,7 @@ def _check_plot(path: str) -> None:
 def validate(cfg: Config, args: Any) -> None:
     """Refuse every bad option or combination before any computation: raises UsageError with a
     one-line message (main() prints it as ``blockhess check: error: ...``, exit status 2)."""
-    for name in ("L", "d", "d_k", "d_ff", "batch"):
+    for name in ("L", "d", "d_k", "d_ff", "batch", "heads", "classes"):
         value = getattr(cfg, name)
         if value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -729,6 +798,13 @@ def validate(cfg: Config, args: Any) -> None:
     if cfg.d == 1 and cfg.eps == 0:
         raise UsageError("--d 1 with --eps 0: LayerNorm of a single feature has zero variance (0/0); "
                          "pass --eps > 0, e.g. --eps 1e-5")
+    try:
+        cfg.parameters()  # the spec's own constraints (e.g. heads * d_v == d without --out-proj)
+    except ValueError as err:
+        raise UsageError(f"the block options do not fit the sizes: {err}") from None
+    if cfg.device == "cuda" and (not cfg.spec.is_paper_block or cfg.pooled):
+        raise UsageError("--device cuda runs the paper's block with --loss mse or cross_entropy only so far; "
+                         "drop the block options and the pooled loss, or use --device cpu")
     if cfg.device == "cuda":
         from ._backend import cuda_available
 
@@ -780,7 +856,7 @@ class _ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {' '.join(str(message).split())}\n")
 
 
-_NUMERIC_OPTIONS = ("--L", "--d", "--d-k", "--d-ff", "--batch", "--seed", "--eps")
+_NUMERIC_OPTIONS = ("--L", "--d", "--d-k", "--d-ff", "--batch", "--seed", "--eps", "--heads", "--classes")
 
 
 def _attach_negative_numbers(argv: list[str]) -> list[str]:
@@ -814,6 +890,9 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:  # Ctrl-C: no traceback
         print("blockhess check: interrupted", file=sys.stderr, flush=True)
         raise SystemExit(130) from None
+    except BrokenPipeError:  # the reader went away (blockhess check | head): nothing left to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        raise SystemExit(141) from None
 
 
 def _main(argv: list[str]) -> int:
@@ -830,7 +909,11 @@ def _main(argv: list[str]) -> int:
     parser.add_argument("--d-k", dest="d_k", type=int, default=defaults.d_k, help="query/key width (default 16)")
     parser.add_argument("--d-ff", dest="d_ff", type=int, default=defaults.d_ff, help="FFN width (default 64)")
     parser.add_argument("--batch", type=int, default=1, help="samples; > 1 gives the batch-mean Hessian")
-    parser.add_argument("--loss", choices=("mse", "cross_entropy"), default="mse")
+    parser.add_argument("--loss", choices=("mse", "cross_entropy", "pooled_cross_entropy"), default="mse",
+                        help="pooled_cross_entropy: the paper's ViT classifier (mean over tokens, a fixed "
+                        "random linear head of --classes outputs, one class per sample)")
+    parser.add_argument("--classes", type=int, default=defaults.classes,
+                        help="classes of the pooled head (default 10)")
     parser.add_argument("--dtype", choices=("float64", "float32"), default="float64")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eps", type=float, default=0.0,
@@ -839,13 +922,25 @@ def _main(argv: list[str]) -> int:
     parser.add_argument("--reference", choices=("auto", "torch", "finite-differences"), default="auto",
                         help="auto: torch.func.hessian if torch is installed, else finite differences "
                         "(which needs less memory)")
+    block = parser.add_argument_group("the block (defaults: the paper's post-LN block)")
+    block.add_argument("--norm-position", dest="norm_position", choices=("post", "pre"), default="post")
+    block.add_argument("--norm", choices=("layernorm", "rmsnorm"), default="layernorm")
+    block.add_argument("--affine", action="store_true", help="trainable gamma (and beta) in both norms")
+    block.add_argument("--bias", action="store_true", help="a bias on every linear map")
+    block.add_argument("--heads", type=int, default=1, help="attention heads (d_k per head; d_v = d / heads)")
+    block.add_argument("--out-proj", dest="out_proj", action="store_true", help="W_O after the heads")
+    block.add_argument("--activation", choices=ACTIVATIONS, default="relu")
+    block.add_argument("--causal", action="store_true", help="mask keys after the query")
     parser.add_argument("--json", metavar="FILE", help="write the report as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="draw the log|H| heat map (needs matplotlib)")
     parser.add_argument("--quiet", action="store_true",
                         help="no progress bar (it is shown only when stderr is a terminal)")
     args = parser.parse_args(_attach_negative_numbers(list(argv)))
     cfg = Config(L=args.L, d=args.d, d_k=args.d_k, d_ff=args.d_ff, batch=args.batch, loss=args.loss,
-                 dtype=args.dtype, seed=args.seed, eps=args.eps, device=args.device, reference=args.reference)
+                 dtype=args.dtype, seed=args.seed, eps=args.eps, device=args.device, reference=args.reference,
+                 norm_position=args.norm_position, norm=args.norm, affine=args.affine, bias=args.bias,
+                 heads=args.heads, out_proj=args.out_proj, activation=args.activation, causal=args.causal,
+                 classes=args.classes)
     try:
         validate(cfg, args)
     except UsageError as err:
@@ -873,7 +968,8 @@ def _main(argv: list[str]) -> int:
         if args.plot:
             c = cfg
             plot_heatmap(arrays["full"], arrays["slices"], args.plot,
-                         f"log|H| of the block loss Hessian (L={c.L}, d={c.d}, d_k={c.d_k}, d_ff={c.d_ff}, {c.loss})")
+                         f"log|H| of the block loss Hessian ({c.describe()}, L={c.L}, d={c.d}, d_k={c.d_k}, "
+                         f"d_ff={c.d_ff}, {c.loss})")
             progress.note(f"heat map written to {args.plot}")
     except OSError as err:
         parser.error(f"cannot write {err.filename or 'the output'}: {err.strerror or err}")
