@@ -215,6 +215,29 @@ void bind_for(py::module_& m) {
       py::arg("wrt"), py::arg("out").noconvert(), py::arg("head_weight").noconvert().none(true) = py::none(),
       py::arg("head_bias").noconvert().none(true) = py::none());
 
+  m.def(
+      "loss_hessian_diagonal",
+      [](A X, const SpecTuple& spec, Weights W, T eps, int kind, const optional_carray<T>& values,
+         const opt_classes& classes, int part, const std::vector<bool>& wrt, carray<T>& out,
+         const optional_carray<T>& head_weight, const optional_carray<T>& head_bias) {
+        const auto p = problem(X, spec, W);
+        const auto shapes = p.shapes();
+        const auto sel = selection(wrt, shapes.size());
+        std::vector<index_t> off;
+        const index_t P = block::offsets(shapes, sel, off);
+        require_shape(out, {P}, "out");
+        if (part < 0 || part > 2) throw std::invalid_argument("loss_hessian_diagonal: bad part");
+        T* o = mutable_ptr(out);
+        const auto tgt = target<T>(p, kind, values, classes, head_weight, head_bias);
+        py::gil_scoped_release release;
+        auto e = p.evaluate(X.data(), eps);
+        return block::loss_hessian_diagonal(e, tgt, static_cast<block::Part>(part), sel, o);
+      },
+      py::arg("X").noconvert(), py::arg("spec"), py::arg("weights"), py::arg("eps"), py::arg("kind"),
+      py::arg("values").noconvert().none(true), py::arg("classes").noconvert().none(true), py::arg("part"),
+      py::arg("wrt"), py::arg("out").noconvert(), py::arg("head_weight").noconvert().none(true) = py::none(),
+      py::arg("head_bias").noconvert().none(true) = py::none());
+
   // The loss Hessian as an operator: the forward and reverse passes are computed once, at
   // construction; apply(V, out) writes H V for V of shape (P,) or (P, k).
   using Operator = block::HessianOperator<T>;

@@ -78,3 +78,30 @@ def hvp(B: int, L: int, d: int, dk: int, dff: int, itemsize: int, columns: int, 
     attention = 2 * B * L * L + n * (2 * dk + d) + 2 * L * L + L * (2 * dk + d)
     per_product = 2 * values + attention + 2 * P
     return itemsize * (kept + per_product * max(1, min(columns, threads)))
+
+
+_AFTER_ATTENTION = ("W_1", "b_1", "W_2", "b_2")
+
+
+def hessian_diagonal(B: int, L: int, d: int, dk: int, dff: int, itemsize: int, selected: list[tuple[str, tuple[int, ...]]],
+                     *, heads: int = 1, P: int | None = None, pooled: bool = False) -> int:
+    """engine/diagonal.hpp through block_loss.hpp: the forward and reverse passes, the sites' Omegas,
+    and the factors of the selected parameters only, at every value downstream of each (an
+    attention-side parameter at 6 values of width d and 2 of width d_ff; W_1 at 2 of width d; W_2 at
+    2 of width d), its matrix side at most the larger of its two dimensions (heads together)."""
+    n = B * L
+    kept = block(B, L, d, dk, dff, itemsize, hessian=False, outer=False, heads=heads, P=P) // itemsize
+    omegas = 4 * n * d * d + 2 * B * heads * L * L * L
+    factors = 0
+    for name, shape in selected:
+        n_mat = max(shape)
+        if name in ("W_1", "b_1"):
+            factors += n * n_mat * (2 * d + 1)
+        elif name in ("W_2", "b_2"):
+            factors += n * n_mat * 2 * d
+        else:
+            factors += n * n_mat * (6 * d + 2 * dff)
+        factors += n * n_mat  # its Gamma diagonals
+        if pooled:
+            factors += L * d * n_mat
+    return itemsize * (kept + omegas + factors)

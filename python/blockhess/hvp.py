@@ -26,15 +26,23 @@ class HessianOperator:
     ``op @ v``, ``op.matvec(v)`` for v of shape (P,), ``op.matmat(V)`` for V of shape (P, k). Vectors
     are converted to the operator's dtype; results are NumPy arrays, or torch tensors for torch
     inputs. ``op.to_scipy()`` gives a ``scipy.sparse.linalg.LinearOperator`` (for ``eigsh``, ``cg``).
+
+    Curvature without a dense matrix: :meth:`diagonal`, :meth:`trace` (whole or per parameter) exact
+    from the per-token factors; :meth:`eigsh` (extreme eigenvalues by Lanczos through H v) and
+    :meth:`spectral_density` (stochastic Lanczos quadrature).
     """
 
-    def __init__(self, core_operator: Any, dtype: np.dtype, names: tuple[str, ...], part: str, loss: str) -> None:
+    def __init__(self, core_operator: Any, dtype: np.dtype, names: tuple[str, ...], part: str, loss: str,
+                 sizes: tuple[int, ...] = (), diagonal_of: Any = None) -> None:
         self._op = core_operator
         self.dtype = np.dtype(dtype)
         self.names = names
         self.part = part
         self.loss = loss
         self.shape = (int(core_operator.size), int(core_operator.size))
+        self._sizes = sizes  # of the parameters in names
+        self._diagonal_of = diagonal_of  # computes the exact diagonal (a core call), once
+        self._diagonal: np.ndarray | None = None
 
     @property
     def loss_value(self) -> float:
@@ -75,6 +83,47 @@ class HessianOperator:
 
     def __matmul__(self, V: Any) -> Any:
         return self.matmat(V) if len(getattr(V, "shape", ())) == 2 else self.matvec(V)
+
+    def diagonal(self) -> np.ndarray:
+        """The Hessian's diagonal (P,), exact: assembled from the per-token factors and curvature
+        terms like the dense Hessian, with no block of it formed and no random probes."""
+        if self._diagonal is None:
+            self._diagonal = self._diagonal_of()
+            self._diagonal.setflags(write=False)
+        return self._diagonal
+
+    def trace(self, by_block: bool = False) -> float | dict[tuple[str, str], float]:
+        """tr(H), exact (the sum of :meth:`diagonal`); by_block=True: a dict keyed like
+        ``loss_hessian(layout="blocks")``'s diagonal blocks, ``{("W_Q", "W_Q"): tr(H_QQ), ...}``."""
+        diag = self.diagonal()
+        if not by_block:
+            return float(np.sum(diag, dtype=np.float64))
+        bounds = np.cumsum((0, *self._sizes))
+        return {(n, n): float(np.sum(diag[a:b], dtype=np.float64))
+                for n, a, b in zip(self.names, bounds[:-1], bounds[1:])}
+
+    def eigsh(self, k: int = 6, which: str = "LA", tol: float = 0.0, return_eigenvectors: bool = True):
+        """k extreme eigenvalues (ascending) of the operator by Lanczos (scipy's ARPACK) through the
+        exact H v: which "LA" (largest), "SA" (smallest: how non-convex) or "LM" (largest
+        magnitude); with the eigenvectors as columns unless return_eigenvectors=False. For one
+        parameter block, build the operator with ``wrt=(name,)``."""
+        from .spectrum import eigsh
+
+        return eigsh(self, k, which, tol, return_eigenvectors)
+
+    def spectral_density(self, *, probes: int = 10, steps: int = 60, sigma: float | None = None,
+                         grid: Any = 1000, seed: int = 0):
+        """The spectral density by stochastic Lanczos quadrature (blockhess.spectrum): ``probes``
+        Rademacher probes of ``steps`` Lanczos steps each, broadened by a Gaussian of width
+        ``sigma``; returns a :class:`blockhess.spectrum.SpectralDensity` (``.grid``, ``.density``,
+        integrating to 1, and the quadrature's ``.moment(m)``)."""
+        from .spectrum import spectral_density
+
+        return spectral_density(self._matvec64, self.shape[0], probes=probes, steps=steps, sigma=sigma, grid=grid,
+                                seed=seed)
+
+    def _matvec64(self, v: np.ndarray) -> np.ndarray:
+        return self._product(np.ascontiguousarray(v, dtype=self.dtype))
 
     def to_scipy(self) -> Any:
         """A ``scipy.sparse.linalg.LinearOperator`` over this operator (scipy is optional)."""
@@ -118,7 +167,21 @@ def _build(X, target, params, loss, part, eps, wrt, columns, promote_with=(), he
     core_class = _core.HessianOperator64 if dtype == np.float64 else _core.HessianOperator32
     core_operator = core_class(X3, params.spec._core(), list(W), eps, kind, values, classes, _PARTS[part], selected,
                                *head)
-    return HessianOperator(core_operator, dtype, names, part, loss)
+
+    def diagonal_of() -> np.ndarray:
+        chosen = [(n, shape) for n, shape, keep in zip(params.names, params.shapes, selected) if keep]
+        hessian_working = _working_memory.hessian_diagonal(B, L, d, params.d_k, params.d_ff, dtype.itemsize, chosen,
+                                                           pooled=kind == _LOSSES["pooled_cross_entropy"],
+                                                           **_family_size(params))
+        require_output_fits((P,), dtype, f"the Hessian's diagonal over {', '.join(names)} (P = {P})",
+                            "pass wrt=(...) with fewer parameters, or fewer samples or tokens", working=hessian_working)
+        out = np.empty(P, dtype=dtype)
+        _core.loss_hessian_diagonal(X3, params.spec._core(), list(W), eps, kind, values, classes, _PARTS[part],
+                                    selected, out, *head)
+        return out
+
+    sizes = tuple(params.sizes[params.names.index(n)] for n in names)
+    return HessianOperator(core_operator, dtype, names, part, loss, sizes, diagonal_of)
 
 
 @returns_callers_kind

@@ -570,12 +570,15 @@ void check_block(std::mt19937_64& rng, const BlockCase<T>& bc) {
 
 // Blocks of the family (pieces for heads, a moving attention input, RMSNorm, every node option):
 // the Hessian in every part is symmetric, outer + functional = full, the operator equals the dense
-// Hessian, and the loss gradient matches central differences (double).
+// Hessian, and the loss gradient matches central differences (double). pooled: the loss is
+// pooled_cross_entropy through a random head of 3 classes (the outer part's PooledSite).
 template <class T>
-void check_family(std::mt19937_64& rng, const bh::block::Spec& spec, const bh::block::Dims& D, index_t B, T eps) {
+void check_family(std::mt19937_64& rng, const bh::block::Spec& spec, const bh::block::Dims& D, index_t B, T eps,
+                  bool pooled = false) {
   namespace blk = bh::block;
   const std::string ctx = std::string("family ") + type_name<T>() + (spec.pre_ln ? " pre" : " post") +
-                          (spec.rmsnorm ? " rms" : "") + " heads=" + std::to_string(spec.heads);
+                          (spec.rmsnorm ? " rms" : "") + " heads=" + std::to_string(spec.heads) +
+                          (pooled ? " pooled" : "");
   const auto shapes = blk::parameters(spec, D);
   std::vector<std::vector<T>> W;
   for (const auto& p : shapes) W.push_back(randn<T>(rng, p.size(), 1.0 / std::sqrt(static_cast<double>(p.rows))));
@@ -584,6 +587,16 @@ void check_family(std::mt19937_64& rng, const bh::block::Spec& spec, const bh::b
   const auto X = randn<T>(rng, B * D.L * D.d), target = randn<T>(rng, B * D.L * D.d);
   blk::Target<T> tgt;
   tgt.values = target.data();
+  const index_t classes = 3;
+  const auto head_weight = randn<T>(rng, D.d * classes), head_bias = randn<T>(rng, classes);
+  std::vector<std::int64_t> labels;
+  for (index_t b = 0; b < B; ++b) labels.push_back(b % classes);
+  if (pooled) {
+    tgt.kind = bh::loss::Kind::pooled_cross_entropy;
+    tgt.values = nullptr;
+    tgt.classes = labels.data();
+    tgt.head = bh::loss::Head<T>{head_weight.data(), head_bias.data(), classes};
+  }
   index_t P = 0;
   for (const auto& p : shapes) P += p.size();
   const blk::Selection all(shapes.size(), true);
@@ -595,19 +608,31 @@ void check_family(std::mt19937_64& rng, const bh::block::Spec& spec, const bh::b
   bool sym = true;
   for (index_t i = 0; i < P; ++i)
     for (index_t j = 0; j < i; ++j) sym &= H[i * P + j] == H[j * P + i];
-  CHECK(all_finite(H) && sym, ctx + " Hessian finite and symmetric (bit for bit)");
+  for (index_t i = 0; i < P; ++i)
+    for (index_t j = 0; j < i; ++j) sym &= Ho[i * P + j] == Ho[j * P + i];
+  CHECK(all_finite(H) && all_finite(Ho) && sym, ctx + " Hessian and its outer part finite and symmetric (bit for bit)");
   std::vector<T> sum(P * P);
   for (index_t k = 0; k < P * P; ++k) sum[k] = Ho[k] + Hf[k];
   CHECK(rel_diff(sum, H) < 100 * tol<T>(), ctx + " outer + functional = full");
+  // The diagonal from the factors alone (engine/diagonal.hpp) in every part.
+  for (auto [part, dense] : {std::pair{blk::Part::full, &H}, {blk::Part::outer, &Ho}, {blk::Part::functional, &Hf}}) {
+    std::vector<T> diag(P), ref(P);
+    auto e = blk::forward(spec, D, B, X.data(), w, eps);
+    blk::loss_hessian_diagonal(e, tgt, part, all, diag.data());
+    for (index_t i = 0; i < P; ++i) ref[i] = (*dense)[i * P + i];
+    CHECK(rel_diff(diag, ref) < 100 * tol<T>(), ctx + " diagonal = the dense Hessian's");
+  }
   const index_t k = 2;
   const auto V = randn<T>(rng, P * k);
-  const blk::HessianOperator<T> op(blk::forward(spec, D, B, X.data(), w, eps), tgt, blk::Part::full, all);
-  std::vector<T> HV(P * k), ref(P * k, T(0));
-  op.apply_columns(V.data(), k, HV.data());
-  for (index_t i = 0; i < P; ++i)
-    for (index_t j = 0; j < P; ++j)
-      for (index_t c = 0; c < k; ++c) ref[i * k + c] += H[i * P + j] * V[j * k + c];
-  CHECK(rel_diff(HV, ref) < 100 * tol<T>(), ctx + " H V = dense H times V");
+  for (auto [part, dense] : {std::pair{blk::Part::full, &H}, {blk::Part::outer, &Ho}}) {
+    const blk::HessianOperator<T> op(blk::forward(spec, D, B, X.data(), w, eps), tgt, part, all);
+    std::vector<T> HV(P * k), ref(P * k, T(0));
+    op.apply_columns(V.data(), k, HV.data());
+    for (index_t i = 0; i < P; ++i)
+      for (index_t j = 0; j < P; ++j)
+        for (index_t c = 0; c < k; ++c) ref[i * k + c] += (*dense)[i * P + j] * V[j * k + c];
+    CHECK(rel_diff(HV, ref) < 100 * tol<T>(), ctx + " H V = dense H times V");
+  }
   if constexpr (std::is_same_v<T, double>) {
     std::vector<T> grad(P);
     auto e = blk::forward(spec, D, B, X.data(), w, eps);
@@ -753,8 +778,10 @@ void run_all(std::mt19937_64& rng) {
   everything.heads = 2;
   everything.activation = bh::activation::Kind::gelu_tanh;
   check_family<T>(rng, everything, {5, 6, 3, 7, 2}, 2, T(1e-3));
+  check_family<T>(rng, everything, {5, 6, 3, 7, 2}, 3, T(1e-3), /*pooled=*/true);
   everything.pre_ln = true;
   check_family<T>(rng, everything, {5, 6, 3, 7, 2}, 2, T(1e-3));
+  check_family<T>(rng, everything, {5, 6, 3, 7, 2}, 1, T(1e-3), /*pooled=*/true);
   everything.rmsnorm = true;
   everything.activation = bh::activation::Kind::silu;
   check_family<T>(rng, everything, {4, 4, 2, 5, 0}, 1, T(1e-3));

@@ -15,6 +15,7 @@
 
 #include "blockhess/block.hpp"
 #include "blockhess/engine/assemble.hpp"
+#include "blockhess/engine/diagonal.hpp"
 #include "blockhess/layernorm.hpp"
 
 namespace blockhess::block {
@@ -34,18 +35,37 @@ std::vector<index_t> selected_offsets(const Evaluation<T>& e, const Selection& w
 // of `e` must have been run with it) and whose outer curvature at Z is hessZ (per token d x d;
 // null = none) or pooledZ (per sample d x d, coupling every pair of its tokens: a pooled head;
 // it needs the factors at Z, push_factors(true)), restricted to the parameters whose factors `e`
-// holds (push_factors).
+// holds (push_factors). hessZ_diagonal: hessZ holds only the per-token diagonals (mse).
 template <class T>
-void assemble_hessian(const Evaluation<T>& e, std::shared_ptr<const Buffer<T>> hessZ, Part part, const Selection& wrt,
-                      T* H, std::shared_ptr<const Buffer<T>> pooledZ = nullptr) {
+engine::Terms<T> hessian_terms(const Evaluation<T>& e, std::shared_ptr<const Buffer<T>> hessZ, Part part,
+                               std::shared_ptr<const Buffer<T>> pooledZ, bool hessZ_diagonal) {
   const engine::Graph<T>& g = e.graph();
   engine::Terms<T> terms;
   if (part != Part::outer) terms = g.curvature();
-  if (part != Part::functional && hessZ) terms.sites.push_back(engine::Site<T>{g.output(), std::move(hessZ)});
+  if (part != Part::functional && hessZ)
+    terms.sites.push_back(engine::Site<T>{g.output(), std::move(hessZ), hessZ_diagonal});
   if (part != Part::functional && pooledZ) terms.pooled.push_back(engine::PooledSite<T>{g.output(), std::move(pooledZ)});
+  return terms;
+}
+
+template <class T>
+void assemble_hessian(const Evaluation<T>& e, std::shared_ptr<const Buffer<T>> hessZ, Part part, const Selection& wrt,
+                      T* H, std::shared_ptr<const Buffer<T>> pooledZ = nullptr, bool hessZ_diagonal = false) {
   index_t P = 0;
   const std::vector<index_t> offset = selected_offsets(e, wrt, &P);
-  engine::assemble(g, std::move(terms), offset, P, H);
+  engine::assemble(e.graph(), hessian_terms(e, std::move(hessZ), part, std::move(pooledZ), hessZ_diagonal), offset, P,
+                   H);
+}
+
+// The diagonal of the same Hessian (P entries), with no block of it formed (engine/diagonal.hpp).
+template <class T>
+void assemble_hessian_diagonal(const Evaluation<T>& e, std::shared_ptr<const Buffer<T>> hessZ, Part part,
+                               const Selection& wrt, T* diag, std::shared_ptr<const Buffer<T>> pooledZ = nullptr,
+                               bool hessZ_diagonal = false) {
+  index_t P = 0;
+  const std::vector<index_t> offset = selected_offsets(e, wrt, &P);
+  engine::assemble_diagonal(e.graph(), hessian_terms(e, std::move(hessZ), part, std::move(pooledZ), hessZ_diagonal),
+                            offset, P, diag);
 }
 
 // dZ/dW_p for one sample: (L d, n_p), from p's factor at Z.

@@ -64,7 +64,32 @@ T loss_hessian(Evaluation<T>& e, const Target<T>& target, Part part, const Selec
   const bool pooled = outer && target.pooled();
   e.graph().push_factors(/*to_output=*/pooled);
   auto share = [](Buffer<T>& b) { return std::make_shared<const Buffer<T>>(std::move(b)); };
-  assemble_hessian(e, outer && !pooled ? share(ld.hessZ) : nullptr, part, wrt, H, pooled ? share(ld.pooledZ) : nullptr);
+  const bool diagonal = ld.hessZ_diagonal;
+  assemble_hessian(e, outer && !pooled ? share(ld.hessZ) : nullptr, part, wrt, H, pooled ? share(ld.pooledZ) : nullptr,
+                   diagonal);
+  return ld.value;
+}
+
+// The diagonal of that Hessian (P entries), exact, with no block of it formed: its trace and
+// per-parameter traces at sizes where no (P, P) matrix fits.
+template <class T>
+T loss_hessian_diagonal(Evaluation<T>& e, const Target<T>& target, Part part, const Selection& wrt, T* diag) {
+  const Dims& D = e.dims();
+  const index_t B = e.samples();
+  const bool outer = part != Part::functional;
+  auto ld = target.derivatives(B, D.L, D.d, e.output(), outer);
+  require_finite_loss(ld, B * D.L * D.d);
+  e.reverse(ld.gZ.data());
+  e.graph().select(wrt);
+  const bool pooled = outer && target.pooled();
+  e.graph().push_factors(/*to_output=*/pooled);
+  auto share = [](Buffer<T>& b) { return std::make_shared<const Buffer<T>>(std::move(b)); };
+  const bool diagonal = ld.hessZ_diagonal;
+  assemble_hessian_diagonal(e, outer && !pooled ? share(ld.hessZ) : nullptr, part, wrt, diag,
+                            pooled ? share(ld.pooledZ) : nullptr, diagonal);
+  index_t P = 0;
+  selected_offsets(e, wrt, &P);
+  require_finite(diag, P, "block: the Hessian's diagonal");
   return ld.value;
 }
 

@@ -38,6 +38,7 @@ struct Derivatives {
   T value = 0;
   Buffer<T> gZ;      // (B*L, d)    dl/dZ
   Buffer<T> hessZ;   // (B*L, d, d) d2l/dZ_t^2, only when asked for (separable losses)
+  bool hessZ_diagonal = false;  // hessZ holds only the diagonals, (B*L, d): mse's 2/(B L d) I
   Buffer<T> pooledZ; // (B, d, d) d2l/dZ_b,t dZ_b,s for every pair (t, s) of sample b (pooled loss)
 };
 
@@ -54,7 +55,7 @@ Derivatives<T> derivatives(Kind kind, index_t B, index_t L, index_t d, const T* 
   const index_t n = B * L;
   Derivatives<T> out;
   out.gZ.resize(n * d);
-  if (with_hessian) out.hessZ.assign(n * d * d, T(0));
+  if (with_hessian && kind != Kind::mse) out.hessZ.assign(n * d * d, T(0));
   if (kind == Kind::mse) {
     if (!target) throw std::invalid_argument("loss: mse needs a float target");
     const T c = T(1) / static_cast<T>(B * L * d);
@@ -63,9 +64,10 @@ Derivatives<T> derivatives(Kind kind, index_t B, index_t L, index_t d, const T* 
       out.value += c * r * r;
       out.gZ[k] = 2 * c * r;
     }
-    if (with_hessian)
-      for (index_t t = 0; t < n; ++t)
-        for (index_t a = 0; a < d; ++a) out.hessZ[(t * d + a) * d + a] = 2 * c;
+    if (with_hessian) {  // a multiple of the identity: kept as its diagonal (a diagonal site)
+      out.hessZ.assign(n * d, 2 * c);
+      out.hessZ_diagonal = true;
+    }
     return out;
   }
   if (!classes) throw std::invalid_argument("loss: cross_entropy needs integer class targets");
