@@ -118,6 +118,34 @@ block::Target<T> target(const Problem<T>& p, int kind, const optional_carray<T>&
   return t;
 }
 
+// Everything a curvature call checks before it computes: the problem, the selection and its size
+// P, the loss target and the part.
+template <class T>
+struct CurvatureCall {
+  Problem<T> problem;
+  block::Selection wrt;
+  index_t P = 0;
+  block::Target<T> target;
+  block::Part part = block::Part::full;
+};
+
+template <class T>
+CurvatureCall<T> curvature_call(const carray<T>& X, const SpecTuple& spec, const std::vector<carray<T>>& W, int kind,
+                                const optional_carray<T>& values, const optional_carray<std::int64_t>& classes,
+                                int part, const std::vector<bool>& wrt, const optional_carray<T>& head_weight,
+                                const optional_carray<T>& head_bias) {
+  CurvatureCall<T> c;
+  c.problem = problem(X, spec, W);
+  const auto shapes = c.problem.shapes();
+  c.wrt = selection(wrt, shapes.size());
+  std::vector<index_t> off;
+  c.P = block::offsets(shapes, c.wrt, off);
+  if (part < 0 || part > 2) throw std::invalid_argument("block: bad part");
+  c.part = static_cast<block::Part>(part);
+  c.target = target<T>(c.problem, kind, values, classes, head_weight, head_bias);
+  return c;
+}
+
 template <class T>
 void bind_for(py::module_& m) {
   using A = const carray<T>&;
@@ -192,23 +220,18 @@ void bind_for(py::module_& m) {
       py::arg("out").noconvert().none(true), py::arg("head_weight").noconvert().none(true) = py::none(),
       py::arg("head_bias").noconvert().none(true) = py::none());
 
+  // The dense loss Hessian (out: (P, P)) and its diagonal (out: (P,)), over the parameters in wrt.
   m.def(
       "loss_hessian",
       [](A X, const SpecTuple& spec, Weights W, T eps, int kind, const optional_carray<T>& values,
          const opt_classes& classes, int part, const std::vector<bool>& wrt, carray<T>& out,
          const optional_carray<T>& head_weight, const optional_carray<T>& head_bias) {
-        const auto p = problem(X, spec, W);
-        const auto shapes = p.shapes();
-        const auto sel = selection(wrt, shapes.size());
-        std::vector<index_t> off;
-        const index_t P = block::offsets(shapes, sel, off);
-        require_shape(out, {P, P}, "out");
-        if (part < 0 || part > 2) throw std::invalid_argument("loss_hessian: bad part");
+        const auto c = curvature_call<T>(X, spec, W, kind, values, classes, part, wrt, head_weight, head_bias);
+        require_shape(out, {c.P, c.P}, "out");
         T* o = mutable_ptr(out);
-        const auto tgt = target<T>(p, kind, values, classes, head_weight, head_bias);
         py::gil_scoped_release release;
-        auto e = p.evaluate(X.data(), eps);
-        return block::loss_hessian(e, tgt, static_cast<block::Part>(part), sel, o);
+        auto e = c.problem.evaluate(X.data(), eps);
+        return block::loss_hessian(e, c.target, c.part, c.wrt, o);
       },
       py::arg("X").noconvert(), py::arg("spec"), py::arg("weights"), py::arg("eps"), py::arg("kind"),
       py::arg("values").noconvert().none(true), py::arg("classes").noconvert().none(true), py::arg("part"),
@@ -220,18 +243,12 @@ void bind_for(py::module_& m) {
       [](A X, const SpecTuple& spec, Weights W, T eps, int kind, const optional_carray<T>& values,
          const opt_classes& classes, int part, const std::vector<bool>& wrt, carray<T>& out,
          const optional_carray<T>& head_weight, const optional_carray<T>& head_bias) {
-        const auto p = problem(X, spec, W);
-        const auto shapes = p.shapes();
-        const auto sel = selection(wrt, shapes.size());
-        std::vector<index_t> off;
-        const index_t P = block::offsets(shapes, sel, off);
-        require_shape(out, {P}, "out");
-        if (part < 0 || part > 2) throw std::invalid_argument("loss_hessian_diagonal: bad part");
+        const auto c = curvature_call<T>(X, spec, W, kind, values, classes, part, wrt, head_weight, head_bias);
+        require_shape(out, {c.P}, "out");
         T* o = mutable_ptr(out);
-        const auto tgt = target<T>(p, kind, values, classes, head_weight, head_bias);
         py::gil_scoped_release release;
-        auto e = p.evaluate(X.data(), eps);
-        return block::loss_hessian_diagonal(e, tgt, static_cast<block::Part>(part), sel, o);
+        auto e = c.problem.evaluate(X.data(), eps);
+        return block::loss_hessian_diagonal(e, c.target, c.part, c.wrt, o);
       },
       py::arg("X").noconvert(), py::arg("spec"), py::arg("weights"), py::arg("eps"), py::arg("kind"),
       py::arg("values").noconvert().none(true), py::arg("classes").noconvert().none(true), py::arg("part"),

@@ -31,41 +31,45 @@ std::vector<index_t> selected_offsets(const Evaluation<T>& e, const Selection& w
   return off;
 }
 
-// Writes the symmetric (P, P) Hessian of the scalar whose cotangent at Z is gZ (the reverse pass
-// of `e` must have been run with it) and whose outer curvature at Z is hessZ (per token d x d;
-// null = none) or pooledZ (per sample d x d, coupling every pair of its tokens: a pooled head;
-// it needs the factors at Z, push_factors(true)), restricted to the parameters whose factors `e`
-// holds (push_factors). hessZ_diagonal: hessZ holds only the per-token diagonals (mse).
+// The outer (Gauss-Newton) curvature of a loss at Z: per token (hessZ, d x d blocks, or only their
+// diagonals when `diagonal`: mse), or per sample for a pooled head (pooledZ, one d x d block
+// coupling every pair of its tokens; it needs the factors at Z, push_factors(true)). Empty: none.
 template <class T>
-engine::Terms<T> hessian_terms(const Evaluation<T>& e, std::shared_ptr<const Buffer<T>> hessZ, Part part,
-                               std::shared_ptr<const Buffer<T>> pooledZ, bool hessZ_diagonal) {
+struct OuterCurvature {
+  std::shared_ptr<const Buffer<T>> hessZ;
+  bool diagonal = false;
+  std::shared_ptr<const Buffer<T>> pooledZ;
+};
+
+// The terms of the Hessian of the scalar whose cotangent at Z is gZ (the reverse pass of `e` must
+// have been run with it) and whose outer curvature at Z is `outer`.
+template <class T>
+engine::Terms<T> hessian_terms(const Evaluation<T>& e, const OuterCurvature<T>& outer, Part part) {
   const engine::Graph<T>& g = e.graph();
   engine::Terms<T> terms;
   if (part != Part::outer) terms = g.curvature();
-  if (part != Part::functional && hessZ)
-    terms.sites.push_back(engine::Site<T>{g.output(), std::move(hessZ), hessZ_diagonal});
-  if (part != Part::functional && pooledZ) terms.pooled.push_back(engine::PooledSite<T>{g.output(), std::move(pooledZ)});
+  if (part == Part::functional) return terms;
+  if (outer.hessZ) terms.sites.push_back(engine::Site<T>{g.output(), outer.hessZ, outer.diagonal});
+  if (outer.pooledZ) terms.pooled.push_back(engine::PooledSite<T>{g.output(), outer.pooledZ});
   return terms;
 }
 
+// Writes that symmetric (P, P) Hessian, restricted to the parameters whose factors `e` holds
+// (push_factors).
 template <class T>
-void assemble_hessian(const Evaluation<T>& e, std::shared_ptr<const Buffer<T>> hessZ, Part part, const Selection& wrt,
-                      T* H, std::shared_ptr<const Buffer<T>> pooledZ = nullptr, bool hessZ_diagonal = false) {
+void assemble_hessian(const Evaluation<T>& e, const OuterCurvature<T>& outer, Part part, const Selection& wrt, T* H) {
   index_t P = 0;
   const std::vector<index_t> offset = selected_offsets(e, wrt, &P);
-  engine::assemble(e.graph(), hessian_terms(e, std::move(hessZ), part, std::move(pooledZ), hessZ_diagonal), offset, P,
-                   H);
+  engine::assemble(e.graph(), hessian_terms(e, outer, part), offset, P, H);
 }
 
 // The diagonal of the same Hessian (P entries), with no block of it formed (engine/diagonal.hpp).
 template <class T>
-void assemble_hessian_diagonal(const Evaluation<T>& e, std::shared_ptr<const Buffer<T>> hessZ, Part part,
-                               const Selection& wrt, T* diag, std::shared_ptr<const Buffer<T>> pooledZ = nullptr,
-                               bool hessZ_diagonal = false) {
+void assemble_hessian_diagonal(const Evaluation<T>& e, const OuterCurvature<T>& outer, Part part, const Selection& wrt,
+                               T* diag) {
   index_t P = 0;
   const std::vector<index_t> offset = selected_offsets(e, wrt, &P);
-  engine::assemble_diagonal(e.graph(), hessian_terms(e, std::move(hessZ), part, std::move(pooledZ), hessZ_diagonal),
-                            offset, P, diag);
+  engine::assemble_diagonal(e.graph(), hessian_terms(e, outer, part), offset, P, diag);
 }
 
 // dZ/dW_p for one sample: (L d, n_p), from p's factor at Z.
@@ -111,7 +115,7 @@ void output_hessian(Evaluation<T>& e, int i, int j, T* out) {
   for (index_t o = 0; o < m; ++o) {
     gZ[o] = T(1);
     e.reverse(gZ.data());
-    assemble_hessian(e, std::shared_ptr<const Buffer<T>>(), Part::functional, wrt, H.data());
+    assemble_hessian(e, OuterCurvature<T>{}, Part::functional, wrt, H.data());
     for (index_t a = 0; a < ni; ++a) std::copy_n(H.data() + (off[i] + a) * P + off[j], nj, out + (o * ni + a) * nj);
     gZ[o] = T(0);
   }

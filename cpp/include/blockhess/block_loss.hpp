@@ -50,47 +50,47 @@ T loss_gradient(Evaluation<T>& e, const Target<T>& target, T* grad) {
   return ld.value;
 }
 
-// The (P, P) loss Hessian (or its outer / functional part) over the selected parameters.
+// What a loss Hessian and its diagonal are assembled from: the loss's derivatives at Z, the reverse
+// pass run with its gradient, the selected parameters' factors pushed (to Z too for a pooled head's
+// outer part, which sums each sample's Jacobian at Z over its tokens). Returns the loss value.
 template <class T>
-T loss_hessian(Evaluation<T>& e, const Target<T>& target, Part part, const Selection& wrt, T* H) {
+T prepare_curvature(Evaluation<T>& e, const Target<T>& target, Part part, const Selection& wrt, OuterCurvature<T>& outer) {
   const Dims& D = e.dims();
   const index_t B = e.samples();
-  const bool outer = part != Part::functional;
-  auto ld = target.derivatives(B, D.L, D.d, e.output(), outer);
+  const bool with_outer = part != Part::functional;
+  auto ld = target.derivatives(B, D.L, D.d, e.output(), with_outer);
   require_finite_loss(ld, B * D.L * D.d);
   e.reverse(ld.gZ.data());
   e.graph().select(wrt);
-  // A pooled head's outer part sums each sample's Jacobian at Z over its tokens: the factors at Z.
-  const bool pooled = outer && target.pooled();
+  const bool pooled = with_outer && target.pooled();
   e.graph().push_factors(/*to_output=*/pooled);
   auto share = [](Buffer<T>& b) { return std::make_shared<const Buffer<T>>(std::move(b)); };
-  const bool diagonal = ld.hessZ_diagonal;
-  assemble_hessian(e, outer && !pooled ? share(ld.hessZ) : nullptr, part, wrt, H, pooled ? share(ld.pooledZ) : nullptr,
-                   diagonal);
+  outer = OuterCurvature<T>{};
+  if (with_outer && !pooled) outer.hessZ = share(ld.hessZ), outer.diagonal = ld.hessZ_diagonal;
+  if (pooled) outer.pooledZ = share(ld.pooledZ);
   return ld.value;
+}
+
+// The (P, P) loss Hessian (or its outer / functional part) over the selected parameters.
+template <class T>
+T loss_hessian(Evaluation<T>& e, const Target<T>& target, Part part, const Selection& wrt, T* H) {
+  OuterCurvature<T> outer;
+  const T value = prepare_curvature(e, target, part, wrt, outer);
+  assemble_hessian(e, outer, part, wrt, H);
+  return value;
 }
 
 // The diagonal of that Hessian (P entries), exact, with no block of it formed: its trace and
 // per-parameter traces at sizes where no (P, P) matrix fits.
 template <class T>
 T loss_hessian_diagonal(Evaluation<T>& e, const Target<T>& target, Part part, const Selection& wrt, T* diag) {
-  const Dims& D = e.dims();
-  const index_t B = e.samples();
-  const bool outer = part != Part::functional;
-  auto ld = target.derivatives(B, D.L, D.d, e.output(), outer);
-  require_finite_loss(ld, B * D.L * D.d);
-  e.reverse(ld.gZ.data());
-  e.graph().select(wrt);
-  const bool pooled = outer && target.pooled();
-  e.graph().push_factors(/*to_output=*/pooled);
-  auto share = [](Buffer<T>& b) { return std::make_shared<const Buffer<T>>(std::move(b)); };
-  const bool diagonal = ld.hessZ_diagonal;
-  assemble_hessian_diagonal(e, outer && !pooled ? share(ld.hessZ) : nullptr, part, wrt, diag,
-                            pooled ? share(ld.pooledZ) : nullptr, diagonal);
+  OuterCurvature<T> outer;
+  const T value = prepare_curvature(e, target, part, wrt, outer);
+  assemble_hessian_diagonal(e, outer, part, wrt, diag);
   index_t P = 0;
   selected_offsets(e, wrt, &P);
   require_finite(diag, P, "block: the Hessian's diagonal");
-  return ld.value;
+  return value;
 }
 
 // The paper's block (the default spec).
