@@ -41,6 +41,8 @@ from .block import (
     loss_value,
 )
 from .hvp import HessianOperator, hessian_operator, loss_hvp
+from .dataset import DatasetHessianOperator, dataset_hessian_operator
+from . import spectrum
 from .spec import BlockSpec
 from .from_torch import from_torch
 
@@ -53,6 +55,9 @@ __all__ = [
     "from_torch",
     "HessianOperator",
     "hessian_operator",
+    "DatasetHessianOperator",
+    "dataset_hessian_operator",
+    "spectrum",
     "loss_hvp",
     "block_forward",
     "block_jacobian",

@@ -12,13 +12,14 @@ from typing import Any
 import numpy as np
 
 from . import _backend, _core, _working_memory
-from ._interop import is_torch_tensor, returns_callers_kind, to_torch
+from ._curvature_operator import CurvatureOperator
+from ._interop import returns_callers_kind
 from ._threads import get_num_threads
 from ._validate import choice, contiguous, float_array, require_output_fits
 from .block import _LOSSES, _PARTS, BlockParams, _family_size, _loss_inputs, _selection
 
 
-class HessianOperator:
+class HessianOperator(CurvatureOperator):
     """The loss Hessian (or its outer / functional part) over the parameters in ``wrt`` as a
     linear operator of shape (P, P). Built by :func:`hessian_operator`; the forward and reverse
     passes are computed once, so each product costs only the product.
@@ -42,7 +43,10 @@ class HessianOperator:
         self.shape = (int(core_operator.size), int(core_operator.size))
         self._sizes = sizes  # of the parameters in names
         self._diagonal_of = diagonal_of  # computes the exact diagonal (a core call), once
-        self._diagonal: np.ndarray | None = None
+        self._diagonal = None
+
+    def _compute_diagonal(self) -> np.ndarray:
+        return self._diagonal_of()
 
     @property
     def loss_value(self) -> float:
@@ -52,9 +56,6 @@ class HessianOperator:
     def __repr__(self) -> str:
         return (f"HessianOperator(shape={self.shape}, dtype={self.dtype}, loss={self.loss!r}, "
                 f"part={self.part!r}, wrt={self.names})")
-
-    def _apply(self, V: Any, ndim: int) -> np.ndarray:
-        return self._product(float_array(V, "V" if ndim == 2 else "v", ndim=ndim))
 
     def _product(self, V: Any) -> np.ndarray:
         """H V for V already checked by float_array (dtype, NaN), in the operator's dtype."""
@@ -70,69 +71,6 @@ class HessianOperator:
         out = np.empty(V.shape, dtype=self.dtype)
         self._op.apply(V, out)
         return out
-
-    def matvec(self, v: Any) -> Any:
-        """H v for v of shape (P,)."""
-        product = self._apply(v, 1)
-        return to_torch(product) if is_torch_tensor(v) else product
-
-    def matmat(self, V: Any) -> Any:
-        """H V for V of shape (P, k); the k products run in parallel."""
-        product = self._apply(V, 2)
-        return to_torch(product) if is_torch_tensor(V) else product
-
-    def __matmul__(self, V: Any) -> Any:
-        return self.matmat(V) if len(getattr(V, "shape", ())) == 2 else self.matvec(V)
-
-    def diagonal(self) -> np.ndarray:
-        """The Hessian's diagonal (P,), exact: assembled from the per-token factors and curvature
-        terms like the dense Hessian, with no block of it formed and no random probes."""
-        if self._diagonal is None:
-            self._diagonal = self._diagonal_of()
-            self._diagonal.setflags(write=False)
-        return self._diagonal
-
-    def trace(self, by_block: bool = False) -> float | dict[tuple[str, str], float]:
-        """tr(H), exact (the sum of :meth:`diagonal`); by_block=True: a dict keyed like
-        ``loss_hessian(layout="blocks")``'s diagonal blocks, ``{("W_Q", "W_Q"): tr(H_QQ), ...}``."""
-        diag = self.diagonal()
-        if not by_block:
-            return float(np.sum(diag, dtype=np.float64))
-        bounds = np.cumsum((0, *self._sizes))
-        return {(n, n): float(np.sum(diag[a:b], dtype=np.float64))
-                for n, a, b in zip(self.names, bounds[:-1], bounds[1:])}
-
-    def eigsh(self, k: int = 6, which: str = "LA", tol: float = 0.0, return_eigenvectors: bool = True):
-        """k extreme eigenvalues (ascending) of the operator by Lanczos (scipy's ARPACK) through the
-        exact H v: which "LA" (largest), "SA" (smallest: how non-convex) or "LM" (largest
-        magnitude); with the eigenvectors as columns unless return_eigenvectors=False. For one
-        parameter block, build the operator with ``wrt=(name,)``."""
-        from .spectrum import eigsh
-
-        return eigsh(self, k, which, tol, return_eigenvectors)
-
-    def spectral_density(self, *, probes: int = 10, steps: int = 60, sigma: float | None = None,
-                         grid: Any = 1000, seed: int = 0):
-        """The spectral density by stochastic Lanczos quadrature (blockhess.spectrum): ``probes``
-        Rademacher probes of ``steps`` Lanczos steps each, broadened by a Gaussian of width
-        ``sigma``; returns a :class:`blockhess.spectrum.SpectralDensity` (``.grid``, ``.density``,
-        integrating to 1, and the quadrature's ``.moment(m)``)."""
-        from .spectrum import spectral_density
-
-        return spectral_density(self._matvec64, self.shape[0], probes=probes, steps=steps, sigma=sigma, grid=grid,
-                                seed=seed)
-
-    def _matvec64(self, v: np.ndarray) -> np.ndarray:
-        return self._product(np.ascontiguousarray(v, dtype=self.dtype))
-
-    def to_scipy(self) -> Any:
-        """A ``scipy.sparse.linalg.LinearOperator`` over this operator (scipy is optional)."""
-        try:
-            from scipy.sparse.linalg import LinearOperator
-        except ImportError as err:  # pragma: no cover - scipy is in the test extra
-            raise ImportError("to_scipy() needs scipy: pip install scipy") from err
-        return LinearOperator(self.shape, matvec=self.matvec, matmat=self.matmat, rmatvec=self.matvec,
-                              dtype=self.dtype)
 
 
 def hessian_operator(
