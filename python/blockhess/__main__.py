@@ -1,6 +1,7 @@
 """The blockhess command line (``blockhess`` or ``python -m blockhess``).
 
     blockhess check [options]        compute, verify and report a block's loss Hessian (the main job)
+    blockhess spectrum [options]     per-block traces, extreme eigenvalues and the spectral density
     blockhess --cmakedir             print the directory holding blockhessConfig.cmake
     blockhess --includedir           print the C++ include directory
     blockhess --version              print the version
@@ -25,6 +26,7 @@ examples:
   blockhess check                          the MNIST block (L=49, d=16, d_k=16, d_ff=64) vs torch
   blockhess check --L 8 --d 8 --batch 2    a smaller block, a batch of two
   blockhess check --help                   every option of the check
+  blockhess spectrum --density d.png       traces, eigenvalues and the spectral density, no dense H
   cmake -Dblockhess_DIR="$(blockhess --cmakedir)" ...
 """
 
@@ -47,8 +49,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="compute, verify and report a block's loss Hessian (the main job); "
         "`blockhess check --help` lists its options",
     )
-    del check
+    spectrum = commands.add_parser(
+        "spectrum",
+        add_help=False,
+        help="per-block exact traces and extreme eigenvalues, the spectral density, without the dense "
+        "Hessian; `blockhess spectrum --help` lists its options",
+    )
+    del check, spectrum
     return parser
+
+
+def _run_spectrum(argv: list[str]) -> int:
+    from .spectrum_cli import main as spectrum_main
+
+    return spectrum_main(argv)
 
 
 def _run_check(argv: list[str]) -> int:
@@ -59,14 +73,15 @@ def _run_check(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] == "check":  # everything after it belongs to the check's own parser
-        return _run_check(argv[1:])
+    commands = {"check": _run_check, "spectrum": _run_spectrum}
+    if argv and argv[0] in commands:  # everything after it belongs to the command's own parser
+        return commands[argv[0]](argv[1:])
     parser = build_parser()
     # The global options take no values, so the first word that is not an option is the command.
     first = next((i for i, word in enumerate(argv) if not word.startswith("-")), None)
-    if first is not None and argv[first] == "check":
+    if first is not None and argv[first] in commands:
         parser.parse_args(argv[:first])  # rejects unknown global options (and answers --help)
-        return _run_check(argv[first + 1:])
+        return commands[argv[first]](argv[first + 1:])
     args = parser.parse_args(argv)
     from . import __version__, get_cmake_dir, get_include
 

@@ -895,18 +895,12 @@ def main(argv: list[str]) -> int:
         raise SystemExit(141) from None
 
 
-def _main(argv: list[str]) -> int:
-    parser = _ArgumentParser(
-        prog="blockhess check",
-        description="Compute a Transformer block's loss Hessian in closed form, verify it against "
-        "autograd (or finite differences), and report per-block norms, errors and timings. "
-        "Exit status: 0 verified, 1 an error exceeds its tolerance, 2 a bad option (nothing computed) "
-        "or an error in the data, 130 interrupted.",
-    )
+def add_block_options(parser: argparse.ArgumentParser) -> None:
+    """The sizes, the loss and the block's spec options (shared by ``blockhess spectrum``)."""
     defaults = Config()
     parser.add_argument("--L", type=int, default=defaults.L, help="tokens per sample (default 49, the paper's MNIST block)")
     parser.add_argument("--d", type=int, default=defaults.d, help="model width (default 16)")
-    parser.add_argument("--d-k", dest="d_k", type=int, default=defaults.d_k, help="query/key width (default 16)")
+    parser.add_argument("--d-k", dest="d_k", type=int, default=defaults.d_k, help="query/key width per head (default 16)")
     parser.add_argument("--d-ff", dest="d_ff", type=int, default=defaults.d_ff, help="FFN width (default 64)")
     parser.add_argument("--batch", type=int, default=1, help="samples; > 1 gives the batch-mean Hessian")
     parser.add_argument("--loss", choices=("mse", "cross_entropy", "pooled_cross_entropy"), default="mse",
@@ -918,10 +912,6 @@ def _main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eps", type=float, default=0.0,
                         help="LayerNorm epsilon (default 0, as in the paper; --d 1 needs eps > 0)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--reference", choices=("auto", "torch", "finite-differences"), default="auto",
-                        help="auto: torch.func.hessian if torch is installed, else finite differences "
-                        "(which needs less memory)")
     block = parser.add_argument_group("the block (defaults: the paper's post-LN block)")
     block.add_argument("--norm-position", dest="norm_position", choices=("post", "pre"), default="post")
     block.add_argument("--norm", choices=("layernorm", "rmsnorm"), default="layernorm")
@@ -931,16 +921,34 @@ def _main(argv: list[str]) -> int:
     block.add_argument("--out-proj", dest="out_proj", action="store_true", help="W_O after the heads")
     block.add_argument("--activation", choices=ACTIVATIONS, default="relu")
     block.add_argument("--causal", action="store_true", help="mask keys after the query")
+
+
+def config_from_args(args: Any, **extra: Any) -> Config:
+    return Config(L=args.L, d=args.d, d_k=args.d_k, d_ff=args.d_ff, batch=args.batch, loss=args.loss,
+                  dtype=args.dtype, seed=args.seed, eps=args.eps, norm_position=args.norm_position, norm=args.norm,
+                  affine=args.affine, bias=args.bias, heads=args.heads, out_proj=args.out_proj,
+                  activation=args.activation, causal=args.causal, classes=args.classes, **extra)
+
+
+def _main(argv: list[str]) -> int:
+    parser = _ArgumentParser(
+        prog="blockhess check",
+        description="Compute a Transformer block's loss Hessian in closed form, verify it against "
+        "autograd (or finite differences), and report per-block norms, errors and timings. "
+        "Exit status: 0 verified, 1 an error exceeds its tolerance, 2 a bad option (nothing computed) "
+        "or an error in the data, 130 interrupted.",
+    )
+    add_block_options(parser)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--reference", choices=("auto", "torch", "finite-differences"), default="auto",
+                        help="auto: torch.func.hessian if torch is installed, else finite differences "
+                        "(which needs less memory)")
     parser.add_argument("--json", metavar="FILE", help="write the report as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="draw the log|H| heat map (needs matplotlib)")
     parser.add_argument("--quiet", action="store_true",
                         help="no progress bar (it is shown only when stderr is a terminal)")
     args = parser.parse_args(_attach_negative_numbers(list(argv)))
-    cfg = Config(L=args.L, d=args.d, d_k=args.d_k, d_ff=args.d_ff, batch=args.batch, loss=args.loss,
-                 dtype=args.dtype, seed=args.seed, eps=args.eps, device=args.device, reference=args.reference,
-                 norm_position=args.norm_position, norm=args.norm, affine=args.affine, bias=args.bias,
-                 heads=args.heads, out_proj=args.out_proj, activation=args.activation, causal=args.causal,
-                 classes=args.classes)
+    cfg = config_from_args(args, device=args.device, reference=args.reference)
     try:
         validate(cfg, args)
     except UsageError as err:

@@ -1,0 +1,228 @@
+"""``blockhess spectrum``: the curvature of a block's loss without the dense Hessian: per parameter
+block the exact trace (from the factors) and the extreme eigenvalues, for the whole block the top
+and bottom eigenvalues (Lanczos through the exact H v) and, with ``--density``, the spectral density
+by stochastic Lanczos quadrature.
+
+The block is given by its sizes and spec options (as for ``blockhess check``, random seeded weights,
+input and target), or by ``--module FILE``: an ``nn.Module`` saved with ``torch.save``, imported
+with :func:`blockhess.from_torch`. Bad options are one line ``blockhess spectrum: error: ...`` and
+exit status 2, before anything is computed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from . import check
+from .hvp import hessian_operator
+
+# Blocks this small get their spectrum from the dense block (k < n is ARPACK's rule).
+_DENSE_BLOCK = 256
+
+
+class _Counter:
+    """Counts the operator's products for the progress bar (tqdm on a terminal, else nothing)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.bar = None
+        if enabled:
+            try:
+                from tqdm import tqdm
+            except ImportError:  # pragma: no cover - tqdm is a dependency
+                return
+            self.bar = tqdm(desc="Lanczos products", unit="Hv", file=sys.stderr, leave=False)
+
+    def __call__(self) -> None:
+        if self.bar is not None:
+            self.bar.update()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _counted(op, counter):
+    """The operator with every product counted (a view: same shape, dtype and methods)."""
+    product = op._product
+
+    def counted(V):
+        counter()
+        return product(V)
+
+    op._product = counted
+    return op
+
+
+def _block_extremes(op, counter) -> tuple[float, float]:
+    """(smallest, largest) eigenvalue of an operator over one parameter block."""
+    n = op.shape[0]
+    if n <= _DENSE_BLOCK:
+        dense = np.asarray(op.matmat(np.eye(n, dtype=op.dtype)), dtype=np.float64)
+        values = np.linalg.eigvalsh(0.5 * (dense + dense.T))
+        return float(values[0]), float(values[-1])
+    _counted(op, counter)
+    top = op.eigsh(k=1, which="LA", tol=1e-6, return_eigenvectors=False)
+    bottom = op.eigsh(k=1, which="SA", tol=1e-6, return_eigenvectors=False)
+    return float(bottom[0]), float(top[0])
+
+
+def _problem(cfg: check.Config, module_path: str | None):
+    """(X, target, params, head) from the sizes and options, or from a saved module."""
+    X, target, weights, head = check.make_problem(cfg)
+    if module_path is None:
+        return X, target, check._params(weights, cfg), head
+    import torch
+
+    from .from_torch import from_torch
+
+    module = torch.load(module_path, weights_only=False)
+    spec, params = from_torch(module)
+    cfg_module = check.Config(L=cfg.L, d=params.d, d_k=max(params.d_k, 1), d_ff=params.d_ff, batch=cfg.batch,
+                              loss=cfg.loss, dtype=str(params.dtype), seed=cfg.seed, eps=spec.eps,
+                              classes=cfg.classes)
+    X, target, _, head = check.make_problem(cfg_module)
+    return X, target, params, head
+
+
+def run(cfg: check.Config, *, module: str | None = None, k: int = 5, probes: int = 10, steps: int = 60,
+        density: bool = False, progress: bool = False) -> dict[str, Any]:
+    """Everything the command reports, as a dict (the --json output)."""
+    counter = _Counter(progress)
+    try:
+        X, target, params, head = _problem(cfg, module)
+        eps = cfg.eps if module is None else params.spec.eps
+        kw = dict(loss=cfg.loss, eps=eps, head=head)
+        t0 = time.perf_counter()
+        op = _counted(hessian_operator(X, target, params, **kw), counter)
+        traces = op.trace(by_block=True)
+        t_trace = time.perf_counter() - t0
+        blocks = []
+        for name in params.names:
+            low, high = _block_extremes(hessian_operator(X, target, params, wrt=(name,), **kw), counter)
+            blocks.append({"block": name, "size": params.sizes[params.names.index(name)],
+                           "trace": traces[name, name], "min_eigenvalue": low, "max_eigenvalue": high})
+        P = op.shape[0]
+        kk = min(k, P - 1)
+        t0 = time.perf_counter()
+        top = op.eigsh(k=kk, which="LA", tol=1e-6, return_eigenvectors=False) if kk >= 1 else np.array([])
+        bottom = op.eigsh(k=kk, which="SA", tol=1e-6, return_eigenvectors=False) if kk >= 1 else np.array([])
+        t_eig = time.perf_counter() - t0
+        result = {
+            "block": cfg.describe() if module is None else repr(params.spec),
+            "P": P, "loss": cfg.loss, "dtype": str(op.dtype), "loss_value": op.loss_value,
+            "trace": float(sum(traces.values())), "blocks": blocks,
+            "top_eigenvalues": [float(v) for v in top], "bottom_eigenvalues": [float(v) for v in bottom],
+            "seconds": {"traces": t_trace, "eigenvalues": t_eig},
+        }
+        if density:
+            sd = op.spectral_density(probes=probes, steps=steps)
+            result["density"] = {"grid": sd.grid.tolist(), "density": sd.density.tolist(), "probes": probes,
+                                 "steps": steps, "sigma": sd.sigma, "moments": [sd.moment(1), sd.moment(2)]}
+        return result
+    finally:
+        counter.close()
+
+
+def format_report(r: dict[str, Any]) -> str:
+    lines = [f"blockhess spectrum: {r['block']}, P = {r['P']}, loss = {r['loss']} ({r['loss_value']:.6g}), {r['dtype']}",
+             "",
+             f"{'block':<10} {'size':>9} {'trace':>12} {'min eig':>12} {'max eig':>12}"]
+    for b in r["blocks"]:
+        lines.append(f"{b['block']:<10} {b['size']:>9} {b['trace']:12.4e} {b['min_eigenvalue']:12.4e} "
+                     f"{b['max_eigenvalue']:12.4e}")
+    fmt = lambda values: ", ".join(f"{v:.4e}" for v in values)  # noqa: E731
+    lines += ["",
+              f"whole block: trace {r['trace']:.6e} (exact, from the factors, {r['seconds']['traces']:.2f} s)",
+              f"top eigenvalues:    {fmt(r['top_eigenvalues'])}",
+              f"bottom eigenvalues: {fmt(r['bottom_eigenvalues'])}  ({r['seconds']['eigenvalues']:.2f} s, Lanczos)"]
+    if "density" in r:
+        m1, m2 = r["density"]["moments"]
+        lines.append(f"spectral density: {r['density']['probes']} probes x {r['density']['steps']} Lanczos steps, "
+                     f"sigma {r['density']['sigma']:.3g}; tr(H)/P ~ {m1:.4e}, tr(H^2)/P ~ {m2:.4e}")
+    return "\n".join(lines)
+
+
+def plot_density(r: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    grid, density = np.asarray(r["density"]["grid"]), np.asarray(r["density"]["density"])
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=130)
+    floor = max(density.max() * 1e-8, np.finfo(np.float64).tiny)
+    ax.semilogy(grid, np.maximum(density, floor), lw=1.2)
+    ax.set_xlabel("eigenvalue")
+    ax.set_ylabel("density (log scale)")
+    ax.set_title(f"Hessian spectral density (SLQ): {r['block']}, P = {r['P']}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(argv: list[str]) -> int:
+    parser = check._ArgumentParser(
+        prog="blockhess spectrum",
+        description="Per-block exact traces and extreme eigenvalues, and the whole block's top and bottom "
+        "eigenvalues and spectral density, of a Transformer block's loss Hessian, without the dense matrix.",
+    )
+    check.add_block_options(parser)
+    parser.add_argument("--module", metavar="FILE", help="an nn.Module saved with torch.save (imported with "
+                        "blockhess.from_torch; its sizes and options replace the ones above, --L sets the tokens)")
+    parser.add_argument("-k", type=int, default=5, help="top and bottom eigenvalues of the whole block (default 5)")
+    parser.add_argument("--density", metavar="FILE.png", help="draw the spectral density (needs matplotlib)")
+    parser.add_argument("--probes", type=int, default=10, help="SLQ probes for --density (default 10)")
+    parser.add_argument("--steps", type=int, default=60, help="Lanczos steps per probe (default 60)")
+    parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = parser.parse_args(check._attach_negative_numbers(list(argv)))
+    cfg = check.config_from_args(args)
+    try:
+        for name in ("L", "d", "d_k", "d_ff", "batch", "heads", "classes"):
+            if getattr(cfg, name) < 1:
+                raise check.UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+        for name in ("k", "probes", "steps"):
+            if getattr(args, name) < 1:
+                raise check.UsageError(f"-{'' if name == 'k' else '-'}{name} must be >= 1, got {getattr(args, name)}")
+        if not math.isfinite(cfg.eps) or cfg.eps < 0:
+            raise check.UsageError(f"--eps must be a finite number >= 0, got {cfg.eps}")
+        try:
+            cfg.parameters()
+        except ValueError as err:
+            raise check.UsageError(f"the block options do not fit the sizes: {err}") from None
+        if args.module is not None:
+            try:
+                import torch  # noqa: F401
+            except ImportError:
+                raise check.UsageError("--module needs PyTorch (pip install 'torch==2.13.0')") from None
+            import os
+
+            if not os.path.isfile(args.module):
+                raise check.UsageError(f"--module {args.module}: no such file")
+        if args.json is not None:
+            check._check_output_path(args.json, "--json")
+        if args.density is not None:
+            check._check_output_path(args.density, "--density")
+            check._check_plot(args.density)
+    except check.UsageError as err:
+        parser.error(str(err))
+    try:
+        result = run(cfg, module=args.module, k=args.k, probes=args.probes, steps=args.steps,
+                     density=args.density is not None, progress=not args.quiet and sys.stderr.isatty())
+    except (ValueError, TypeError) as err:
+        if not check._raised_by_blockhess(err):
+            raise
+        parser.error(str(err))
+    print(format_report(result), flush=True)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=2)
+    if args.density:
+        plot_density(result, args.density)
+    return 0

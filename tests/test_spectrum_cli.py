@@ -1,0 +1,86 @@
+"""``blockhess spectrum``: its numbers against the dense Hessian of the same seeded problem, its
+JSON and density plot, a module saved with torch.save, and its one-line errors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import blockhess
+from blockhess import check, spectrum_cli
+
+SMALL = ["--L", "5", "--d", "4", "--d-k", "3", "--d-ff", "6", "--quiet"]
+
+
+def _dense(argv):
+    """The dense Hessian of the problem the command builds for these options (its own parser)."""
+    parser = argparse.ArgumentParser()
+    check.add_block_options(parser)
+    parser.add_argument("--quiet", action="store_true")
+    cfg = check.config_from_args(parser.parse_args([*SMALL, *argv]))
+    X, target, weights, head = check.make_problem(cfg)
+    params = check._params(weights, cfg)
+    return blockhess.loss_hessian(X, target, params, loss=cfg.loss, head=head), params
+
+
+@pytest.mark.parametrize("argv", [[], ["--norm-position", "pre", "--bias", "--affine", "--heads", "2", "--d-k", "2",
+                                       "--activation", "gelu", "--causal", "--batch", "2"],
+                                  ["--loss", "pooled_cross_entropy", "--batch", "3"]])
+def test_spectrum_numbers_match_the_dense_hessian(argv, tmp_path, capsys):
+    out, png = tmp_path / "s.json", tmp_path / "d.png"
+    assert spectrum_cli.main([*SMALL, *argv, "-k", "3", "--json", str(out), "--density", str(png)]) == 0
+    r = json.loads(out.read_text())
+    H, params = _dense(argv)
+    values = np.linalg.eigvalsh(H)
+    scale = np.abs(values).max()
+    assert r["P"] == params.size and r["trace"] == pytest.approx(np.trace(H), rel=1e-12)
+    np.testing.assert_allclose(r["top_eigenvalues"], values[-3:], rtol=0, atol=1e-7 * scale)
+    np.testing.assert_allclose(r["bottom_eigenvalues"], values[:3], rtol=0, atol=1e-7 * scale)
+    for b, (name, s) in zip(r["blocks"], params.slices().items()):
+        block = np.linalg.eigvalsh(H[s, s])
+        assert b["block"] == name and b["trace"] == pytest.approx(np.trace(H[s, s]), rel=1e-10, abs=1e-14 * scale)
+        assert b["min_eigenvalue"] == pytest.approx(block[0], abs=1e-7 * scale)
+        assert b["max_eigenvalue"] == pytest.approx(block[-1], abs=1e-7 * scale)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert np.trapezoid(r["density"]["density"], r["density"]["grid"]) == pytest.approx(1.0, abs=1e-3)
+    text = capsys.readouterr().out
+    assert "top eigenvalues" in text and "W_1" in text
+
+
+def test_spectrum_of_a_saved_module(tmp_path, capsys):
+    torch = pytest.importorskip("torch")
+    layer = torch.nn.TransformerEncoderLayer(4, nhead=2, dim_feedforward=6, dropout=0.0, batch_first=True,
+                                             dtype=torch.float64).eval()
+    path = tmp_path / "layer.pt"
+    torch.save(layer, path)
+    assert spectrum_cli.main(["--L", "3", "--module", str(path), "--quiet"]) == 0
+    text = capsys.readouterr().out
+    assert "heads=2" in text and "gamma_2" in text
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--L", "0"], "--L must be >= 1"),
+    (["-k", "0"], "-k must be >= 1"),
+    (["--probes", "0"], "--probes must be >= 1"),
+    (["--eps", "-1"], "--eps must be a finite number >= 0"),
+    (["--d", "4", "--heads", "3"], "the block options do not fit the sizes"),
+    (["--module", "/nonexistent.pt"], "no such file"),
+    (["--json", "/nonexistent/dir/x.json"], "does not exist"),
+])
+def test_spectrum_bad_options(argv, expected, capsys):
+    with pytest.raises(SystemExit) as info:
+        spectrum_cli.main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("blockhess spectrum: error: ") and expected in err[0]
+
+
+def test_spectrum_from_the_command_line():
+    done = subprocess.run([sys.executable, "-m", "blockhess", "spectrum", *SMALL], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "bottom eigenvalues" in done.stdout
