@@ -96,7 +96,9 @@ class DatasetHessianOperator(CurvatureOperator):
     def _reduce(self, fn, *args):
         """fn(operators, weights, *args) on every worker's batches, the partial results summed there."""
         client = self._client
-        scattered = [client.scatter(a, broadcast=True) for a in args]
+        # hash=False: a fresh key per call, so that the same vector scattered again while the last
+        # call's copy is being released is never mistaken for it.
+        scattered = [client.scatter(a, broadcast=True, hash=False) for a in args]
         partial = [client.submit(fn, [f for f, _ in pairs], [w for _, w in pairs], *scattered, workers=[worker],
                                  allow_other_workers=False, pure=False)
                    for worker, pairs in self._placement.items() if pairs]

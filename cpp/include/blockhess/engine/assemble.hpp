@@ -64,22 +64,38 @@ std::vector<Site<T>> settle_sites(const Graph<T>& g, std::vector<Site<T>> sites)
   return settled;
 }
 
-// Gamma_t = U_i,t^T Omega_t U_j,t, skipping the products with an identity factor.
+// Gamma_t = U_i,t^T Omega_t U_j,t, skipping the products with an identity factor. A diagonal
+// Omega_t (mse's outer site, a smooth activation's) with an identity or diagonal U only scales
+// rows or columns: nothing is materialised.
 template <class T>
 auto sandwich(const Factor<T>& fi, const Factor<T>& fj, const Site<T>& site) {
   return [&fi, &fj, &site](index_t t, T* out) {
     const index_t w = fi.width, ri = fi.n_mat(), rj = fj.n_mat();
     MapM<T> G(out, ri, rj);
-    Mat<T> Ui, Uj;
-    if (fi.form == Form::diagonal || (site.diagonal && fi.form == Form::identity)) fi.materialise(t, Ui);
-    if (fj.form == Form::diagonal || (site.diagonal && fj.form == Form::identity)) fj.materialise(t, Uj);
-    const MapC<T> Ui_map(fi.form == Form::dense ? fi.dense_t(t) : Ui.data(), w, ri);
-    const MapC<T> Uj_map(fj.form == Form::dense ? fj.dense_t(t) : Uj.data(), w, rj);
+    auto scale = [t](const Factor<T>& f, index_t k) { return f.form == Form::identity ? T(1) : f.diagonal_t(t)[k]; };
     if (site.diagonal) {
-      const Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, 1>> omega(site.omega->data() + t * w, w);
-      G.noalias() = Ui_map.transpose() * omega.asDiagonal() * Uj_map;
+      const T* om = site.omega->data() + t * w;
+      const bool di = fi.form != Form::dense, dj = fj.form != Form::dense;
+      if (di && dj) {  // both identity or diagonal: ri = rj = w
+        G.setZero();
+        for (index_t k = 0; k < w; ++k) G(k, k) = scale(fi, k) * om[k] * scale(fj, k);
+      } else if (di) {  // diag(s_i om) U_j: U_j's rows scaled
+        const MapC<T> Uj(fj.dense_t(t), w, rj);
+        for (index_t a = 0; a < w; ++a) G.row(a) = (scale(fi, a) * om[a]) * Uj.row(a);
+      } else if (dj) {  // U_i^T diag(om s_j): U_i^T's columns scaled
+        const MapC<T> Ui(fi.dense_t(t), w, ri);
+        for (index_t b = 0; b < w; ++b) G.col(b) = Ui.row(b).transpose() * (om[b] * scale(fj, b));
+      } else {
+        const Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, 1>> omega(om, w);
+        G.noalias() = MapC<T>(fi.dense_t(t), w, ri).transpose() * omega.asDiagonal() * MapC<T>(fj.dense_t(t), w, rj);
+      }
       return;
     }
+    Mat<T> Ui, Uj;
+    if (fi.form == Form::diagonal) fi.materialise(t, Ui);
+    if (fj.form == Form::diagonal) fj.materialise(t, Uj);
+    const MapC<T> Ui_map(fi.form == Form::dense ? fi.dense_t(t) : Ui.data(), w, ri);
+    const MapC<T> Uj_map(fj.form == Form::dense ? fj.dense_t(t) : Uj.data(), w, rj);
     const MapC<T> O(site.omega->data() + t * w * w, w, w);
     if (fi.form == Form::identity && fj.form == Form::identity) G = O;
     else if (fi.form == Form::identity) G.noalias() = O * Uj_map;
