@@ -195,6 +195,11 @@ def _selection(params: BlockParams, wrt: Any) -> tuple[tuple[str, ...], list[boo
     return names, selected, sum(s for s, keep in zip(params.sizes, selected) if keep)
 
 
+def _selected_sizes(params: BlockParams, names: tuple[str, ...]) -> tuple[int, ...]:
+    """The sizes of the named parameters, in the order of ``names``."""
+    return tuple(params.sizes[params.names.index(n)] for n in names)
+
+
 def _on_gpu(X3: Any, params: BlockParams) -> bool:
     """Whether to run on the GPU; the GPU backend runs the paper's block only so far."""
     if not _backend.on_device(X3):
@@ -459,6 +464,6 @@ def loss_hessian(
         _core.loss_hessian(X3, params.spec._core(), list(W), eps, kind, values, classes, part_code, selected, H, *head)
     if layout == "dense":
         return H
-    bounds = np.cumsum((0, *(params.sizes[params.names.index(n)] for n in names)))
+    bounds = np.cumsum((0, *_selected_sizes(params, names)))
     where = {n: slice(int(a), int(b)) for n, a, b in zip(names, bounds[:-1], bounds[1:])}
     return {(a, b): H[where[a], where[b]] for a in names for b in names}

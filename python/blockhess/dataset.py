@@ -18,7 +18,7 @@ import numpy as np
 from ._curvature_operator import CurvatureOperator
 from ._interop import as_array
 from ._validate import contiguous, require_output_fits
-from .block import BlockParams, _selection, loss_hessian
+from .block import BlockParams, _selected_sizes, _selection, loss_hessian
 from .hvp import hessian_operator
 
 
@@ -66,7 +66,7 @@ class DatasetHessianOperator(CurvatureOperator):
         self._counts = counts
         names, _, P = _selection(params, options["wrt"])
         self.names = names
-        self._sizes = tuple(params.sizes[params.names.index(n)] for n in names)
+        self._sizes = _selected_sizes(params, names)
         self._diagonal = None
         if client is None:
             self._local = [_build(X, t, params, options) for X, t in batches]
@@ -138,10 +138,9 @@ class DatasetHessianOperator(CurvatureOperator):
             P = self.shape[0]
             require_output_fits((2, P, P), self.dtype, f"two dense ({P}, {P}) Hessians",
                                 "use norm='spectral', which needs no dense matrix")
-            opts = {k: v for k, v in self._options.items()}
             running = None
             for k, (X, t) in enumerate(self._batches):
-                H = np.asarray(loss_hessian(X, t, self._params, **opts), dtype=np.float64)
+                H = np.asarray(loss_hessian(X, t, self._params, **self._options), dtype=np.float64)
                 if running is not None:
                     share = self._counts[k] / self._counts[: k + 1].sum()
                     out.append(share * float(np.linalg.norm(H - running)))

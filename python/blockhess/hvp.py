@@ -16,7 +16,7 @@ from ._curvature_operator import CurvatureOperator
 from ._interop import returns_callers_kind
 from ._threads import get_num_threads
 from ._validate import choice, contiguous, float_array, require_output_fits
-from .block import _LOSSES, _PARTS, BlockParams, _family_size, _loss_inputs, _selection
+from .block import _LOSSES, _PARTS, BlockParams, _family_size, _loss_inputs, _selected_sizes, _selection
 
 
 class HessianOperator(CurvatureOperator):
@@ -118,8 +118,7 @@ def _build(X, target, params, loss, part, eps, wrt, columns, promote_with=(), he
                                     selected, out, *head)
         return out
 
-    sizes = tuple(params.sizes[params.names.index(n)] for n in names)
-    return HessianOperator(core_operator, dtype, names, part, loss, sizes, diagonal_of)
+    return HessianOperator(core_operator, dtype, names, part, loss, _selected_sizes(params, names), diagonal_of)
 
 
 @returns_callers_kind
