@@ -1,0 +1,84 @@
+"""The paper's block, one sample at a time: its intermediates and the norms the bounds are made of."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..attention import attention
+from ..ffn import ffn
+from ..layernorm import layernorm
+from .layernorm import row_std
+
+
+def _norm(A: np.ndarray) -> float:
+    return float(np.linalg.norm(A, 2))
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One sample's sizes and norms (spectral unless named otherwise)."""
+
+    L: int
+    d: int
+    d_k: int
+    X: float
+    W_Q: float
+    W_K: float
+    W_V: float
+    W_1: float = 0.0
+    W_2: float = 0.0
+    d_ff: int = 0
+    target_frobenius: float = 0.0
+    residual_frobenius: float = 0.0  # ||output - target||_F
+    Y: float = 0.0                   # ||Y||_2
+    relu: float = 0.0                # ||relu(Y W_1)||_2 = ||B_2||
+    sigma_min_S0: float = 0.0        # row std of the first LayerNorm's input X + F
+    sigma_min_S: float = 0.0         # row std of the second's, Y + FFN(Y)
+    S0: float = 0.0                  # ||X + F||_2, the first LayerNorm's input (Lemma 4's ||X||)
+    S: float = 0.0                   # ||Y + FFN(Y)||_2, the second's
+
+
+def paper_params(params: Any) -> tuple[np.ndarray, ...]:
+    """W_Q, W_K, W_V (and W_1, W_2) as float64 arrays, after checking the spec is one the bounds are
+    about: the paper's block, or the lone attention layer of Thm 1."""
+    spec = params.spec
+    attention_only = getattr(spec, "attention_only", False)
+    plain = (spec.norm_position, spec.norm, spec.norm_affine, spec.bias, spec.heads, spec.out_proj,
+             spec.activation, spec.causal) == ("post", "layernorm", False, False, 1, False, "relu", False)
+    if not plain:
+        raise ValueError(f"the paper's bounds are for its block (BlockSpec()) or its attention layer "
+                         f"(BlockSpec(attention_only=True)), got {spec}")
+    names = ("W_Q", "W_K", "W_V") if attention_only else ("W_Q", "W_K", "W_V", "W_1", "W_2")
+    return tuple(np.asarray(params[n], dtype=np.float64) for n in names)
+
+
+def samples_of(X: Any) -> np.ndarray:
+    X = np.asarray(X, dtype=np.float64)
+    if X.ndim not in (2, 3):
+        raise ValueError(f"X must have shape (L, d) or (B, L, d), got {X.shape}")
+    return X[None] if X.ndim == 2 else X
+
+
+def attention_sample(X: np.ndarray, target: np.ndarray, W: tuple[np.ndarray, ...]) -> Sample:
+    W_Q, W_K, W_V = W[:3]
+    L, d = X.shape
+    F = attention(X, W_Q, W_K, W_V)
+    return Sample(L=L, d=d, d_k=W_Q.shape[1], X=_norm(X), W_Q=_norm(W_Q), W_K=_norm(W_K), W_V=_norm(W_V),
+                  target_frobenius=float(np.linalg.norm(target)), residual_frobenius=float(np.linalg.norm(F - target)))
+
+
+def block_sample(X: np.ndarray, target: np.ndarray, W: tuple[np.ndarray, ...], eps: float) -> Sample:
+    W_Q, W_K, W_V, W_1, W_2 = W
+    L, d = X.shape
+    S0 = X + attention(X, W_Q, W_K, W_V)
+    Y = layernorm(S0, eps)
+    S = Y + ffn(Y, W_1, W_2)
+    Z = layernorm(S, eps)
+    return Sample(L=L, d=d, d_k=W_Q.shape[1], X=_norm(X), W_Q=_norm(W_Q), W_K=_norm(W_K), W_V=_norm(W_V),
+                  W_1=_norm(W_1), W_2=_norm(W_2), d_ff=W_1.shape[1],
+                  target_frobenius=float(np.linalg.norm(target)), residual_frobenius=float(np.linalg.norm(Z - target)),
+                  Y=_norm(Y), relu=_norm(np.maximum(Y @ W_1, 0.0)),
+                  sigma_min_S0=float(row_std(S0, eps).min()), sigma_min_S=float(row_std(S, eps).min()), S0=_norm(S0), S=_norm(S))

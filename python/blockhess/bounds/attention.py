@@ -1,0 +1,159 @@
+"""Thm 1: the loss Hessian of a lone self-attention layer (paper.md §4.1, errata E11, E12).
+
+F = A X W_V, A = softmax_rows(X W_Q W_K^T X^T / sqrt(d_k)), loss l = ||F - Target||_F^2 / (L d_V); the
+Hessian over (W_Q, W_K, W_V) is c [G_i^T G_j + <R, d2F/dW_i dW_j>], c = 2/(L d_V), R = F - Target.
+
+As stated, the theorem bounds the blocks (V,V), (Q,Q), (V,Q), (Q,K) by the four arguments of its max and
+||H|| by M = 3 max(...). Its proof rests on ||dA/dT|| <= 1/L, true only for uniform attention (E11):
+the appendix's intermediate bound ||H_o(Q,Q)|| <= 2 ||W_K||^2 ||W_V||^2 ||X||^6 / (L^3 d_V d_K) fails for
+peaked attention. It omits the (K,K) and (V,K) blocks and its constants differ from its proof (E12).
+
+Corrected [ours], with norms spectral unless named, x = ||X||:
+
+* the row softmax Jacobian diag(a) - a a^T has norm <= 1/2 (Gershgorin: row j sums to 2 a_j (1 - a_j));
+  its second derivative along u is a o ((u - u_bar)^2 - Var_a(u)), of 1-norm <= 2 Var_a(u) <= |u|^2
+  (Popoviciu), so the bilinear map d2A has norm <= 1 (Frobenius in and out, by polarisation);
+* a row-stochastic A has ||A|| <= sqrt(||A||_1 ||A||_inf) <= sqrt(L), and ||A||_F <= sqrt(L);
+* first derivatives (G_k Delta = dF): ||G_V|| <= sqrt(L) x; dT = X dW_Q W_K^T X^T / sqrt(d_k) gives
+  ||G_Q|| <= ||W_V|| ||W_K|| x^3 / (2 sqrt(d_k)), and ||G_K|| likewise with ||W_Q||;
+* second derivatives (phi_kl bounds ||d2F[D_k, D_l]||_F for unit D): phi_VV = 0,
+  phi_VQ = ||W_K|| x^3 / (2 sqrt(d_k)), phi_QQ = ||W_V|| ||W_K||^2 x^5 / d_k,
+  phi_QK = ||W_V|| (||W_Q|| ||W_K|| x^5 / d_k + x^3 / (2 sqrt(d_k))) (the second term from
+  d2T = X D_Q D_K^T X^T / sqrt(d_k)), and K for Q with W_Q for W_K;
+* ||R||_F <= ||A||_F ||X W_V|| + ||Target||_F <= sqrt(L) x ||W_V|| + ||Target||_F =: rho;
+
+so ||H(k, l)|| <= c (g_k g_l + rho phi_kl), and ||H|| <= the spectral norm of the 3 x 3 matrix of those
+block bounds. The 1/L^3 of the stated (Q,Q) term becomes 1/(4L).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ._bound import Bound
+from ._norms import block_norms
+from ._paper_block import Sample, attention_sample, paper_params, samples_of
+
+PAIRS = (("W_V", "W_V"), ("W_Q", "W_Q"), ("W_Q", "W_V"), ("W_Q", "W_K"), ("W_K", "W_K"), ("W_K", "W_V"))
+# What each block's corrected bound fixes: the uniform-attention 1/L (E11), a block the max omits (E12).
+_ERRATA = {("W_V", "W_V"): None, ("W_Q", "W_Q"): "E11", ("W_Q", "W_V"): "E11", ("W_Q", "W_K"): "E11",
+           ("W_K", "W_K"): "E12", ("W_K", "W_V"): "E12"}
+_SHORT = {"W_Q": "Q", "W_K": "K", "W_V": "V", "W_1": "1", "W_2": "2"}
+
+
+def pair_label(a: str, b: str) -> str:
+    return f"({_SHORT[a]},{_SHORT[b]})"
+
+
+def first_derivative_bounds(s: Sample) -> dict[str, float]:
+    """Corrected bounds on ||G_k|| = ||dF/dW_k||."""
+    x, r = s.X, 2 * np.sqrt(s.d_k)
+    return {"W_V": np.sqrt(s.L) * x, "W_Q": s.W_V * s.W_K * x**3 / r, "W_K": s.W_V * s.W_Q * x**3 / r}
+
+
+def second_derivative_bounds(s: Sample) -> dict[tuple[str, str], float]:
+    """Corrected bounds on ||d2F[D_k, D_l]||_F over unit D_k, D_l (both orders)."""
+    x, dk = s.X, s.d_k
+    half = 2 * np.sqrt(dk)
+    phi = {
+        ("W_V", "W_V"): 0.0,
+        ("W_Q", "W_V"): s.W_K * x**3 / half,
+        ("W_K", "W_V"): s.W_Q * x**3 / half,
+        ("W_Q", "W_Q"): s.W_V * s.W_K**2 * x**5 / dk,
+        ("W_K", "W_K"): s.W_V * s.W_Q**2 * x**5 / dk,
+        ("W_Q", "W_K"): s.W_V * (s.W_Q * s.W_K * x**5 / dk + x**3 / half),
+    }
+    return phi | {(b, a): v for (a, b), v in phi.items()}
+
+
+def stated_first_derivative_bounds(s: Sample) -> dict[str, float]:
+    """The paper's ||G_k|| bounds (Thm 6's ingredients; uniform-attention 1/L, E11)."""
+    x = s.X
+    return {"W_V": s.L * x, "W_Q": s.W_V * s.W_K * x**3 / (s.L * np.sqrt(s.d_k)),
+            "W_K": s.W_V * s.W_Q * x**3 / (s.L * np.sqrt(s.d_k))}
+
+
+def stated_second_derivative_bounds(s: Sample) -> dict[tuple[str, str], float]:
+    """The paper's ||Phi_kl|| bounds as printed (Thm 6's ingredients, with Lemma 2's 2/(L d_V), E8);
+    the blocks it calls "analogous" by the Q <-> K swap."""
+    x, L, d, dk = s.X, s.L, s.d, s.d_k
+    a, b = 12 / (L * d * dk), 2 / (L**2 * np.sqrt(d * dk))
+    phi = {
+        ("W_V", "W_V"): 0.0,
+        ("W_Q", "W_V"): b * s.W_K * x**3,
+        ("W_K", "W_V"): b * s.W_Q * x**3,
+        ("W_Q", "W_Q"): a * s.W_V * s.W_K**2 * x**5,
+        ("W_K", "W_K"): a * s.W_V * s.W_Q**2 * x**5,
+        ("W_Q", "W_K"): a * s.W_V * s.W_K * s.W_Q * x**5 + b * s.W_V * x**3,
+    }
+    return phi | {(q, p): v for (p, q), v in phi.items()}
+
+
+def corrected_blocks(s: Sample) -> dict[tuple[str, str], float]:
+    c = 2 / (s.L * s.d)
+    g, phi = first_derivative_bounds(s), second_derivative_bounds(s)
+    rho = np.sqrt(s.L) * s.X * s.W_V + s.target_frobenius
+    return {(a, b): c * (g[a] * g[b] + rho * phi[a, b]) for a in g for b in g}
+
+
+def stated_blocks(s: Sample) -> dict[tuple[str, str], float]:
+    """The four arguments of Thm 1's max, by block."""
+    x, L, d, dk = s.X, s.L, s.d, s.d_k
+    r = np.sqrt(min(L, d))
+    rho = L * x * s.W_V + s.target_frobenius
+    return {
+        ("W_V", "W_V"): 2 * L / d * x**2,
+        ("W_Q", "W_Q"): (8 / (L**3 * d * dk) * s.W_K**2 * s.W_V**2 * x**6
+                         + 12 / (d * dk) * r * rho * s.W_V * s.W_K**2 * x**5),
+        ("W_Q", "W_V"): (4 / (L * d * np.sqrt(dk)) * s.W_V * s.W_K * x**4
+                         + 4 * r / (L**2 * np.sqrt(dk)) * rho * s.W_K * x**3),
+        ("W_Q", "W_K"): (8 / (L**3 * d * dk) * s.W_K * s.W_Q * s.W_V**2 * x**6
+                         + 4 * r * rho / (L * d * np.sqrt(dk)) * s.W_V * (3 * L * s.W_K * s.W_Q * x**5 + d / L * x**3)),
+    }
+
+
+def stated_outer_QQ(s: Sample) -> float:
+    """The appendix's intermediate bound on ||H_o(Q,Q)|| (the one E11's counterexample breaks)."""
+    return 2 / (s.L**3 * s.d * s.d_k) * s.W_K**2 * s.W_V**2 * s.X**6
+
+
+def block_matrix_bound(blocks: dict[tuple[str, str], float], names: tuple[str, ...]) -> float:
+    """||H|| <= the spectral norm of the matrix of its blocks' norm bounds."""
+    N = np.array([[blocks[a, b] if (a, b) in blocks else blocks[b, a] for b in names] for a in names])
+    return float(np.linalg.norm(N, 2))
+
+
+def theorem1(X: Any, target: Any, params: Any) -> list[Bound]:
+    """Thm 1 for the lone attention layer ``params`` (``BlockSpec(attention_only=True)``, paper
+    sizes: W_V square) at X (L, d) or a batch (B, L, d) with the mse target of Z's shape: the six
+    blocks, the appendix's H_o(Q,Q) bound and M. For a batch the loss is the batch mean, and every
+    bound is the mean of the per-sample bounds (the triangle inequality)."""
+    W = paper_params(params)
+    if not getattr(params.spec, "attention_only", False):
+        raise ValueError("theorem1 is about the lone attention layer: pass BlockParams of BlockSpec(attention_only=True)")
+    Xs, targets = samples_of(X), samples_of(target)
+    samples = [attention_sample(x, t, W) for x, t in zip(Xs, targets)]
+    corrected = _mean([corrected_blocks(s) for s in samples])
+    stated = _mean([stated_blocks(s) for s in samples])
+    exact = block_norms(X, target, params)
+    outer = block_norms(X, target, params, part="outer", names=("W_Q",))
+    bounds = []
+    for a, b in PAIRS:
+        bounds.append(Bound(f"Thm 1: ||H{pair_label(a, b)}||", exact[a, b], stated.get((a, b)), corrected[a, b],
+                            erratum=_ERRATA[a, b], source="Thm 1"))
+    bounds.append(Bound("Thm 1: ||H_o(Q,Q)|| (appendix's 2/L^3 bound)", outer["W_Q", "W_Q"],
+                        float(np.mean([stated_outer_QQ(s) for s in samples])),
+                        float(np.mean([corrected_blocks_outer_QQ(s) for s in samples])), erratum="E11", source="Thm 1"))
+    bounds.append(Bound("Thm 1: M >= ||H||", exact["all", "all"], 3 * max(stated.values()),
+                        block_matrix_bound(corrected, ("W_Q", "W_K", "W_V")), erratum="E12", source="Thm 1"))
+    return bounds
+
+
+def corrected_blocks_outer_QQ(s: Sample) -> float:
+    return 2 / (s.L * s.d) * first_derivative_bounds(s)["W_Q"] ** 2
+
+
+def _mean(dicts: list[dict]) -> dict:
+    return {key: float(np.mean([d[key] for d in dicts])) for key in dicts[0]}
