@@ -18,6 +18,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import block as _block
+from ..bounds import running_differences, theorem7_rhs
 from ._optional import require
 from .digits import load_digits
 from .vit import FULL, QUICK, Problem, accuracy, export, init_vit, train
@@ -41,15 +42,21 @@ def diagonal_block_norms(problem: Problem, hessian: np.ndarray | None = None) ->
     """{"spectral": {name: ||H[i,i]||_2}, "frobenius": {name: ||H[i,i]||_F}}. Without a dense
     ``hessian``, each diagonal block alone (``wrt=(name,)``: far cheaper than the whole H)."""
     norms: dict[str, dict[str, float]] = {"spectral": {}, "frobenius": {}}
-    for name, where in problem.params.slices().items():
-        if hessian is None:
-            block = _block.loss_hessian(problem.X, problem.labels, problem.params, loss=LOSS,
-                                        head=problem.head, wrt=(name,))
-        else:
-            block = hessian[where, where]
-        norms["spectral"][name] = _spectral(block)
-        norms["frobenius"][name] = float(np.linalg.norm(block))
+    with _one_blas_thread():
+        for name, where in problem.params.slices().items():
+            if hessian is None:
+                block = _block.loss_hessian(problem.X, problem.labels, problem.params, loss=LOSS,
+                                            head=problem.head, wrt=(name,))
+            else:
+                block = hessian[where, where]
+            norms["spectral"][name] = _spectral(block)
+            norms["frobenius"][name] = float(np.linalg.norm(block))
     return norms
+
+
+def _one_blas_thread():
+    """On a busy machine OpenBLAS's spinning threads made eigvalsh 3x slower than one thread."""
+    return require("threadpoolctl").threadpool_limits(limits=1, user_api="blas")
 
 
 # ---- figures --------------------------------------------------------------------------------------
@@ -97,6 +104,12 @@ def _block_axes(ax, params) -> None:
 # ---- Exp1: the Hessian's entries at initialisation and after training ------------------------------
 
 
+def _max_pool(a: np.ndarray, f: int) -> np.ndarray:
+    """The largest entry of each f x f cell of a square array whose side f divides."""
+    n = a.shape[0] // f
+    return a.reshape(n, f, n, f).max(axis=(1, 3))
+
+
 def _block_max_abs(hessian: np.ndarray, params) -> np.ndarray:
     slices = list(params.slices().values())
     return np.array([[np.abs(hessian[a, b]).max() for b in slices] for a in slices])
@@ -123,13 +136,17 @@ def exp1_heatmaps(initial: Problem, trained: Problem, *, hessians: tuple[np.ndar
         result[f"largest_block_{when}"] = [params.names[i], params.names[j], float(table[i, j])]
     if outdir is not None:
         plt = _pyplot()
-        logs = [np.log10(np.abs(H) + np.finfo(float).tiny) for H in (H_init, H_trained)]
+        # Each pixel shows the largest |entry| of a 4 x 4 cell: a panel is ~700 pixels wide, and
+        # pooling keeps every large entry visible where resampling would drop 15 of 16 (and is faster).
+        pool = 4 if params.size % 4 == 0 else 1
+        logs = [np.log10(_max_pool(np.abs(H), pool) + np.finfo(float).tiny) for H in (H_init, H_trained)]
         top = max(float(log.max()) for log in logs)
+        extent = (-0.5, params.size - 0.5, params.size - 0.5, -0.5)  # axes in parameter indices
         figure, axes = plt.subplots(1, 2, figsize=(15, 7), constrained_layout=True)
         for ax, log, title in zip(axes, logs, ("at initialisation", "after training")):
-            image = ax.imshow(log, cmap="viridis", vmin=top - 10, vmax=top, interpolation="nearest")
+            image = ax.imshow(log, cmap="viridis", vmin=top - 10, vmax=top, interpolation="nearest", extent=extent)
             _block_axes(ax, params)
-            ax.set_title(f"log10 |H| {title} (batch of {result['batch']})")
+            ax.set_title(f"log10 |H| {title} (batch of {result['batch']}, {pool}x{pool} max-pooled)")
         figure.colorbar(image, ax=axes, shrink=0.8, label="log10 |Hessian entry|")
         figure.suptitle("Exp1: exact loss Hessian of the digits ViT block, every parameter block")
         result["figure"] = _save(figure, outdir, "exp1_hessian_heatmaps.png")
@@ -151,7 +168,9 @@ def _plot_block_table(result: dict[str, Any], outdir: str | Path) -> str | None:
         ax.set_yticks(range(len(names)), names, fontsize=8)
         ax.set_title(f"largest |H entry| of each block, {title}")
     figure.colorbar(image, ax=axes, shrink=0.8, label="log10 max |Hessian entry| in the block")
-    figure.suptitle("Exp1: block by block (b_K's row and column are exactly 0: softmax ignores b_K)")
+    zero = [name for name, row in zip(names, result["block_max_abs_trained"]) if not any(row)]
+    note = f" ({', '.join(zero)}: exactly 0, a row's softmax ignores a shift of all its scores)" if zero else ""
+    figure.suptitle(f"Exp1: block by block{note}")
     return _save(figure, outdir, "exp1_block_max.png")
 
 
@@ -240,17 +259,6 @@ def exp3_dynamics(recorder: DynamicsRecorder, *, outdir: str | Path | None = Non
 # ---- Exp5: the loss difference |L_{k+1} - L_k| at the trained weights ------------------------------
 
 
-def _theorem7_rhs(k: np.ndarray, loss_bound: float) -> dict[str, np.ndarray]:
-    """Thm 7's right-hand side at w = w* (the Hessian term vanishes): blockhess.bounds when the
-    package has it, else the same two formulas, stated 2L/(k+1) and corrected L/(k+1)."""
-    try:
-        from ..bounds import theorem7_rhs
-    except ImportError:
-        k = np.asarray(k, dtype=float)
-        return {"stated": 2.0 * loss_bound / (k + 1), "corrected": loss_bound / (k + 1)}
-    return theorem7_rhs(k, loss_bound, M=0.0, distance=0.0)
-
-
 def per_sample_losses(problem: Problem) -> np.ndarray:
     """l_i: each sample's pooled cross-entropy, from blockhess's forward pass of the whole batch."""
     Z = _block.block_forward(problem.X, problem.params)
@@ -274,15 +282,14 @@ def exp5_loss_difference(problem: Problem, *, alpha: float = 0.05,
     ``problem``'s order, |L_{k+1} - L_k| against k on log-log axes with its EMA and a least-squares
     log-log slope, beside Thm 7's stated and corrected right-hand sides (Figure 6)."""
     losses = per_sample_losses(problem)
-    running = np.cumsum(losses) / np.arange(1, len(losses) + 1)  # L_1 .. L_N
-    k = np.arange(1, len(losses))
-    difference = np.abs(np.diff(running))  # |L_{k+1} - L_k| for k = 1 .. N-1
-    rhs = _theorem7_rhs(k, float(losses.max()))
+    k, difference = running_differences(losses)  # |L_{k+1} - L_k| for k = 1 .. N-1
+    # At w = w* the Hessian term of Thm 7 vanishes (M ||w - w*||^2 = 0).
+    rhs = theorem7_rhs(k, float(losses.max()), M=0.0, distance=0.0)
     positive = difference > 0  # the log of an exact tie is -inf
     slope, intercept = np.polyfit(np.log(k[positive]), np.log(difference[positive]), 1)
     ema = _ema(difference, alpha)
     result: dict[str, Any] = {
-        "samples": int(len(losses)), "loss_max": float(losses.max()), "loss_mean": float(running[-1]),
+        "samples": int(len(losses)), "loss_max": float(losses.max()), "loss_mean": float(losses.mean()),
         "slope": float(slope), "intercept": float(intercept), "alpha": alpha,
         "max_ratio_to_corrected": float((difference / rhs["corrected"]).max()),
         "k": k.tolist(), "difference": difference.tolist(), "ema": ema.tolist(),
@@ -312,8 +319,7 @@ def run_experiments(outdir: str | Path, *, quick: bool = False, progress: Callab
     """Train the digits ViT once (recording Exp3 on the way), run Exp1, Exp2, Exp3 and Exp5, write
     their PNGs into ``outdir`` and return every result. ``quick``: fewer training steps, a batch of
     32 rather than 128 for the Hessians and fewer Exp3 records (for tests)."""
-    # One BLAS thread: on a busy machine OpenBLAS's spinning threads made eigvalsh 3x slower.
-    with require("threadpoolctl").threadpool_limits(limits=1, user_api="blas"):
+    with _one_blas_thread():
         return _run(outdir, quick, progress, seed)
 
 
