@@ -12,23 +12,15 @@ import pytest
 import blockhess as bh
 from blockhess import bounds
 from blockhess.bounds import layernorm as ln_bounds
+from blockhess.bounds import counterexamples
+from blockhess.bounds.configurations import random_configuration
 from blockhess.bounds._norms import block_norms
 
 CONFIGURATIONS = 50
 
 
 def configuration(i: int) -> dict:
-    """The i-th random configuration: every 5th has peaked attention (large logits) on purpose."""
-    rng = np.random.default_rng(1000 + i)
-    L, d, d_k, d_ff = (int(rng.integers(a, b)) for a, b in ((2, 8), (3, 6), (1, 4), (2, 8)))
-    scale = float(10 ** rng.uniform(-1, 1))
-    X = rng.standard_normal((L, d))
-    params = bh.BlockParams.random(d=d, d_k=d_k, d_ff=d_ff, seed=i)
-    W = [scale * np.asarray(w) for w in params.arrays]
-    if i % 5 == 0:  # peaked: logits of order 10-100, most rows' softmax on one or two keys
-        X, W[0] = 3 * X, 10 * W[0] / max(scale, 1.0)
-    return dict(X=X, target=rng.standard_normal((L, d)), params=bh.BlockParams(*W),
-                eps=0.0 if i % 2 == 0 else 0.05, scale=scale)
+    return random_configuration(i)
 
 
 def assert_corrected_hold(found: list[bounds.Bound]) -> None:
@@ -71,10 +63,7 @@ def test_lemma4_exact_norms_match_autograd():
 def test_lemma4_row_norm_sigma_fails():
     """E14: with sigma_min printed as the smallest centred row norm, both bounds of Lemma 4 fail
     (this input: 1.71x and 1.97x); with the row std (the proof's) they hold."""
-    rng = np.random.default_rng(37)
-    m, n = rng.integers(2, 8), rng.integers(3, 9)
-    X = rng.standard_normal((m, n)) * 10 ** rng.uniform(-1, 1)
-    J, H = ln_bounds.lemma4(X)
+    J, H = ln_bounds.lemma4(counterexamples.e14_layernorm())
     assert J.stated_holds is False and J.exact / J.stated > 1.5
     assert H.stated_holds is False and H.exact / H.stated > 1.5
     assert J.exact <= J.extra["stated_row_std"] and H.exact <= H.extra["stated_row_std"]
@@ -201,3 +190,70 @@ def test_theorem7_on_the_block():
         norms.append(np.abs(np.linalg.eigvalsh(H)).max())
     b = bounds.theorem7(losses, curvatures, M=max(norms), distance=0.3)
     assert b.corrected_holds and b.stated_holds and b.stated > b.corrected
+
+
+# ---- Thm 1 ----------------------------------------------------------------------------------------
+
+
+def attention_layer(params: bh.BlockParams) -> bh.BlockParams:
+    return bh.BlockParams.from_arrays(bh.BlockSpec(attention_only=True), {n: params[n] for n in ("W_Q", "W_K", "W_V")})
+
+
+@pytest.mark.parametrize("i", range(CONFIGURATIONS))
+def test_theorem1_corrected_holds(i):
+    c = configuration(i)
+    found = bounds.theorem1(c["X"], c["target"], attention_layer(c["params"]))
+    assert [b.quantity for b in found][:6] == ["Thm 1: ||H(V,V)||", "Thm 1: ||H(Q,Q)||", "Thm 1: ||H(Q,V)||",
+                                               "Thm 1: ||H(Q,K)||", "Thm 1: ||H(K,K)||", "Thm 1: ||H(K,V)||"]
+    assert found[4].stated is None and found[5].stated is None  # the blocks Thm 1's max omits (E12)
+    assert_corrected_hold(found)
+
+
+def test_theorem1_exact_values_match_autograd():
+    torch = pytest.importorskip("torch")
+    from torch.func import hessian
+
+    c = configuration(3)
+    X, target, params = c["X"], c["target"], attention_layer(c["params"])
+    W = [torch.tensor(np.asarray(params[n])) for n in ("W_Q", "W_K", "W_V")]
+    sizes = [w.numel() for w in W]
+
+    def loss(flat):
+        WQ, WK, WV = (p.reshape(w.shape) for p, w in zip(flat.split(sizes), W))
+        x = torch.tensor(X)
+        A = torch.softmax(x @ WQ @ WK.T @ x.T / np.sqrt(WQ.shape[1]), dim=-1)
+        return ((A @ x @ WV - torch.tensor(target)) ** 2).mean()
+
+    H = hessian(loss)(torch.cat([w.reshape(-1) for w in W])).numpy()
+    found = {b.quantity: b.exact for b in bounds.theorem1(X, target, params)}
+    q, k, v = (slice(0, sizes[0]), slice(sizes[0], sizes[0] + sizes[1]), slice(sizes[0] + sizes[1], None))
+    assert found["Thm 1: ||H(Q,K)||"] == pytest.approx(np.linalg.norm(H[q, k], 2), rel=1e-10)
+    assert found["Thm 1: ||H(K,V)||"] == pytest.approx(np.linalg.norm(H[k, v], 2), rel=1e-10)
+    assert found["Thm 1: M >= ||H||"] == pytest.approx(np.abs(np.linalg.eigvalsh(H)).max(), rel=1e-10)
+
+
+def test_e11_softmax_jacobian_exceeds_uniform():
+    """E11: ||dA/dT|| <= 1/L is uniform attention's value; a row of two keys at 1/2 reaches 1/2."""
+    L = 6
+    T = np.full((L, L), -30.0)
+    T[:, :2] = 0.0  # every row: half on key 0, half on key 1
+    norm = np.linalg.norm(bh.softmax_jacobian(T), 2)
+    assert norm == pytest.approx(0.5, rel=1e-10)
+    assert norm > 1 / L
+    assert np.linalg.norm(bh.softmax_jacobian(np.zeros((L, L))), 2) == pytest.approx(1 / L)  # uniform
+    rng = np.random.default_rng(0)  # never above 1/2 (Gershgorin)
+    for _ in range(20):
+        assert np.linalg.norm(bh.softmax_jacobian(5 * rng.standard_normal((L, L))), 2) <= 0.5 + 1e-12
+
+
+def test_e11_counterexample_breaks_intermediate_outer_QQ():
+    """E11 at (L, d_V, d_K) = (9, 2, 1): the exact outer (Q,Q) block is 6.1x the appendix's 2/L^3
+    bound; the corrected bound (1/(4L)) holds. Checked through theorem1 and, independently, from
+    G_Q = attention_jacobian(wrt="W_Q")."""
+    X, W_Q, W_K, W_V = counterexamples.e11_attention()
+    params = bh.BlockParams.from_arrays(bh.BlockSpec(attention_only=True), {"W_Q": W_Q, "W_K": W_K, "W_V": W_V})
+    (b,) = [b for b in bounds.theorem1(X, np.zeros_like(X), params) if "H_o(Q,Q)" in b.quantity]
+    assert b.stated_holds is False and b.exact / b.stated > 6
+    assert b.corrected_holds
+    G = bh.attention_jacobian(X, W_Q, W_K, W_V, "W_Q")
+    assert b.exact == pytest.approx(2 / (9 * 2) * np.linalg.norm(G, 2) ** 2, rel=1e-10)

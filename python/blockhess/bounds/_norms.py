@@ -66,3 +66,14 @@ def _block_norm_by_power(op: Any, n_a: int, diagonal: bool, iterations: int) -> 
             return new
         sigma = new
     return sigma
+
+
+def hessian_norm(X: Any, target: Any, params: Any, *, eps: float | None = None, method: str = "auto",
+                 iterations: int = 200, **loss_options: Any) -> float:
+    """||H||_2 of the whole loss Hessian (dense eigenvalues while small, power iteration beyond)."""
+    if method == "auto":
+        method = "dense" if params.size <= DENSE_LIMIT else "power"
+    if method == "dense":
+        return float(np.abs(np.linalg.eigvalsh(loss_hessian(X, target, params, eps=eps, **loss_options))).max())
+    return _block_norm_by_power(hessian_operator(X, target, params, eps=eps, **loss_options), params.size, True,
+                                iterations)
