@@ -62,33 +62,32 @@ def _one_blas_thread():
 # ---- figures --------------------------------------------------------------------------------------
 
 
-def _pyplot():
-    matplotlib = require("matplotlib")
-    matplotlib.use("Agg")  # files only, never a window
-    return require("matplotlib.pyplot")
+def _figure(figsize: tuple[float, float]):
+    """A matplotlib Figure drawn by Agg, without pyplot: no window, and the caller's pyplot backend
+    and open figures stay as they are."""
+    return require("matplotlib.figure").Figure(figsize=figsize, layout="constrained")
 
 
-def _save(figure, outdir: str | Path | None, filename: str) -> str | None:
-    if outdir is None:
-        return None
+def _save(figure, outdir: str | Path, filename: str) -> str:
     Path(outdir).mkdir(parents=True, exist_ok=True)
     figure.savefig(Path(outdir) / filename, dpi=110, bbox_inches="tight")
-    require("matplotlib.pyplot").close(figure)
     return filename
 
 
 def _label_groups(params) -> list[tuple[float, str]]:
     """(centre, label) along a Hessian axis; runs of adjacent small blocks (the biases and LayerNorm
     vectors, 16 entries against W_1's 1,024) share one label, "b_V/gamma_1/beta_1", so none overlap."""
-    small = params.size / 50
-    groups: list[list] = []
+    groups: list[tuple[int, int, list[str]]] = []  # (start, stop, names)
+    was_small = False
     for name, where in params.slices().items():
-        if groups and where.stop - where.start < small and groups[-1][2]:
-            groups[-1][1] = where.stop
-            groups[-1][3].append(name)
+        small = where.stop - where.start < params.size / 50
+        if small and was_small:
+            start, _, names = groups.pop()
+            groups.append((start, where.stop, names + [name]))
         else:
-            groups.append([where.start, where.stop, where.stop - where.start < small, [name]])
-    return [((start + stop) / 2, "/".join(names)) for start, stop, _, names in groups]
+            groups.append((where.start, where.stop, [name]))
+        was_small = small
+    return [((start + stop) / 2, "/".join(names)) for start, stop, names in groups]
 
 
 def _block_axes(ax, params) -> None:
@@ -135,14 +134,14 @@ def exp1_heatmaps(initial: Problem, trained: Problem, *, hessians: tuple[np.ndar
         result[f"block_max_abs_{when}"] = table.tolist()
         result[f"largest_block_{when}"] = [params.names[i], params.names[j], float(table[i, j])]
     if outdir is not None:
-        plt = _pyplot()
         # Each pixel shows the largest |entry| of a 4 x 4 cell: a panel is ~700 pixels wide, and
         # pooling keeps every large entry visible where resampling would drop 15 of 16 (and is faster).
         pool = 4 if params.size % 4 == 0 else 1
         logs = [np.log10(_max_pool(np.abs(H), pool) + np.finfo(float).tiny) for H in (H_init, H_trained)]
         top = max(float(log.max()) for log in logs)
         extent = (-0.5, params.size - 0.5, params.size - 0.5, -0.5)  # axes in parameter indices
-        figure, axes = plt.subplots(1, 2, figsize=(15, 7), constrained_layout=True)
+        figure = _figure((15, 7))
+        axes = figure.subplots(1, 2)
         for ax, log, title in zip(axes, logs, ("at initialisation", "after training")):
             image = ax.imshow(log, cmap="viridis", vmin=top - 10, vmax=top, interpolation="nearest", extent=extent)
             _block_axes(ax, params)
@@ -154,14 +153,14 @@ def exp1_heatmaps(initial: Problem, trained: Problem, *, hessians: tuple[np.ndar
     return result
 
 
-def _plot_block_table(result: dict[str, Any], outdir: str | Path) -> str | None:
+def _plot_block_table(result: dict[str, Any], outdir: str | Path) -> str:
     """The 14 x 14 table of each block's largest |entry| (log10), where every name is legible."""
-    plt = _pyplot()
     names = result["names"]
     tables = [np.log10(np.asarray(result[f"block_max_abs_{when}"]) + np.finfo(float).tiny)
               for when in ("init", "trained")]
     top = max(float(t.max()) for t in tables)
-    figure, axes = plt.subplots(1, 2, figsize=(13, 6), constrained_layout=True)
+    figure = _figure((13, 6))
+    axes = figure.subplots(1, 2)
     for ax, table, title in zip(axes, tables, ("at initialisation", "after training")):
         image = ax.imshow(table, cmap="viridis", vmin=top - 6, vmax=top)
         ax.set_xticks(range(len(names)), names, rotation=90, fontsize=8)
@@ -189,9 +188,9 @@ def exp2_norms(problem: Problem, *, hessian: np.ndarray | None = None,
     norms = diagonal_block_norms(problem, hessian)
     result["hessian_spectral"], result["hessian_frobenius"] = norms["spectral"], norms["frobenius"]
     if outdir is not None:
-        plt = _pyplot()
         x = np.arange(len(params.names))
-        figure, (left, right) = plt.subplots(1, 2, figsize=(14, 4.5), constrained_layout=True)
+        figure = _figure((14, 4.5))
+        left, right = figure.subplots(1, 2)
         left.bar(x, list(result["parameter_frobenius"].values()), color="tab:gray")
         left.set_title("parameter blocks")
         left.set_ylabel("Frobenius norm")
@@ -240,9 +239,9 @@ def exp3_dynamics(recorder: DynamicsRecorder, *, outdir: str | Path | None = Non
     result: dict[str, Any] = {"batch": int(len(recorder.labels)), "steps": list(recorder.steps),
                               "spectral": dict(recorder.spectral), "frobenius": dict(recorder.frobenius)}
     if outdir is not None:
-        plt = _pyplot()
-        figure, ax = plt.subplots(figsize=(9, 5.5), constrained_layout=True)
-        colours = plt.get_cmap("tab20")
+        figure = _figure((9, 5.5))
+        ax = figure.subplots()
+        colours = require("matplotlib").colormaps["tab20"]
         for k, (name, values) in enumerate(recorder.spectral.items()):
             vector = name.startswith(("b_", "gamma", "beta"))  # dashed: biases and LayerNorm vectors
             label = name if any(values) else f"{name} (identically 0)"
@@ -296,8 +295,8 @@ def exp5_loss_difference(problem: Problem, *, alpha: float = 0.05,
         "stated": np.asarray(rhs["stated"]).tolist(), "corrected": np.asarray(rhs["corrected"]).tolist(),
     }
     if outdir is not None:
-        plt = _pyplot()
-        figure, ax = plt.subplots(figsize=(8, 5.5), constrained_layout=True)
+        figure = _figure((8, 5.5))
+        ax = figure.subplots()
         ax.loglog(k, difference, ".", color="tab:gray", ms=2, alpha=0.5, label="|L_{k+1} - L_k|")
         ax.loglog(k, ema, color="tab:blue", label=f"EMA (alpha = {alpha})")
         ax.loglog(k, np.exp(intercept) * k**slope, "--", color="black", label=f"log-log fit, slope {slope:.2f}")

@@ -60,9 +60,7 @@ class Problem(NamedTuple):
 
 
 def _torch():
-    torch = require("torch")
-    torch.set_num_threads(1)  # the machine is shared; this model is far too small to gain from more
-    return torch
+    return require("torch")
 
 
 def init_vit(seed: int = 0) -> dict[str, Any]:
@@ -110,8 +108,11 @@ def train(model: dict[str, Any], patches: np.ndarray, labels: np.ndarray, settin
           seed: int = 0, callback: Callable[[int, dict[str, Any]], None] | None = None,
           progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Train ``model`` in place on seeded minibatches. ``callback(step, model)`` runs before the first
-    step (step 0) and after each step (1, 2, ...). Returns the steps, the final training-batch loss,
-    the seconds spent training and, apart, those spent in the callback."""
+    step (step 0) and after each step (1, 2, ...). Runs on one torch thread (restored afterwards).
+    Returns the steps, the final training-batch loss, the seconds spent training and, apart, those
+    spent in the callback."""
+    if settings.steps < 1:
+        raise ValueError(f"settings.steps must be >= 1, got {settings.steps}")
     torch = _torch()
     parameters = list(model.values())
     optimizer = torch.optim.Adam(parameters, lr=settings.lr)
@@ -126,18 +127,23 @@ def train(model: dict[str, Any], patches: np.ndarray, labels: np.ndarray, settin
             callback(step, model)
             recording += time.perf_counter() - started
 
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # this model is far too small to gain from more, and the machine is shared
     start = time.perf_counter()
-    call_back(0)
-    for step in range(1, settings.steps + 1):
-        batch = rng.choice(len(labels), settings.batch_size, replace=False)
-        optimizer.zero_grad()
-        value = loss(model, patches[batch], labels[batch])
-        value.backward()
-        optimizer.step()
-        schedule.step()
-        call_back(step)
-        if progress is not None and step % max(1, settings.steps // 10) == 0:
-            progress(f"training: step {step}/{settings.steps}, batch loss {float(value.detach()):.3f}")
+    try:
+        call_back(0)
+        for step in range(1, settings.steps + 1):
+            batch = rng.choice(len(labels), settings.batch_size, replace=False)
+            optimizer.zero_grad()
+            value = loss(model, patches[batch], labels[batch])
+            value.backward()
+            optimizer.step()
+            schedule.step()
+            call_back(step)
+            if progress is not None and step % max(1, settings.steps // 10) == 0:
+                progress(f"training: step {step}/{settings.steps}, batch loss {float(value.detach()):.3f}")
+    finally:
+        torch.set_num_threads(threads)
     return {"steps": settings.steps, "final_batch_loss": float(value.detach()),
             "seconds": time.perf_counter() - start - recording, "callback_seconds": recording}
 
