@@ -198,6 +198,19 @@ def test_meaningless_combinations_are_refused(field, value):
         BlockSpec(attention_only=True, **{field: value})
 
 
+def test_the_core_refuses_them_too():
+    """A C++ caller (or a hand-made spec tuple) cannot slip a norm option past the Python check."""
+    from blockhess import _core
+
+    core = BlockSpec(attention_only=True)._core()
+    assert [name for name, _ in _core.block_parameters(core, 4, 2, 4, 0)] == ["W_Q", "W_K", "W_V"]
+    for at in (0, 1, 2):  # pre_ln, rmsnorm, norm_affine
+        with pytest.raises(ValueError, match="attention_only has no norms"):
+            _core.block_parameters(core[:at] + (True,) + core[at + 1:], 4, 2, 4, 0)
+    with pytest.raises(ValueError, match="attention_only has no norms"):
+        _core.block_parameters(core[:6] + (1,) + core[7:], 4, 2, 4, 0)  # gelu
+
+
 def test_bad_flag_and_sizes_are_refused():
     with pytest.raises(TypeError, match="BlockSpec.attention_only"):
         BlockSpec(attention_only=1)

@@ -55,8 +55,8 @@ class Evaluation {
       for (size_t p = 0, offset = 0; p < shapes_.size(); offset += static_cast<size_t>(shapes_[p].size()), ++p)
         gradient[p] = grad + offset;
     graph_->reverse(gZ, std::move(gradient));
-    const index_t n = tokens() * dims_.d;
     if (values_.ffn_sum < 0) return;  // attention only: no stage between Z and the attention
+    const index_t n = tokens() * dims_.d;
     require_finite(graph_->cotangent(values_.ffn_sum), n, "block: the reverse pass through the output's norm");
     require_finite(graph_->cotangent(values_.attention_sum), n, "block: the reverse pass through the FFN and the first norm");
   }

@@ -62,6 +62,9 @@ struct ParamShape {
 
 inline void check(const Spec& s, const Dims& D) {
   D.check(!s.attention_only);
+  if (s.attention_only && (s.pre_ln || s.rmsnorm || s.norm_affine || s.activation != activation::Kind::relu))
+    throw std::invalid_argument("block: attention_only has no norms and no FFN: pre_ln, rmsnorm, norm_affine and "
+                                "activation must keep their defaults");
   if (s.heads < 1) throw std::invalid_argument("block: heads must be >= 1");
   if (D.value_width(s) < 1) throw std::invalid_argument("block: d_v must be >= 1");
   if (!s.out_proj && s.heads * D.value_width(s) != D.d)
