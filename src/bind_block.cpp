@@ -17,12 +17,13 @@
 namespace blockhess::bind {
 namespace {
 
-// The spec as Python passes it: (pre_ln, rmsnorm, norm_affine, bias, heads, out_proj, activation, causal).
-using SpecTuple = std::tuple<bool, bool, bool, bool, index_t, bool, int, bool>;
+// The spec as Python passes it (spec.py's BlockSpec._core): (pre_ln, rmsnorm, norm_affine, bias,
+// heads, out_proj, activation, causal, attention_only).
+using SpecTuple = std::tuple<bool, bool, bool, bool, index_t, bool, int, bool, bool>;
 
 block::Spec spec_of(const SpecTuple& t) {
   block::Spec s;
-  std::tie(s.pre_ln, s.rmsnorm, s.norm_affine, s.bias, s.heads, s.out_proj, std::ignore, s.causal) = t;
+  std::tie(s.pre_ln, s.rmsnorm, s.norm_affine, s.bias, s.heads, s.out_proj, std::ignore, s.causal, s.attention_only) = t;
   const int act = std::get<6>(t);
   if (act < 0 || act > 3) throw std::invalid_argument("block: unknown activation code");
   s.activation = static_cast<activation::Kind>(act);
@@ -40,8 +41,8 @@ struct Problem {
   std::vector<block::ParamShape> shapes() const { return block::parameters(spec, dims); }
 };
 
-// The sizes from X and the weights (d_k from W_Q, d_v from W_V, d_ff from W_1), then every shape
-// checked against the registry.
+// The sizes from X and the weights (d_k from W_Q, d_v from W_V, d_ff from W_1; 0 for an
+// attention-only block, which has none), then every shape checked against the registry.
 template <class T>
 Problem<T> problem(const carray<T>& X, const SpecTuple& spec, const std::vector<carray<T>>& weights) {
   if (X.ndim() != 3) throw std::invalid_argument("block: X must be (B, L, d)");
@@ -65,7 +66,7 @@ Problem<T> problem(const carray<T>& X, const SpecTuple& spec, const std::vector<
   if (p.spec.heads < 1) throw std::invalid_argument("block: heads must be >= 1");
   p.dims.dk = cols_of("W_Q") / p.spec.heads;
   p.dims.dv = cols_of("W_V") / p.spec.heads;
-  p.dims.dff = cols_of("W_1");
+  p.dims.dff = p.spec.attention_only ? 0 : cols_of("W_1");
   block::check(p.spec, p.dims);
   const auto shapes = p.shapes();
   for (size_t k = 0; k < shapes.size(); ++k) {

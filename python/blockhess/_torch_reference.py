@@ -243,6 +243,8 @@ def family_block(X, spec, named, eps=None):
     def ffn_of(U):
         return linear(_ACTIVATIONS[spec.activation](linear(U, "W_1", "b_1")), "W_2", "b_2")
 
+    if spec.attention_only:  # the lone self-attention layer: no residual, no norms, no FFN
+        return attention_of(X)
     if spec.norm_position == "post":
         Y = norm(X + attention_of(X), 1)
         return norm(Y + ffn_of(Y), 2)

@@ -66,12 +66,17 @@ class BlockParams:
         return params
 
     @classmethod
-    def random(cls, spec: BlockSpec = PAPER_BLOCK, *, d: int, d_k: int, d_ff: int, d_v: int | None = None,
-               seed: int = 0, dtype: Any = np.float64) -> BlockParams:
+    def random(cls, spec: BlockSpec = PAPER_BLOCK, *, d: int, d_k: int, d_ff: int | None = None,
+               d_v: int | None = None, seed: int = 0, dtype: Any = np.float64) -> BlockParams:
         """Random parameters of ``spec`` (weights ~ N(0, 1/fan_in); gamma 1 + N(0, 0.1^2), beta and
-        biases N(0, 0.1^2)); d_v defaults to d / heads (d_k and d_v are per head)."""
+        biases N(0, 0.1^2)); d_v defaults to d / heads (d_k and d_v are per head). d_ff is required
+        unless ``spec.attention_only`` (which has no FFN and ignores it)."""
         if not isinstance(spec, BlockSpec):
             raise TypeError(f"spec must be a blockhess.BlockSpec, got {type(spec).__name__}")
+        if spec.attention_only:
+            d_ff = 0
+        elif d_ff is None:
+            raise TypeError(f"BlockParams.random needs d_ff for {spec!r} (only attention_only=True has no FFN)")
         d_v = d // spec.heads if d_v is None else d_v
         dtype = np.dtype(dtype)
         if dtype not in (np.float32, np.float64):
@@ -88,13 +93,17 @@ class BlockParams:
 
     def _init(self, spec: BlockSpec, given: dict[str, Any]) -> None:
         self.spec = spec
-        for name in ("W_Q", "W_V", "W_1"):
+        # The sizes come from W_Q, W_V and W_1 (an attention-only block has no W_1: d_ff = 0).
+        sized = ("W_Q", "W_V") if spec.attention_only else ("W_Q", "W_V", "W_1")
+        for name in sized:
             if name not in given:
                 raise ValueError(f"the parameters of {spec!r} include {name}; got {', '.join(map(str, given)) or 'none'}")
-        first = {n: float_array(given[n], n, ndim=2) for n in ("W_Q", "W_V", "W_1")}
+        first = {n: float_array(given[n], n, ndim=2) for n in sized}
         d, hk = first["W_Q"].shape
-        d_ff = first["W_1"].shape[1]
-        if min(d, hk, d_ff) < 1:
+        d_ff = 0 if spec.attention_only else first["W_1"].shape[1]
+        if spec.attention_only and min(d, hk) < 1:
+            raise ValueError(f"d and d_k must be >= 1, got {(d, hk)}")
+        if not spec.attention_only and min(d, hk, d_ff) < 1:
             raise ValueError(f"d, d_k and d_ff must be >= 1, got {(d, hk, d_ff)}")
         d_k = hk // spec.heads
         # Without an output projection the heads' values must fill the width d exactly.
@@ -116,9 +125,10 @@ class BlockParams:
         for name, w in zip(names, arrays):
             if tuple(w.shape) != expected[name]:
                 got = ", ".join(f"{n} {tuple(a.shape)}" for n, a in zip(names, arrays))
+                ffn = "" if spec.attention_only else f" and W_1 with d_ff = {d_ff}"
                 raise ValueError(
                     f"{name} must have shape {expected[name]} (from W_Q of shape {(d, hk)}, W_V with "
-                    f"{d_v * spec.heads} columns and W_1 with d_ff = {d_ff}); got {got}"
+                    f"{d_v * spec.heads} columns{ffn}); got {got}"
                 )
         self.names = names
         self.dtype = common_dtype(*arrays)
@@ -149,7 +159,8 @@ class BlockParams:
 
     def __repr__(self) -> str:
         spec = "" if self.spec.is_paper_block else f"{self.spec!r}, "
-        return f"BlockParams({spec}d={self.d}, d_k={self.d_k}, d_ff={self.d_ff}, dtype={self.dtype})"
+        ffn = "" if self.spec.attention_only else f", d_ff={self.d_ff}"
+        return f"BlockParams({spec}d={self.d}, d_k={self.d_k}{ffn}, dtype={self.dtype})"
 
     def slices(self) -> dict[str, slice]:
         """Where each parameter sits in :meth:`flatten` (and in the rows of a dense loss Hessian)."""

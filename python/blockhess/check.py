@@ -88,13 +88,15 @@ class Config:
     out_proj: bool = False
     activation: str = "relu"
     causal: bool = False
+    attention_only: bool = False
     classes: int = 10
 
     @property
     def spec(self) -> BlockSpec:
         """The block (eps is passed to every call, so the spec keeps the default)."""
         return BlockSpec(norm_position=self.norm_position, norm=self.norm, norm_affine=self.affine, bias=self.bias,
-                         heads=self.heads, out_proj=self.out_proj, activation=self.activation, causal=self.causal)
+                         heads=self.heads, out_proj=self.out_proj, activation=self.activation, causal=self.causal,
+                         attention_only=self.attention_only)
 
     @property
     def pooled(self) -> bool:
@@ -108,7 +110,8 @@ class Config:
     def describe(self) -> str:
         """The block in words: "post-LN Transformer block" for the paper's, its options otherwise."""
         spec = self.spec
-        name = f"{spec.norm_position}-{'LN' if spec.norm == 'layernorm' else 'RMSNorm'} Transformer block"
+        name = (f"{spec.norm_position}-{'LN' if spec.norm == 'layernorm' else 'RMSNorm'} Transformer block"
+                if not spec.attention_only else "self-attention layer")
         options = [f"{spec.heads} heads" if spec.heads > 1 else "",
                    "affine norms" if spec.norm_affine else "", "biases" if spec.bias else "",
                    "W_O" if spec.out_proj else "", spec.activation if spec.activation != "relu" else "",
@@ -544,7 +547,7 @@ def _check_hvp(X, target, weights, full: np.ndarray, cfg: Config, head=None) -> 
 def format_report(r: Report) -> str:
     c = r.config
     lines = [
-        f"blockhess check: {c.describe()}, L={c.L} d={c.d} d_k={c.d_k} d_ff={c.d_ff} "
+        f"blockhess check: {c.describe()}, L={c.L} d={c.d} d_k={c.d_k}{'' if c.attention_only else f' d_ff={c.d_ff}'} "
         f"batch={c.batch} loss={c.loss}{f' classes={c.classes}' if c.pooled else ''} eps={c.eps} {c.dtype} "
         f"on {c.device}, seed {c.seed}",
         f"P = {r.P} parameters ({', '.join(name for name, _ in c.parameters())}), loss = {r.loss_value:.6g}",
@@ -795,9 +798,13 @@ def validate(cfg: Config, args: Any) -> None:
         raise UsageError(f"--seed must be >= 0, got {cfg.seed}")
     if not math.isfinite(cfg.eps) or cfg.eps < 0:
         raise UsageError(f"--eps must be a finite number >= 0, got {cfg.eps}")
-    if cfg.d == 1 and cfg.eps == 0:
+    if cfg.d == 1 and cfg.eps == 0 and not cfg.attention_only:
         raise UsageError("--d 1 with --eps 0: LayerNorm of a single feature has zero variance (0/0); "
                          "pass --eps > 0, e.g. --eps 1e-5")
+    try:
+        cfg.spec  # options that mean nothing together (e.g. --attention-only with --norm rmsnorm)
+    except ValueError as err:
+        raise UsageError(f"the block options do not go together: {err}") from None
     try:
         cfg.parameters()  # the spec's own constraints (e.g. heads * d_v == d without --out-proj)
     except ValueError as err:
@@ -921,13 +928,17 @@ def add_block_options(parser: argparse.ArgumentParser) -> None:
     block.add_argument("--out-proj", dest="out_proj", action="store_true", help="W_O after the heads")
     block.add_argument("--activation", choices=ACTIVATIONS, default="relu")
     block.add_argument("--causal", action="store_true", help="mask keys after the query")
+    block.add_argument("--attention-only", dest="attention_only", action="store_true",
+                       help="the self-attention sublayer alone, Z = attn(X) (the paper's Thm 1; no norms, no FFN, "
+                            "--d-ff ignored)")
 
 
 def config_from_args(args: Any, **extra: Any) -> Config:
     return Config(L=args.L, d=args.d, d_k=args.d_k, d_ff=args.d_ff, batch=args.batch, loss=args.loss,
                   dtype=args.dtype, seed=args.seed, eps=args.eps, norm_position=args.norm_position, norm=args.norm,
                   affine=args.affine, bias=args.bias, heads=args.heads, out_proj=args.out_proj,
-                  activation=args.activation, causal=args.causal, classes=args.classes, **extra)
+                  activation=args.activation, causal=args.causal, attention_only=args.attention_only,
+                  classes=args.classes, **extra)
 
 
 def _main(argv: list[str]) -> int:

@@ -26,7 +26,11 @@ class BlockSpec:
     - ``heads``, ``out_proj`` (W_O after the heads); without ``out_proj``, heads * d_v == d;
     - ``activation``: "relu", "gelu" (erf form), "gelu_tanh" or "silu";
     - ``causal``: keys after the query are masked;
-    - ``eps``: the norms' epsilon, used when a function is called without ``eps=``.
+    - ``eps``: the norms' epsilon, used when a function is called without ``eps=``;
+    - ``attention_only``: the self-attention sublayer alone, ``Z = attn(X)`` (with its heads,
+      biases, W_O and mask; no residual, no norms, no FFN): the lone layer of the paper's Thm 1.
+      Its parameters are W_Q, W_K, W_V (and b_Q, b_K, b_V, W_O, b_O); the norm and FFN options
+      (``norm_position``, ``norm``, ``norm_affine``, ``activation``) must keep their defaults.
 
     """
 
@@ -39,29 +43,39 @@ class BlockSpec:
     activation: str = "relu"
     causal: bool = False
     eps: float = 0.0
+    attention_only: bool = False
 
     def __post_init__(self) -> None:
         for name, allowed in (("norm_position", _NORM_POSITIONS), ("norm", _NORMS), ("activation", ACTIVATIONS)):
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"BlockSpec.{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
-        for name in ("norm_affine", "bias", "out_proj", "causal"):
+        for name in ("norm_affine", "bias", "out_proj", "causal", "attention_only"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"BlockSpec.{name} must be a bool, got {getattr(self, name)!r}")
         if isinstance(self.heads, bool) or not isinstance(self.heads, int) or self.heads < 1:
             raise ValueError(f"BlockSpec.heads must be an int >= 1, got {self.heads!r}")
         object.__setattr__(self, "eps", nonneg_scalar(self.eps, "BlockSpec.eps"))
+        if self.attention_only:
+            # An attention-only block has no norm and no FFN: options about them would be ignored.
+            for name, default in (("norm_position", "post"), ("norm", "layernorm"), ("norm_affine", False),
+                                  ("activation", "relu")):
+                if getattr(self, name) != default:
+                    raise ValueError(f"BlockSpec.{name}={getattr(self, name)!r} means nothing with attention_only=True "
+                                     f"(no norms, no FFN); leave it at {default!r}")
 
     @property
     def is_paper_block(self) -> bool:
-        """The paper's block: post-LN, no affine norms, no biases, one head, relu, not causal."""
+        """The paper's block: post-LN, no affine norms, no biases, one head, relu, not causal, a
+        whole block (not attention_only)."""
         return (self.norm_position, self.norm, self.norm_affine, self.bias, self.heads, self.out_proj,
-                self.activation, self.causal) == ("post", "layernorm", False, False, 1, False, "relu", False)
+                self.activation, self.causal, self.attention_only) == ("post", "layernorm", False, False, 1, False,
+                                                                       "relu", False, False)
 
     def _core(self) -> tuple[Any, ...]:
         """The tuple the core's bindings take (bind_block.cpp, SpecTuple)."""
         return (self.norm_position == "pre", self.norm == "rmsnorm", self.norm_affine, self.bias, self.heads,
-                self.out_proj, ACTIVATIONS.index(self.activation), self.causal)
+                self.out_proj, ACTIVATIONS.index(self.activation), self.causal, self.attention_only)
 
 
 PAPER_BLOCK = BlockSpec()

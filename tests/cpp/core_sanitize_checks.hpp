@@ -576,7 +576,8 @@ template <class T>
 void check_family(std::mt19937_64& rng, const bh::block::Spec& spec, const bh::block::Dims& D, index_t B, T eps,
                   bool pooled = false) {
   namespace blk = bh::block;
-  const std::string ctx = std::string("family ") + type_name<T>() + (spec.pre_ln ? " pre" : " post") +
+  const std::string ctx = std::string("family ") + type_name<T>() +
+                          (spec.attention_only ? " attention-only" : spec.pre_ln ? " pre" : " post") +
                           (spec.rmsnorm ? " rms" : "") + " heads=" + std::to_string(spec.heads) +
                           (pooled ? " pooled" : "");
   const auto shapes = blk::parameters(spec, D);
@@ -785,6 +786,13 @@ void run_all(std::mt19937_64& rng) {
   everything.rmsnorm = true;
   everything.activation = bh::activation::Kind::silu;
   check_family<T>(rng, everything, {4, 4, 2, 5, 0}, 1, T(1e-3));
+  // The attention sublayer alone (the paper's Thm 1 layer) with every attention option; d_ff = 0:
+  // it has no FFN.
+  bh::block::Spec attention;
+  attention.attention_only = attention.bias = attention.out_proj = attention.causal = true;
+  attention.heads = 2;
+  check_family<T>(rng, attention, {5, 6, 3, 0, 2}, 2, T(0));
+  check_family<T>(rng, attention, {5, 6, 3, 0, 2}, 3, T(0), /*pooled=*/true);
 }
 
 }  // namespace sanitize

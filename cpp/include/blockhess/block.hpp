@@ -32,7 +32,7 @@ class Evaluation {
  public:
   // weights: one row-major array per parameters(spec, D) entry, in that order.
   Evaluation(const Spec& spec, const Dims& D, index_t B, const T* X, const std::vector<const T*>& weights, T eps)
-      : spec_(spec), dims_(D), shapes_(parameters(spec, D)), graph_(std::make_unique<engine::Graph<T>>(B, checked(D).L)) {
+      : spec_(spec), dims_(D), shapes_(parameters(spec, D)), graph_(std::make_unique<engine::Graph<T>>(B, checked(spec, D).L)) {
     values_ = blocks::wire(*graph_, spec, D, X, weights, eps);
     graph_->forward();
   }
@@ -55,14 +55,15 @@ class Evaluation {
       for (size_t p = 0, offset = 0; p < shapes_.size(); offset += static_cast<size_t>(shapes_[p].size()), ++p)
         gradient[p] = grad + offset;
     graph_->reverse(gZ, std::move(gradient));
+    if (values_.ffn_sum < 0) return;  // attention only: no stage between Z and the attention
     const index_t n = tokens() * dims_.d;
     require_finite(graph_->cotangent(values_.ffn_sum), n, "block: the reverse pass through the output's norm");
     require_finite(graph_->cotangent(values_.attention_sum), n, "block: the reverse pass through the FFN and the first norm");
   }
 
  private:
-  static const Dims& checked(const Dims& D) {
-    D.check();
+  static const Dims& checked(const Spec& spec, const Dims& D) {
+    D.check(!spec.attention_only);
     return D;
   }
 

@@ -15,7 +15,8 @@ namespace blockhess::block {
 
 // Which block (the paper's is the default): where the norms sit, whether they have trainable
 // gamma (and beta), biases on every linear map, the number of heads, an output projection W_O,
-// the FFN's activation and a causal mask.
+// the FFN's activation and a causal mask. attention_only: the self-attention sublayer alone
+// (Z = attn(X), the paper's Thm 1 setting: no residual, no norms, no FFN).
 struct Spec {
   bool pre_ln = false;
   bool rmsnorm = false;
@@ -25,6 +26,7 @@ struct Spec {
   bool out_proj = false;
   activation::Kind activation = activation::Kind::relu;
   bool causal = false;
+  bool attention_only = false;
 };
 
 // The sizes of a block: L tokens of width d, d_k query/key and d_v value columns per head, d_ff
@@ -39,9 +41,11 @@ struct Dims {
   index_t cols(int p) const { return p <= 1 ? dk : p == 3 ? dff : d; }
   index_t size(int p) const { return rows(p) * cols(p); }
   index_t total_size() const { return size(0) + size(1) + size(2) + size(3) + size(4); }
-  void check() const {
-    if (L < 1 || d < 1 || dk < 1 || dff < 1)
-      throw std::invalid_argument("block: L, d, d_k and d_ff must all be >= 1");
+  // has_ffn = false (an attention-only block): d_ff is not used and may be 0.
+  void check(bool has_ffn = true) const {
+    if (L < 1 || d < 1 || dk < 1 || (has_ffn && dff < 1))
+      throw std::invalid_argument(has_ffn ? "block: L, d, d_k and d_ff must all be >= 1"
+                                          : "block: L, d and d_k must all be >= 1");
   }
 };
 
@@ -57,7 +61,10 @@ struct ParamShape {
 };
 
 inline void check(const Spec& s, const Dims& D) {
-  D.check();
+  D.check(!s.attention_only);
+  if (s.attention_only && (s.pre_ln || s.rmsnorm || s.norm_affine || s.activation != activation::Kind::relu))
+    throw std::invalid_argument("block: attention_only has no norms and no FFN: pre_ln, rmsnorm, norm_affine and "
+                                "activation must keep their defaults");
   if (s.heads < 1) throw std::invalid_argument("block: heads must be >= 1");
   if (D.value_width(s) < 1) throw std::invalid_argument("block: d_v must be >= 1");
   if (!s.out_proj && s.heads * D.value_width(s) != D.d)
@@ -65,7 +72,8 @@ inline void check(const Spec& s, const Dims& D) {
 }
 
 // The parameters of a block, in the canonical order: W_Q, b_Q, W_K, b_K, W_V, b_V, W_O, b_O,
-// gamma_1, beta_1, W_1, b_1, W_2, b_2, gamma_2, beta_2 (each only where the spec has it).
+// gamma_1, beta_1, W_1, b_1, W_2, b_2, gamma_2, beta_2 (each only where the spec has it; an
+// attention-only block stops after b_O).
 inline std::vector<ParamShape> parameters(const Spec& s, const Dims& D) {
   const index_t d = D.d, hk = s.heads * D.dk, hv = s.heads * D.value_width(s), dff = D.dff;
   std::vector<ParamShape> out;
@@ -81,6 +89,7 @@ inline std::vector<ParamShape> parameters(const Spec& s, const Dims& D) {
     matrix("W_O", hv, d);
     if (s.bias) vector("b_O", d);
   }
+  if (s.attention_only) return out;
   auto norm = [&](const char* gamma, const char* beta) {
     if (!s.norm_affine) return;
     vector(gamma, d);

@@ -3,6 +3,7 @@
 
 #include <vector>
 
+#include "blockhess/blocks/attention_only.hpp"
 #include "blockhess/blocks/post_ln.hpp"
 #include "blockhess/blocks/pre_ln.hpp"
 
@@ -13,7 +14,9 @@ Values wire(engine::Graph<T>& g, const block::Spec& s, const block::Dims& D, con
             const std::vector<const T*>& weights, T eps) {
   block::check(s, D);
   ParamCursor p(g, block::parameters(s, D), weights);
-  const Values v = s.pre_ln ? wire_pre_ln(g, s, D, p, X, eps) : wire_post_ln(g, s, D, p, X, eps);
+  const Values v = s.attention_only ? wire_attention_only(g, s, D, p, X)
+                   : s.pre_ln       ? wire_pre_ln(g, s, D, p, X, eps)
+                                    : wire_post_ln(g, s, D, p, X, eps);
   if (!p.done()) throw std::logic_error("block: the wiring left parameters unused");
   return v;
 }
