@@ -214,6 +214,11 @@ def _g(x: Any) -> str:
     return "-" if x is None else f"{x:.3g}"
 
 
+def _q(quantity: str) -> str:
+    """A quantity for a table cell: norms as ‖.‖ (a | would end the cell)."""
+    return quantity.replace("||", "‖")
+
+
 def render_markdown(r: dict) -> str:
     lines = ["# blockhess report: the paper's bounds, scaling claims and experiments", "",
              f"{'Quick run' if r['quick'] else 'Full run'}, seed {r['seed']}, {r['seconds']:.0f} s on {r['platform']}.",
@@ -223,7 +228,7 @@ def render_markdown(r: dict) -> str:
              "|---|---|---|---|---|---|---|"]
     for b in r["bounds"]:
         ratio = b["exact"] / b["stated"] if b["stated"] else None
-        lines.append(f"| {b['quantity']} | {_g(b['exact'])} | {_g(b['stated'])} | {_g(b['corrected'])} | "
+        lines.append(f"| {_q(b['quantity'])} | {_g(b['exact'])} | {_g(b['stated'])} | {_g(b['corrected'])} | "
                      f"{_g(ratio)}{' **fails**' if b['stated_holds'] is False else ''} | {_g(b['tightness'])} | "
                      f"{b['erratum'] or ''} |")
     n = r["bounds_summary"][0]["configurations"] if r["bounds_summary"] else 0
@@ -233,13 +238,13 @@ def render_markdown(r: dict) -> str:
               "| quantity | corrected holds | exact / corrected: min, median, max | stated fails | largest exact / stated |",
               "|---|---|---|---|---|"]
     for s in r["bounds_summary"]:
-        lines.append(f"| {s['quantity']} | {'yes' if s['corrected_holds'] else '**no**'} | "
+        lines.append(f"| {_q(s['quantity'])} | {'yes' if s['corrected_holds'] else '**no**'} | "
                      f"{_g(s['tightness_min'])}, {_g(s['tightness_median'])}, {_g(s['tightness_max'])} | "
                      f"{s['stated_failures']} / {s['configurations']} | {_g(s['stated_ratio_max'])} |")
     lines += ["", f"![tightness]({r['figures']['tightness']})", "", "## 3. Scaling, measured", "",
               "Fitted log-log exponents of the exact block norms (over the whole sweep; in brackets over its "
               "lower half, where attention is near uniform), next to the paper's.", ""]
-    for variable, label in (("scale", "||X|| (X -> c X, c from 0.1 to 10)"), ("L", "the sequence length L")):
+    for variable, label in (("scale", "‖X‖ (X -> c X, c from 0.1 to 10)"), ("L", "the sequence length L")):
         lines += [f"In {label}:", "", "| model | block | exponent (lower half) | paper |", "|---|---|---|---|"]
         for model, s in r["scaling"][variable].items():
             for key, e in s["exponents"].items():
