@@ -257,3 +257,12 @@ def test_e11_counterexample_breaks_intermediate_outer_QQ():
     assert b.corrected_holds
     G = bh.attention_jacobian(X, W_Q, W_K, W_V, "W_Q")
     assert b.exact == pytest.approx(2 / (9 * 2) * np.linalg.norm(G, 2) ** 2, rel=1e-10)
+
+
+def test_theorem1_refuses_other_models():
+    c = configuration(1)
+    with pytest.raises(ValueError, match="attention layer"):
+        bounds.theorem1(c["X"], c["target"], c["params"])  # the whole block
+    biased = bh.BlockParams.random(bh.BlockSpec(attention_only=True, bias=True), d=4, d_k=2)
+    with pytest.raises(ValueError, match="paper's bounds"):
+        bounds.theorem1(np.ones((3, 4)), np.ones((3, 4)), biased)
