@@ -94,3 +94,13 @@ def block_loss_derivatives(X, weights, target, loss, eps):
     full = torch_reference.loss_hessian(X, target, weights, loss, eps, part="full")
     outer = torch_reference.loss_hessian(X, target, weights, loss, eps, part="outer")
     return grad.numpy(), full.numpy(), outer.numpy()
+
+
+def random_target(rng, loss: str, shape: tuple, d: int, classes: int, dtype=np.float64):
+    """A target for ``loss`` on inputs of ``shape`` ((L, d) or (B, L, d)): floats of Z's shape
+    (mse), a class in [0, d) per token (cross_entropy), or in [0, classes) per sample (pooled)."""
+    if loss == "mse":
+        return rng.standard_normal(shape).astype(dtype)
+    if loss == "cross_entropy":
+        return rng.integers(0, d, shape[:-1])
+    return rng.integers(0, classes, shape[:-2])

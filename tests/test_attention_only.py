@@ -37,13 +37,7 @@ def _case(rng, spec, B, loss, dtype=np.float64):
     params = BlockParams.random(spec, d=D, d_k=d_k, d_v=d_v, seed=int(rng.integers(1 << 30)), dtype=dtype)
     shape = (L, D) if B is None else (B, L, D)
     X = rng.standard_normal(shape).astype(dtype)
-    if loss == "mse":
-        target = rng.standard_normal(shape).astype(dtype)
-    elif loss == "cross_entropy":
-        target = rng.integers(0, D, shape[:-1])
-    else:
-        target = rng.integers(0, CLASSES, shape[:-2])
-    return X, target, params
+    return X, ref.random_target(rng, loss, shape, D, CLASSES, dtype), params
 
 
 def _head(rng, loss, dtype=np.float64):

@@ -33,13 +33,9 @@ def _case(rng, spec, B, loss, dtype=np.float64):
     params = BlockParams.random(spec, d=D, d_k=d_k, d_ff=D_FF, d_v=d_v, seed=int(rng.integers(1 << 30)), dtype=dtype)
     shape = (L, D) if B is None else (B, L, D)
     X = rng.standard_normal(shape).astype(dtype)
+    target = ref.random_target(rng, loss, shape, D, CLASSES, dtype)
     head = None
-    if loss == "mse":
-        target = rng.standard_normal(shape).astype(dtype)
-    elif loss == "cross_entropy":
-        target = rng.integers(0, D, shape[:-1])
-    else:
-        target = rng.integers(0, CLASSES, shape[:-2])
+    if loss == "pooled_cross_entropy":
         head = (rng.standard_normal((D, CLASSES)).astype(dtype), rng.standard_normal(CLASSES).astype(dtype))
     return X, target, params, dict(loss=loss, head=head)
 
