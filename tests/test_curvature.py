@@ -58,6 +58,31 @@ def test_diagonal_and_traces_are_exact(rng, name, loss, B):
             assert by_block[n, n] == pytest.approx(np.trace(H[s, s]), rel=1e-12, abs=1e-14 * np.abs(H).max())
 
 
+@pytest.mark.parametrize("name", sorted(SPECS))
+@pytest.mark.parametrize("loss", ["mse", "pooled_cross_entropy"])
+def test_frobenius_norms_are_exact(rng, name, loss):
+    X, target, params, kw = _case(rng, SPECS[name], 2, loss)
+    for part in ("full", "functional"):
+        H = blockhess.loss_hessian(X, target, params, part=part, layout="blocks", **kw)
+        dense = blockhess.loss_hessian(X, target, params, part=part, **kw)
+        op = blockhess.hessian_operator(X, target, params, part=part, **kw)
+        assert op.frobenius_norm() == pytest.approx(np.linalg.norm(dense), rel=1e-12)
+        by_block = op.frobenius_norm(by_block=True)
+        assert list(by_block) == list(H)
+        for key, block in H.items():
+            assert by_block[key] == pytest.approx(np.linalg.norm(block), rel=1e-12, abs=1e-14 * np.abs(dense).max())
+    full = blockhess.loss_hessian(X, target, params, layout="blocks", **kw)
+    one = blockhess.hessian_operator(X, target, params, wrt=("W_V",), **kw).frobenius_norm()
+    assert one == pytest.approx(np.linalg.norm(full["W_V", "W_V"]), rel=1e-12)
+
+
+def test_frobenius_norm_of_the_dataset_operator(rng):
+    X, target, params, kw = _case(rng, SPECS["pre-everything-heads2"], 4, "mse")
+    batches = [(X[:2], target[:2]), (X[2:], target[2:])]
+    data = blockhess.dataset_hessian_operator(batches, params, loss="mse")
+    assert data.frobenius_norm() == pytest.approx(np.linalg.norm(blockhess.loss_hessian(X, target, params)), rel=1e-12)
+
+
 @pytest.mark.parametrize("loss", ["mse", "pooled_cross_entropy"])
 def test_diagonal_of_a_selection_is_the_sub_diagonal(rng, loss):
     X, target, params, kw = _case(rng, SPECS["pre-everything-heads2"], 2, loss)

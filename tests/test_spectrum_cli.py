@@ -46,10 +46,11 @@ def test_spectrum_numbers_match_the_dense_hessian(argv, tmp_path, capsys):
         assert b["block"] == name and b["trace"] == pytest.approx(np.trace(H[s, s]), rel=1e-10, abs=1e-14 * scale)
         assert b["min_eigenvalue"] == pytest.approx(block[0], abs=1e-7 * scale)
         assert b["max_eigenvalue"] == pytest.approx(block[-1], abs=1e-7 * scale)
+        assert b["frobenius"] == pytest.approx(np.linalg.norm(H[s, s]), rel=1e-12)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert np.trapezoid(r["density"]["density"], r["density"]["grid"]) == pytest.approx(1.0, abs=1e-3)
     text = capsys.readouterr().out
-    assert "top eigenvalues" in text and "W_1" in text
+    assert "top eigenvalues" in text and "W_1" in text and "||H||_F" in text
 
 
 def test_spectrum_of_a_saved_module(tmp_path, capsys):
@@ -84,3 +85,19 @@ def test_spectrum_from_the_command_line():
     done = subprocess.run([sys.executable, "-m", "blockhess", "spectrum", *SMALL], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "bottom eigenvalues" in done.stdout
+
+
+def test_spectrum_frobenius_through_products_and_left_out_above_the_limit(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(spectrum_cli, "_DENSE_BLOCK", 1)  # every block through the operator
+    monkeypatch.setattr(spectrum_cli, "_FROBENIUS_PRODUCTS", 20)
+    out = tmp_path / "s.json"
+    assert spectrum_cli.main([*SMALL, "-k", "2", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    H, params = _dense([])
+    for b, (name, s) in zip(r["blocks"], params.slices().items()):
+        if b["size"] <= 20:
+            assert b["frobenius"] == pytest.approx(np.linalg.norm(H[s, s]), rel=1e-12)
+        else:
+            assert b["frobenius"] is None
+    assert any(b["frobenius"] is None for b in r["blocks"]) and any(b["frobenius"] for b in r["blocks"])
+    assert "n/a for blocks of more than 20 parameters" in capsys.readouterr().out

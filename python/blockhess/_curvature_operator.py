@@ -63,6 +63,31 @@ class CurvatureOperator:
         return {(n, n): float(np.sum(diag[a:b], dtype=np.float64))
                 for n, a, b in zip(self.names, bounds[:-1], bounds[1:])}
 
+    def frobenius_norm(self, by_block: bool = False) -> float | dict[tuple[str, str], float]:
+        """||H||_F, exact and without random probes: the columns of H come from products with the
+        columns of the identity, a chunk at a time (at most 64 MiB of them), and only their sums of
+        squares are kept. That is P products, so it is for one parameter block (``wrt=(name,)``)
+        or a small block: no factor-only form exists, since ||J^T G J||_F needs every pair of
+        tokens. by_block=True: ``{(a, b): ||H[a, b]||_F}`` for every pair, keyed like
+        ``loss_hessian(layout="blocks")``."""
+        P = self.shape[0]
+        itemsize = np.dtype(self.dtype).itemsize
+        chunk = int(max(1, min(P, (64 << 20) // (2 * P * itemsize))))
+        bounds = np.cumsum((0, *self._sizes))
+        squares = np.zeros((len(self.names), len(self.names)))
+        for b, (start, stop) in enumerate(zip(bounds[:-1], bounds[1:])):
+            for first in range(int(start), int(stop), chunk):  # chunks never straddle two blocks
+                last = min(first + chunk, int(stop))
+                E = np.zeros((P, last - first), dtype=self.dtype)
+                E[np.arange(first, last), np.arange(last - first)] = 1
+                columns = np.asarray(self._product(E), dtype=np.float64)
+                for a, (top, bottom) in enumerate(zip(bounds[:-1], bounds[1:])):
+                    squares[a, b] += float(np.sum(columns[top:bottom] ** 2))
+        if not by_block:
+            return float(np.sqrt(squares.sum()))
+        return {(m, n): float(np.sqrt(squares[i, j])) for i, m in enumerate(self.names)
+                for j, n in enumerate(self.names)}
+
     def eigsh(self, k: int = 6, which: str = "LA", tol: float = 0.0, return_eigenvectors: bool = True):
         """k extreme eigenvalues (ascending) of the operator by Lanczos (scipy's ARPACK) through the
         exact H v: which "LA" (largest), "SA" (smallest: how non-convex) or "LM" (largest

@@ -24,6 +24,9 @@ from .hvp import hessian_operator
 
 # Blocks this small get their spectrum from the dense block (k < n is ARPACK's rule).
 _DENSE_BLOCK = 256
+# ||H[a, a]||_F costs one product per parameter of the block (there is no factor-only form): beyond
+# this many it is left out (null in --json).
+_FROBENIUS_PRODUCTS = 4096
 
 
 class _Counter:
@@ -59,17 +62,19 @@ def _counted(op, counter):
     return op
 
 
-def _block_extremes(op, counter) -> tuple[float, float]:
-    """(smallest, largest) eigenvalue of an operator over one parameter block."""
+def _block_extremes(op, counter) -> tuple[float, float, float | None]:
+    """(smallest, largest) eigenvalue and the Frobenius norm (None for a large block) of an operator
+    over one parameter block."""
     n = op.shape[0]
     if n <= _DENSE_BLOCK:
         dense = np.asarray(op.matmat(np.eye(n, dtype=op.dtype)), dtype=np.float64)
         values = np.linalg.eigvalsh(0.5 * (dense + dense.T))
-        return float(values[0]), float(values[-1])
+        return float(values[0]), float(values[-1]), float(np.linalg.norm(dense))
     _counted(op, counter)
     top = op.eigsh(k=1, which="LA", tol=1e-6, return_eigenvectors=False)
     bottom = op.eigsh(k=1, which="SA", tol=1e-6, return_eigenvectors=False)
-    return float(bottom[0]), float(top[0])
+    frobenius = op.frobenius_norm() if n <= _FROBENIUS_PRODUCTS else None
+    return float(bottom[0]), float(top[0]), frobenius
 
 
 def _problem(cfg: check.Config, module_path: str | None):
@@ -104,9 +109,10 @@ def run(cfg: check.Config, *, module: str | None = None, k: int = 5, probes: int
         t_trace = time.perf_counter() - t0
         blocks = []
         for name in params.names:
-            low, high = _block_extremes(hessian_operator(X, target, params, wrt=(name,), **kw), counter)
+            low, high, frobenius = _block_extremes(hessian_operator(X, target, params, wrt=(name,), **kw), counter)
             blocks.append({"block": name, "size": params.sizes[params.names.index(name)],
-                           "trace": traces[name, name], "min_eigenvalue": low, "max_eigenvalue": high})
+                           "trace": traces[name, name], "frobenius": frobenius,
+                           "min_eigenvalue": low, "max_eigenvalue": high})
         P = op.shape[0]
         kk = min(k, P - 1)
         t0 = time.perf_counter()
@@ -132,11 +138,15 @@ def run(cfg: check.Config, *, module: str | None = None, k: int = 5, probes: int
 def format_report(r: dict[str, Any]) -> str:
     lines = [f"blockhess spectrum: {r['block']}, P = {r['P']}, loss = {r['loss']} ({r['loss_value']:.6g}), {r['dtype']}",
              "",
-             f"{'block':<10} {'size':>9} {'trace':>12} {'min eig':>12} {'max eig':>12}"]
+             f"{'block':<10} {'size':>9} {'trace':>12} {'||H||_F':>12} {'min eig':>12} {'max eig':>12}"]
     for b in r["blocks"]:
-        lines.append(f"{b['block']:<10} {b['size']:>9} {b['trace']:12.4e} {b['min_eigenvalue']:12.4e} "
+        frobenius = "n/a" if b["frobenius"] is None else f"{b['frobenius']:.4e}"
+        lines.append(f"{b['block']:<10} {b['size']:>9} {b['trace']:12.4e} {frobenius:>12} {b['min_eigenvalue']:12.4e} "
                      f"{b['max_eigenvalue']:12.4e}")
     fmt = lambda values: ", ".join(f"{v:.4e}" for v in values)  # noqa: E731
+    if any(b["frobenius"] is None for b in r["blocks"]):
+        lines.append(f"(||H||_F: n/a for blocks of more than {_FROBENIUS_PRODUCTS} parameters: it costs one "
+                     "product per parameter)")
     lines += ["",
               f"whole block: trace {r['trace']:.6e} (exact, from the factors, {r['seconds']['traces']:.2f} s)",
               f"top eigenvalues:    {fmt(r['top_eigenvalues'])}",
