@@ -84,11 +84,14 @@ _AFTER_ATTENTION = ("W_1", "b_1", "W_2", "b_2")
 
 
 def hessian_diagonal(B: int, L: int, d: int, dk: int, dff: int, itemsize: int, selected: list[tuple[str, tuple[int, ...]]],
-                     *, heads: int = 1, P: int | None = None, pooled: bool = False) -> int:
+                     *, heads: int = 1, P: int | None = None, pooled: bool = False, pre_ln: bool = False) -> int:
     """engine/diagonal.hpp through block_loss.hpp: the forward and reverse passes, the sites' Omegas,
-    and the factors of the selected parameters only, at every value downstream of each (an
-    attention-side parameter at 6 values of width d and 2 of width d_ff; W_1 at 2 of width d; W_2 at
-    2 of width d), its matrix side at most the larger of its two dimensions (heads together)."""
+    and the factors of the selected parameters only, at every value downstream of each, its matrix
+    side at most the larger of its two dimensions (heads together). Values of width d and d_ff:
+    an attention-side parameter 6 and 2; W_1 2 and 0; W_2 2 and 0; the second norm's gamma and beta
+    1 and 0 post-LN (Z only), 3 and 2 pre-LN; the first norm's 4 and 2 post-LN, 11 and 2 pre-LN
+    (it feeds Q, K and V at once). Checked against the peak RSS of a GPT-2-sized block at L = 128
+    (pre-LN gamma_1 6.7 GB against 6.9 estimated; the others 1.1-2.6x over)."""
     n = B * L
     kept = block(B, L, d, dk, dff, itemsize, hessian=False, outer=False, heads=heads, P=P) // itemsize
     omegas = 4 * n * d * d + 2 * B * heads * L * L * L
@@ -99,6 +102,10 @@ def hessian_diagonal(B: int, L: int, d: int, dk: int, dff: int, itemsize: int, s
             factors += n * n_mat * (2 * d + 1)
         elif name in ("W_2", "b_2"):
             factors += n * n_mat * 2 * d
+        elif name in ("gamma_2", "beta_2"):
+            factors += n * n_mat * ((3 * d + 2 * dff) if pre_ln else d)
+        elif name in ("gamma_1", "beta_1"):  # pre-LN: upstream of Q, K and V at once
+            factors += n * n_mat * ((11 * d + 2 * dff) if pre_ln else (4 * d + 2 * dff))
         else:
             factors += n * n_mat * (6 * d + 2 * dff)
         factors += n * n_mat  # its Gamma diagonals

@@ -110,6 +110,7 @@ def _build(X, target, params, loss, part, eps, wrt, columns, promote_with=(), he
         chosen = [(n, shape) for n, shape, keep in zip(params.names, params.shapes, selected) if keep]
         hessian_working = _working_memory.hessian_diagonal(B, L, d, params.d_k, params.d_ff, dtype.itemsize, chosen,
                                                            pooled=kind == _LOSSES["pooled_cross_entropy"],
+                                                           pre_ln=params.spec.norm_position == "pre",
                                                            **_family_size(params))
         require_output_fits((P,), dtype, f"the Hessian's diagonal over {', '.join(names)} (P = {P})",
                             "pass wrt=(...) with fewer parameters, or fewer samples or tokens", working=hessian_working)
