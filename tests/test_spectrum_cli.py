@@ -101,3 +101,24 @@ def test_spectrum_frobenius_through_products_and_left_out_above_the_limit(tmp_pa
             assert b["frobenius"] is None
     assert any(b["frobenius"] is None for b in r["blocks"]) and any(b["frobenius"] for b in r["blocks"])
     assert "n/a for blocks of more than 20 parameters" in capsys.readouterr().out
+
+
+def test_spectrum_trace_is_na_where_a_block_diagonal_exceeds_the_budget(tmp_path, capsys, monkeypatch):
+    from blockhess import _working_memory
+
+    estimate = _working_memory.hessian_diagonal
+
+    def w1_too_large(B, L, d, dk, dff, itemsize, selected, **options):
+        return 1 << 60 if selected[0][0] == "W_1" else estimate(B, L, d, dk, dff, itemsize, selected, **options)
+
+    monkeypatch.setattr(_working_memory, "hessian_diagonal", w1_too_large)
+    out = tmp_path / "s.json"
+    assert spectrum_cli.main([*SMALL, "-k", "2", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    H, params = _dense([])
+    traces = {b["block"]: b["trace"] for b in r["blocks"]}
+    assert traces["W_1"] is None and r["trace"] is None
+    s = params.slices()["W_2"]
+    assert traces["W_2"] == pytest.approx(np.trace(H[s, s]), rel=1e-10)
+    text = capsys.readouterr().out
+    assert "whole block: trace n/a" in text and "BLOCKHESS_MEMORY_BUDGET" in text

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from ..attention import attention
+from ..softmax import softmax
 from ..ffn import ffn
 from ..layernorm import layernorm
 from .layernorm import row_std
@@ -39,6 +40,8 @@ class Sample:
     sigma_min_S: float = 0.0         # row std of the second's, Y + FFN(Y)
     S0: float = 0.0                  # ||X + F||_2, the first LayerNorm's input (Lemma 4's ||X||)
     S: float = 0.0                   # ||Y + FFN(Y)||_2, the second's
+    attention_max: float = 1.0       # the largest attention weight, max_ij A_ij (1/L: uniform)
+    key_max: float = 0.0             # the largest column sum of A: how much one key is attended to
 
 
 def paper_params(params: Any) -> tuple[np.ndarray, ...]:
@@ -62,12 +65,18 @@ def samples_of(X: Any) -> np.ndarray:
     return X[None] if X.ndim == 2 else X
 
 
+def _attention_weights(X: np.ndarray, W_Q: np.ndarray, W_K: np.ndarray) -> dict[str, float]:
+    A = softmax(X @ W_Q @ (X @ W_K).T / np.sqrt(W_Q.shape[1]))
+    return {"attention_max": float(A.max()), "key_max": float(A.sum(axis=0).max())}
+
+
 def attention_sample(X: np.ndarray, target: np.ndarray, W: tuple[np.ndarray, ...]) -> Sample:
     W_Q, W_K, W_V = W[:3]
     L, d = X.shape
     F = attention(X, W_Q, W_K, W_V)
     return Sample(L=L, d=d, d_k=W_Q.shape[1], X=_norm(X), W_Q=_norm(W_Q), W_K=_norm(W_K), W_V=_norm(W_V),
-                  target_frobenius=float(np.linalg.norm(target)), residual_frobenius=float(np.linalg.norm(F - target)))
+                  target_frobenius=float(np.linalg.norm(target)), residual_frobenius=float(np.linalg.norm(F - target)),
+                  **_attention_weights(X, W_Q, W_K))
 
 
 def block_sample(X: np.ndarray, target: np.ndarray, W: tuple[np.ndarray, ...], eps: float) -> Sample:
@@ -81,4 +90,5 @@ def block_sample(X: np.ndarray, target: np.ndarray, W: tuple[np.ndarray, ...], e
                   W_1=_norm(W_1), W_2=_norm(W_2), d_ff=W_1.shape[1],
                   target_frobenius=float(np.linalg.norm(target)), residual_frobenius=float(np.linalg.norm(Z - target)),
                   Y=_norm(Y), relu=_norm(np.maximum(Y @ W_1, 0.0)),
-                  sigma_min_S0=float(row_std(S0, eps).min()), sigma_min_S=float(row_std(S, eps).min()), S0=_norm(S0), S=_norm(S))
+                  sigma_min_S0=float(row_std(S0, eps).min()), sigma_min_S=float(row_std(S, eps).min()), S0=_norm(S0), S=_norm(S),
+                  **_attention_weights(X, W_Q, W_K))

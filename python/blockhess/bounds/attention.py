@@ -8,22 +8,27 @@ As stated, the theorem bounds the blocks (V,V), (Q,Q), (V,Q), (Q,K) by the four 
 the appendix's intermediate bound ||H_o(Q,Q)|| <= 2 ||W_K||^2 ||W_V||^2 ||X||^6 / (L^3 d_V d_K) fails for
 peaked attention. It omits the (K,K) and (V,K) blocks and its constants differ from its proof (E12).
 
-Corrected [ours], with norms spectral unless named, x = ||X||:
+Corrected [ours], with norms spectral unless named, x = ||X||, and two numbers that say how peaked the
+attention is: a = max_ij A_ij (1/L when uniform, up to 1) and k = the largest column sum of A (1 when
+uniform, up to L):
 
-* the row softmax Jacobian diag(a) - a a^T has norm <= 1/2 (Gershgorin: row j sums to 2 a_j (1 - a_j));
-  its second derivative along u is a o ((u - u_bar)^2 - Var_a(u)), of 1-norm <= 2 Var_a(u) <= |u|^2
-  (Popoviciu), so the bilinear map d2A has norm <= 1 (Frobenius in and out, by polarisation);
-* a row-stochastic A has ||A|| <= sqrt(||A||_1 ||A||_inf) <= sqrt(L), and ||A||_F <= sqrt(L);
-* first derivatives (G_k Delta = dF): ||G_V|| <= sqrt(L) x; dT = X dW_Q W_K^T X^T / sqrt(d_k) gives
-  ||G_Q|| <= ||W_V|| ||W_K|| x^3 / (2 sqrt(d_k)), and ||G_K|| likewise with ||W_Q||;
+* the row softmax Jacobian diag(a_i) - a_i a_i^T is positive semi-definite and below diag(a_i), and by
+  Gershgorin below 1/2: ||dA/dT|| <= s1 := min(1/2, a). Uniform attention gives the paper's 1/L;
+* its second derivative along u is a_i o ((u - u_bar)^2 - Var(u)), of 1-norm <= 2 Var(u), and
+  Var(u) <= min(|u|^2/2 (Popoviciu), a |u|^2): the bilinear map d2A has norm <= s2 := min(1, 2a)
+  (Frobenius in and out, by polarisation);
+* ||A||^2 <= ||A||_1 ||A||_inf = k (A is row-stochastic);
+* first derivatives (G_k D = dF): ||G_V|| <= sqrt(k) x; dT = X D_Q W_K^T X^T / sqrt(d_k) gives
+  ||G_Q|| <= s1 ||W_V|| ||W_K|| x^3 / sqrt(d_k), and ||G_K|| likewise with ||W_Q||;
 * second derivatives (phi_kl bounds ||d2F[D_k, D_l]||_F for unit D): phi_VV = 0,
-  phi_VQ = ||W_K|| x^3 / (2 sqrt(d_k)), phi_QQ = ||W_V|| ||W_K||^2 x^5 / d_k,
-  phi_QK = ||W_V|| (||W_Q|| ||W_K|| x^5 / d_k + x^3 / (2 sqrt(d_k))) (the second term from
+  phi_VQ = s1 ||W_K|| x^3 / sqrt(d_k), phi_QQ = s2 ||W_V|| ||W_K||^2 x^5 / d_k,
+  phi_QK = ||W_V|| (s2 ||W_Q|| ||W_K|| x^5 / d_k + s1 x^3 / sqrt(d_k)) (the second term from
   d2T = X D_Q D_K^T X^T / sqrt(d_k)), and K for Q with W_Q for W_K;
-* ||R||_F <= ||A||_F ||X W_V|| + ||Target||_F <= sqrt(L) x ||W_V|| + ||Target||_F =: rho;
+* R = F - Target, rho = ||R||_F (the paper bounds it by sqrt(rank) (L x ||W_V|| + ||Target||));
 
 so ||H(k, l)|| <= c (g_k g_l + rho phi_kl), and ||H|| <= the spectral norm of the 3 x 3 matrix of those
-block bounds. The 1/L^3 of the stated (Q,Q) term becomes 1/(4L).
+block bounds. With the worst case a = 1/2 the 1/L^3 of the stated (Q,Q) term becomes 1/(4L); for
+uniform attention it is the paper's.
 """
 
 from __future__ import annotations
@@ -47,23 +52,31 @@ def pair_label(a: str, b: str) -> str:
     return f"({_SHORT[a]},{_SHORT[b]})"
 
 
+def softmax_constants(s: Sample) -> tuple[float, float]:
+    """(s1, s2): the norms of the row softmax's first and second derivatives, bounded by how peaked
+    the attention is (module docstring)."""
+    return min(0.5, s.attention_max), min(1.0, 2 * s.attention_max)
+
+
 def first_derivative_bounds(s: Sample) -> dict[str, float]:
     """Corrected bounds on ||G_k|| = ||dF/dW_k||."""
-    x, r = s.X, 2 * np.sqrt(s.d_k)
-    return {"W_V": np.sqrt(s.L) * x, "W_Q": s.W_V * s.W_K * x**3 / r, "W_K": s.W_V * s.W_Q * x**3 / r}
+    s1, _ = softmax_constants(s)
+    x, r = s.X, s1 / np.sqrt(s.d_k)
+    return {"W_V": np.sqrt(s.key_max) * x, "W_Q": r * s.W_V * s.W_K * x**3, "W_K": r * s.W_V * s.W_Q * x**3}
 
 
 def second_derivative_bounds(s: Sample) -> dict[tuple[str, str], float]:
     """Corrected bounds on ||d2F[D_k, D_l]||_F over unit D_k, D_l (both orders)."""
+    s1, s2 = softmax_constants(s)
     x, dk = s.X, s.d_k
-    half = 2 * np.sqrt(dk)
+    first = s1 / np.sqrt(dk)
     phi = {
         ("W_V", "W_V"): 0.0,
-        ("W_Q", "W_V"): s.W_K * x**3 / half,
-        ("W_K", "W_V"): s.W_Q * x**3 / half,
-        ("W_Q", "W_Q"): s.W_V * s.W_K**2 * x**5 / dk,
-        ("W_K", "W_K"): s.W_V * s.W_Q**2 * x**5 / dk,
-        ("W_Q", "W_K"): s.W_V * (s.W_Q * s.W_K * x**5 / dk + x**3 / half),
+        ("W_Q", "W_V"): first * s.W_K * x**3,
+        ("W_K", "W_V"): first * s.W_Q * x**3,
+        ("W_Q", "W_Q"): s2 * s.W_V * s.W_K**2 * x**5 / dk,
+        ("W_K", "W_K"): s2 * s.W_V * s.W_Q**2 * x**5 / dk,
+        ("W_Q", "W_K"): s.W_V * (s2 * s.W_Q * s.W_K * x**5 / dk + first * x**3),
     }
     return phi | {(b, a): v for (a, b), v in phi.items()}
 
@@ -92,9 +105,8 @@ def stated_second_derivative_bounds(s: Sample) -> dict[tuple[str, str], float]:
 
 
 def corrected_blocks(s: Sample) -> dict[tuple[str, str], float]:
-    c = 2 / (s.L * s.d)
+    c, rho = 2 / (s.L * s.d), s.residual_frobenius
     g, phi = first_derivative_bounds(s), second_derivative_bounds(s)
-    rho = np.sqrt(s.L) * s.X * s.W_V + s.target_frobenius
     return {(a, b): c * (g[a] * g[b] + rho * phi[a, b]) for a in g for b in g}
 
 
