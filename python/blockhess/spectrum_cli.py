@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 import sys
 import time
 from typing import Any
@@ -186,7 +187,8 @@ def plot_density(r: dict[str, Any], path: str) -> None:
     ax.semilogy(grid, np.maximum(density, floor), lw=1.2)
     ax.set_xlabel("eigenvalue")
     ax.set_ylabel("density (log scale)")
-    ax.set_title(f"Hessian spectral density (SLQ): {r['block']}, P = {r['P']}", fontsize=8)
+    title = f"Hessian spectral density (SLQ), P = {r['P']:,}: {r['block']}"
+    ax.set_title("\n".join(textwrap.wrap(title, 100)), fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
