@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from ..block import loss_hessian
+from ..block import _selected_sizes, loss_hessian
 from ..hvp import hessian_operator
 
 DENSE_LIMIT = 4096  # parameters; a (P, P) float64 Hessian of 128 MiB
@@ -19,12 +19,13 @@ def block_norms(X: Any, target: Any, params: Any, *, part: str = "full", eps: fl
     """``{(a, b): ||H[a, b]||_2}`` for every pair a <= b (in the parameters' order) of ``names``
     (default: all), and ``("all", "all")`` for the whole Hessian over them."""
     names = tuple(params.names) if names is None else tuple(names)
-    P = sum(params[n].size for n in names)
+    sizes = _selected_sizes(params, names)
+    P = sum(sizes)
     if method == "auto":
         method = "dense" if P <= DENSE_LIMIT else "power"
     if method == "dense":
         dense = loss_hessian(X, target, params, part=part, eps=eps, wrt=names, **loss_options)
-        ends = np.cumsum([0] + [params[n].size for n in names])
+        ends = np.cumsum((0, *sizes))
         where = {n: slice(int(s), int(e)) for n, s, e in zip(names, ends[:-1], ends[1:])}
         out = {(a, b): float(np.linalg.norm(dense[where[a], where[b]], 2)) for i, a in enumerate(names) for b in names[i:]}
         out["all", "all"] = float(np.abs(np.linalg.eigvalsh(dense)).max())
@@ -36,7 +37,7 @@ def block_norms(X: Any, target: Any, params: Any, *, part: str = "full", eps: fl
         for b in names[i:]:
             pair = (a,) if a == b else (a, b)
             op = hessian_operator(X, target, params, part=part, eps=eps, wrt=pair, **loss_options)
-            out[a, b] = _block_norm_by_power(op, params[a].size, a == b, iterations)
+            out[a, b] = _block_norm_by_power(op, sizes[i], a == b, iterations)
     op = hessian_operator(X, target, params, part=part, eps=eps, wrt=names, **loss_options)
     out["all", "all"] = _block_norm_by_power(op, P, True, iterations)
     return out

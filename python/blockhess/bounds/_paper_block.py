@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -48,13 +48,10 @@ def paper_params(params: Any) -> tuple[np.ndarray, ...]:
     """W_Q, W_K, W_V (and W_1, W_2) as float64 arrays, after checking the spec is one the bounds are
     about: the paper's block, or the lone attention layer of Thm 1."""
     spec = params.spec
-    attention_only = getattr(spec, "attention_only", False)
-    plain = (spec.norm_position, spec.norm, spec.norm_affine, spec.bias, spec.heads, spec.out_proj,
-             spec.activation, spec.causal) == ("post", "layernorm", False, False, 1, False, "relu", False)
-    if not plain:
+    if not replace(spec, attention_only=False).is_paper_block:
         raise ValueError(f"the paper's bounds are for its block (BlockSpec()) or its attention layer "
                          f"(BlockSpec(attention_only=True)), got {spec}")
-    names = ("W_Q", "W_K", "W_V") if attention_only else ("W_Q", "W_K", "W_V", "W_1", "W_2")
+    names = ("W_Q", "W_K", "W_V") if spec.attention_only else ("W_Q", "W_K", "W_V", "W_1", "W_2")
     return tuple(np.asarray(params[n], dtype=np.float64) for n in names)
 
 

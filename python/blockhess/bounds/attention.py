@@ -143,7 +143,7 @@ def theorem1(X: Any, target: Any, params: Any) -> list[Bound]:
     blocks, the appendix's H_o(Q,Q) bound and M. For a batch the loss is the batch mean, and every
     bound is the mean of the per-sample bounds (the triangle inequality)."""
     W = paper_params(params)
-    if not getattr(params.spec, "attention_only", False):
+    if not params.spec.attention_only:
         raise ValueError("theorem1 is about the lone attention layer: pass BlockParams of BlockSpec(attention_only=True)")
     Xs, targets = samples_of(X), samples_of(target)
     samples = [attention_sample(x, t, W) for x, t in zip(Xs, targets)]

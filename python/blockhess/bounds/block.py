@@ -27,7 +27,6 @@ from typing import Any
 
 import numpy as np
 
-from ..spec import BlockSpec
 from . import attention as attn
 from ._bound import Bound
 from ._norms import block_norms
@@ -76,7 +75,7 @@ def theorem6(X: Any, target: Any, params: Any, *, eps: float = 0.0) -> list[Boun
     """Thm 6 for the paper's block (``BlockSpec()``) at X (L, d) or a batch (B, L, d) with an mse
     target of Z's shape: the 15 parameter blocks and M_tr. For a batch the loss is the batch mean and
     every bound the mean of the per-sample bounds."""
-    if params.spec != BlockSpec(eps=params.spec.eps):
+    if not params.spec.is_paper_block:
         raise ValueError(f"theorem6 is about the paper's block, BlockSpec(); got {params.spec}")
     W = paper_params(params)
     samples = [block_sample(x, t, W, eps) for x, t in zip(samples_of(X), samples_of(target))]
