@@ -2,7 +2,7 @@
 
 A GPT-2-small-shaped block (L=128, d=768, 12 heads of 64, d_ff=3072, pre-LN with biases and affine
 LayerNorms, gelu_tanh, causal; float32; MSE against a random target):
-- the exact trace of one parameter block (W_1, W_Q) from the factors, against a 100-probe
+- the exact trace of one parameter block (W_1, W_Q, W_K) from the factors, against a 100-probe
   Hutchinson estimate of the same trace through torch double-backward HVPs (100 times one HVP of
   the torch reference, measured in the same process). Target: faster, and exact where Hutchinson
   is not;
@@ -34,7 +34,7 @@ def _gpt2():
 
 class RatiosGPT2BlockTrace:
     timeout = 1200
-    params = (["W_1", "W_Q"],)
+    params = (["W_1", "W_Q", "W_K"],)
     param_names = ("block",)
 
     def setup(self, block):

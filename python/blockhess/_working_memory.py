@@ -80,7 +80,7 @@ def hvp(B: int, L: int, d: int, dk: int, dff: int, itemsize: int, columns: int, 
     return itemsize * (kept + per_product * max(1, min(columns, threads)))
 
 
-_AFTER_ATTENTION = ("W_1", "b_1", "W_2", "b_2")
+_ATTENTION = ("W_Q", "b_Q", "W_K", "b_K", "W_V", "b_V")
 
 
 def hessian_diagonal(B: int, L: int, d: int, dk: int, dff: int, itemsize: int, selected: list[tuple[str, tuple[int, ...]]],
@@ -88,27 +88,31 @@ def hessian_diagonal(B: int, L: int, d: int, dk: int, dff: int, itemsize: int, s
     """engine/diagonal.hpp through block_loss.hpp: the forward and reverse passes, the sites' Omegas,
     and the factors of the selected parameters only, at every value downstream of each, its matrix
     side at most the larger of its two dimensions (heads together). Values of width d and d_ff:
-    an attention-side parameter 6 and 2; W_1 2 and 0; W_2 2 and 0; the second norm's gamma and beta
-    1 and 0 post-LN (Z only), 3 and 2 pre-LN; the first norm's 4 and 2 post-LN, 11 and 2 pre-LN
-    (it feeds Q, K and V at once). Checked against the peak RSS of a GPT-2-sized block at L = 128
-    (pre-LN gamma_1 6.7 GB against 6.9 estimated; the others 1.1-2.6x over)."""
+    W_1 2 and 0; W_2 2 and 0; the second norm's gamma and beta 1 and 0 post-LN (Z only), 3 and 2
+    pre-LN; the first norm's 4 and 2 post-LN, 11 and 2 pre-LN (it feeds Q, K and V at once). The
+    attention parameters move their head's rows of F alike (factor.hpp): one (width, d_v) factor
+    per head and value, 6 and 2, shared by all of them, plus each one's fixed right factor (W_K's
+    (d_v, d) per head and token). Checked against the peak RSS of a GPT-2-sized block (pre-LN
+    gamma_1 6.7 GB at L = 128 against 6.9 estimated; at L = 32, W_K 1.27 GB against 1.55, all six
+    attention parameters 1.28 against 1.55, every parameter 6.9 against 10.2)."""
     n = B * L
     kept = block(B, L, d, dk, dff, itemsize, hessian=False, outer=False, heads=heads, P=P) // itemsize
     omegas = 4 * n * d * d + 2 * B * heads * L * L * L
+    hv = max(d, heads * dk)  # the attention output's width (h d_v; d without W_O)
     factors = 0
+    names = [name for name, _ in selected]
+    if any(name in _ATTENTION for name in names):
+        factors += n * hv * (6 * d + 2 * dff + hv)  # G_t downstream, and head i's rows of the identity at F
     for name, shape in selected:
         n_mat = max(shape)
-        if name in ("W_1", "b_1"):
+        if name in ("W_Q", "b_Q", "W_K", "b_K", "W_V", "b_V"):
+            factors += {"W_Q": n * hv * dk, "W_K": n * hv * d + n * heads * dk, "W_V": n * heads * d}.get(name, 0)
+        elif name in ("W_1", "b_1"):
             factors += n * n_mat * (2 * d + 1)
         elif name in ("W_2", "b_2"):
             factors += n * n_mat * 2 * d
         elif name in ("gamma_2", "beta_2"):
             factors += n * n_mat * ((3 * d + 2 * dff) if pre_ln else d)
-        elif name == "W_K":
-            # Measured, not derived: W_K's diagonal holds about 13 * heads * d more per token and matrix
-            # column than W_Q's (0.31 GB at L=32, d=256, 4 heads against 0.09 GB; 11.4 GB at GPT-2
-            # size, L=32; linear in L and heads, not in d_k).
-            factors += n * n_mat * (6 * d + 2 * dff + 13 * heads * d)
         elif name in ("gamma_1", "beta_1"):  # pre-LN: upstream of Q, K and V at once
             factors += n * n_mat * ((11 * d + 2 * dff) if pre_ln else (4 * d + 2 * dff))
         else:

@@ -64,43 +64,55 @@ std::vector<Site<T>> settle_sites(const Graph<T>& g, std::vector<Site<T>> sites)
   return settled;
 }
 
-// Gamma_t = U_i,t^T Omega_t U_j,t, skipping the products with an identity factor. A diagonal
-// Omega_t (mse's outer site, a smooth activation's) with an identity or diagonal U only scales
-// rows or columns: nothing is materialised.
+// C_t = G_i,t^T Omega_t G_j,t (factor.hpp's moving parts), skipping the products with an identity
+// factor. A diagonal Omega_t (mse's outer site, a smooth activation's) with an identity or diagonal
+// G only scales rows or columns: nothing is materialised.
+template <class T>
+void moving_sandwich(const Factor<T>& fi, const Factor<T>& fj, const Site<T>& site, index_t t, T* out) {
+  const index_t w = fi.width, ri = fi.cols(), rj = fj.cols();
+  MapM<T> G(out, ri, rj);
+  auto scale = [t](const Factor<T>& f, index_t k) { return f.form == Form::identity ? T(1) : f.diagonal_t(t)[k]; };
+  if (site.diagonal) {
+    const T* om = site.omega->data() + t * w;
+    const bool di = fi.form != Form::dense, dj = fj.form != Form::dense;
+    if (di && dj) {  // both identity or diagonal: ri = rj = w
+      G.setZero();
+      for (index_t k = 0; k < w; ++k) G(k, k) = scale(fi, k) * om[k] * scale(fj, k);
+    } else if (di) {  // diag(s_i om) G_j: G_j's rows scaled
+      const MapC<T> Uj(fj.dense_t(t), w, rj);
+      for (index_t a = 0; a < w; ++a) G.row(a) = (scale(fi, a) * om[a]) * Uj.row(a);
+    } else if (dj) {  // G_i^T diag(om s_j): G_i^T's columns scaled
+      const MapC<T> Ui(fi.dense_t(t), w, ri);
+      for (index_t b = 0; b < w; ++b) G.col(b) = Ui.row(b).transpose() * (om[b] * scale(fj, b));
+    } else {
+      const Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, 1>> omega(om, w);
+      G.noalias() = MapC<T>(fi.dense_t(t), w, ri).transpose() * omega.asDiagonal() * MapC<T>(fj.dense_t(t), w, rj);
+    }
+    return;
+  }
+  Mat<T> Ui, Uj;
+  if (fi.form == Form::diagonal) fi.materialise_moving(t, Ui);
+  if (fj.form == Form::diagonal) fj.materialise_moving(t, Uj);
+  const MapC<T> Ui_map(fi.form == Form::dense ? fi.dense_t(t) : Ui.data(), w, ri);
+  const MapC<T> Uj_map(fj.form == Form::dense ? fj.dense_t(t) : Uj.data(), w, rj);
+  const MapC<T> O(site.omega->data() + t * w * w, w, w);
+  if (fi.form == Form::identity && fj.form == Form::identity) G = O;
+  else if (fi.form == Form::identity) G.noalias() = O * Uj_map;
+  else if (fj.form == Form::identity) G.noalias() = Ui_map.transpose() * O;
+  else G.noalias() = Ui_map.transpose() * (O * Uj_map);
+}
+
+// Gamma_t = U_i,t^T Omega_t U_j,t = R_i,t^T C_t R_j,t (an absent R_t is the identity).
 template <class T>
 auto sandwich(const Factor<T>& fi, const Factor<T>& fj, const Site<T>& site) {
   return [&fi, &fj, &site](index_t t, T* out) {
-    const index_t w = fi.width, ri = fi.n_mat(), rj = fj.n_mat();
-    MapM<T> G(out, ri, rj);
-    auto scale = [t](const Factor<T>& f, index_t k) { return f.form == Form::identity ? T(1) : f.diagonal_t(t)[k]; };
-    if (site.diagonal) {
-      const T* om = site.omega->data() + t * w;
-      const bool di = fi.form != Form::dense, dj = fj.form != Form::dense;
-      if (di && dj) {  // both identity or diagonal: ri = rj = w
-        G.setZero();
-        for (index_t k = 0; k < w; ++k) G(k, k) = scale(fi, k) * om[k] * scale(fj, k);
-      } else if (di) {  // diag(s_i om) U_j: U_j's rows scaled
-        const MapC<T> Uj(fj.dense_t(t), w, rj);
-        for (index_t a = 0; a < w; ++a) G.row(a) = (scale(fi, a) * om[a]) * Uj.row(a);
-      } else if (dj) {  // U_i^T diag(om s_j): U_i^T's columns scaled
-        const MapC<T> Ui(fi.dense_t(t), w, ri);
-        for (index_t b = 0; b < w; ++b) G.col(b) = Ui.row(b).transpose() * (om[b] * scale(fj, b));
-      } else {
-        const Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, 1>> omega(om, w);
-        G.noalias() = MapC<T>(fi.dense_t(t), w, ri).transpose() * omega.asDiagonal() * MapC<T>(fj.dense_t(t), w, rj);
-      }
-      return;
-    }
-    Mat<T> Ui, Uj;
-    if (fi.form == Form::diagonal) fi.materialise(t, Ui);
-    if (fj.form == Form::diagonal) fj.materialise(t, Uj);
-    const MapC<T> Ui_map(fi.form == Form::dense ? fi.dense_t(t) : Ui.data(), w, ri);
-    const MapC<T> Uj_map(fj.form == Form::dense ? fj.dense_t(t) : Uj.data(), w, rj);
-    const MapC<T> O(site.omega->data() + t * w * w, w, w);
-    if (fi.form == Form::identity && fj.form == Form::identity) G = O;
-    else if (fi.form == Form::identity) G.noalias() = O * Uj_map;
-    else if (fj.form == Form::identity) G.noalias() = Ui_map.transpose() * O;
-    else G.noalias() = Ui_map.transpose() * (O * Uj_map);
+    if (!fi.right && !fj.right) return moving_sandwich(fi, fj, site, t, out);
+    Mat<T> C(fi.cols(), fj.cols());
+    moving_sandwich(fi, fj, site, t, C.data());
+    MapM<T> G(out, fi.n_mat(), fj.n_mat());
+    if (fi.right && fj.right) G.noalias() = fi.right_t(t).transpose() * (C * fj.right_t(t));
+    else if (fi.right) G.noalias() = fi.right_t(t).transpose() * C;
+    else G.noalias() = C * fj.right_t(t);
   };
 }
 

@@ -12,6 +12,8 @@
 #pragma once
 
 #include <algorithm>
+#include <memory>
+#include <utility>
 #include <vector>
 
 #include "blockhess/eigen.hpp"
@@ -31,11 +33,33 @@ inline void unflat(const kron::Split& s, index_t k, index_t& o, index_t& r) {
   else r = q, o = m;
 }
 
-// gamma[t, r] = (U_t^T Omega_t U_t)[r, r] for every token: the diagonal of a site's Gamma.
+// C_t = G_t^T Omega_t G_t for every token (tokens, cols, cols): what a site makes of a factor's
+// moving part, shared by the pieces whose G_t are alike (one attention head's parameters).
 template <class T>
-Buffer<T> site_gamma_diagonal(const Factor<T>& f, const Site<T>& site, index_t tokens) {
+std::shared_ptr<const Buffer<T>> site_core(const Factor<T>& f, const Site<T>& site, index_t tokens) {
+  const index_t c = f.cols();
+  auto core = std::make_shared<Buffer<T>>(static_cast<size_t>(tokens * c * c));
+  blockhess::detail::parallel_for(tokens, f.width * c * (f.width + c), [&](index_t t) {
+    moving_sandwich(f, f, site, t, core->data() + t * c * c);
+  });
+  return core;
+}
+
+// gamma[t, r] = (U_t^T Omega_t U_t)[r, r] for every token: the diagonal of a site's Gamma. With a
+// right factor, the columns of R_t^T C_t R_t, from C_t (site_core).
+template <class T>
+Buffer<T> site_gamma_diagonal(const Factor<T>& f, const Site<T>& site, index_t tokens, const Buffer<T>* core) {
   const index_t w = f.width, nr = f.n_mat();
   Buffer<T> gamma(static_cast<size_t>(tokens * nr));
+  if (f.right) {
+    const index_t c = f.cols();
+    blockhess::detail::parallel_for(tokens, c * c * nr, [&](index_t t) {
+      const MapC<T> R = f.right_t(t);
+      const Mat<T> CR = MapC<T>(core->data() + t * c * c, c, c) * R;
+      Eigen::Map<Eigen::Matrix<T, 1, Eigen::Dynamic>>(gamma.data() + t * nr, nr) = R.cwiseProduct(CR).colwise().sum();
+    });
+    return gamma;
+  }
   blockhess::detail::parallel_for(tokens, w * w * nr, [&](index_t t) {
     T* out = gamma.data() + t * nr;
     const T* omega = site.omega->data() + (site.diagonal ? t * w : t * w * w);
@@ -68,8 +92,8 @@ void scatter_piece(const kron::Split& s, const Mat<T>& M, T* diag) {
 
 // A site's share: M = (vec o vec)^T gamma, one GEMM over tokens.
 template <class T>
-void site_diagonal(const Factor<T>& f, const Site<T>& site, index_t tokens, T* diag) {
-  const Buffer<T> gamma = site_gamma_diagonal(f, site, tokens);
+void site_diagonal(const Factor<T>& f, const Site<T>& site, index_t tokens, const Buffer<T>* core, T* diag) {
+  const Buffer<T> gamma = site_gamma_diagonal(f, site, tokens, core);
   const index_t nv = f.split.n_vec(), nr = f.n_mat();
   const Mat<T> v2 = MapC<T>(f.vec->data(), tokens, nv).cwiseAbs2();
   const Mat<T> M = v2.transpose() * MapC<T>(gamma.data(), tokens, nr);
@@ -133,10 +157,22 @@ void assemble_diagonal(const Graph<T>& g, Terms<T> terms, const std::vector<inde
   const index_t n = g.tokens();
   auto at = [&](int f) { return diag + offset[static_cast<size_t>(g.piece(f).param)]; };
   const std::vector<Site<T>> sites = detail::settle_sites(g, std::move(terms.sites));
+  for (const Site<T>& s : sites) {
+    std::vector<std::pair<const Factor<T>*, std::shared_ptr<const Buffer<T>>>> cores;  // per distinct G_t
+    for (int f = 0; f < g.num_pieces(); ++f) {
+      const Factor<T>& fac = g.factor(s.value, f);
+      if (!g.piece_selected(f) || !fac.present) continue;
+      std::shared_ptr<const Buffer<T>> core;
+      if (fac.right) {
+        for (const auto& [alike, c] : cores)
+          if (alike->moves_like(fac)) core = c;
+        if (!core) cores.emplace_back(&fac, core = detail::site_core(fac, s, n));
+      }
+      detail::site_diagonal(fac, s, n, core.get(), at(f));
+    }
+  }
   for (int f = 0; f < g.num_pieces(); ++f) {
     if (!g.piece_selected(f)) continue;
-    for (const Site<T>& s : sites)
-      if (g.factor(s.value, f).present) detail::site_diagonal(g.factor(s.value, f), s, n, at(f));
     for (const PooledSite<T>& s : terms.pooled)
       if (g.factor(s.value, f).present) detail::pooled_diagonal(g, g.factor(s.value, f), s, at(f));
   }

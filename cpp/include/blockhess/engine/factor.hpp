@@ -5,8 +5,14 @@
 // parameter's tangent contracted with a vector vec_t on one of its two indices. vec is fixed where
 // the parameter enters (a linear weight: its input row; W_K: the query row); every node the value
 // then passes maps U_t (a LayerNorm: J_t U_t; a linear map: W^T U_t; relu: its mask on the rows).
-// U_t is kept in the cheapest exact form: the identity (where the parameter enters a linear map),
-// a diagonal (after a pointwise mask), or dense.
+//
+// U_t is kept as G_t R_t: G_t is what the nodes map, R_t (inner, n_mat) a fixed right factor where
+// the parameter enters, or none (R_t = I). Attention's parameters move one head's rows of its
+// output, so for all of them G_t starts as that head's rows of the identity and only R_t differs
+// (W_Q: s V_i^T Jsm_t K_i; W_K: V_i^T Jsm_t X): the nodes after it map one (width, d_v) G_t per head,
+// shared by the head's parameters (pushes of equal G_t are formed once), instead of a
+// (width, n_mat) U_t per parameter. G_t is kept in the cheapest exact form: the identity (where
+// the parameter enters a linear map), a diagonal (after a pointwise mask), or dense.
 #pragma once
 
 #include <Eigen/Core>
@@ -30,22 +36,39 @@ struct Factor {
   kron::Split split;                     // which index of the parameter vec sits on
   std::shared_ptr<const Buffer<T>> vec;  // (tokens, split.n_vec())
   Form form = Form::dense;
-  index_t width = 0;                     // rows of U_t: the width of the value
-  std::shared_ptr<const Buffer<T>> U;    // dense: (tokens, width, n_mat); diagonal: (tokens, n_mat)
+  index_t width = 0;                     // rows of G_t: the width of the value
+  std::shared_ptr<const Buffer<T>> U;    // G_t. dense: (tokens, width, cols()); diagonal: (tokens, cols())
+  std::shared_ptr<const Buffer<T>> right;  // R_t: (tokens, inner, n_mat), or null for R_t = I
+  index_t inner = 0;
 
   index_t n_mat() const { return split.n_mat(); }
-  const T* dense_t(index_t t) const { return U->data() + t * width * n_mat(); }
-  const T* diagonal_t(index_t t) const { return U->data() + t * n_mat(); }
+  index_t cols() const { return right ? inner : n_mat(); }  // columns of G_t
+  const T* dense_t(index_t t) const { return U->data() + t * width * cols(); }
+  const T* diagonal_t(index_t t) const { return U->data() + t * cols(); }
+  MapC<T> right_t(index_t t) const { return MapC<T>(right->data() + t * inner * n_mat(), inner, n_mat()); }
 
-  // U_t as a dense (width, n_mat) matrix (written into `out` for the identity and diagonal forms).
-  void materialise(index_t t, Mat<T>& out) const {
-    const index_t r = n_mat();
+  // Whether two factors' G_t are the same array (their pushes are then the same too).
+  bool moves_like(const Factor& o) const {
+    return form == o.form && width == o.width && cols() == o.cols() && U == o.U;
+  }
+
+  // G_t as a dense (width, cols()) matrix (written into `out` for the identity and diagonal forms).
+  void materialise_moving(index_t t, Mat<T>& out) const {
+    const index_t r = cols();
     if (form == Form::dense) {
       out = MapC<T>(dense_t(t), width, r);
       return;
     }
     out.setZero(width, r);
     for (index_t k = 0; k < r; ++k) out(k, k) = form == Form::identity ? T(1) : diagonal_t(t)[k];
+  }
+
+  // U_t = G_t R_t as a dense (width, n_mat) matrix.
+  void materialise(index_t t, Mat<T>& out) const {
+    if (!right) return materialise_moving(t, out);
+    Mat<T> G;
+    materialise_moving(t, G);
+    out.noalias() = G * right_t(t);
   }
 };
 
@@ -62,41 +85,65 @@ Factor<T> entering(const kron::Split& split, std::shared_ptr<const Buffer<T>> ve
   return f;
 }
 
-// The same parameter moved to a new value: same vec, new U (dense unless the caller says so).
+// The same parameter moved to a new value: same vec and R_t, a new G_t.
 template <class T>
-Factor<T> moved(const Factor<T>& from, Form form, index_t width, Buffer<T>&& U) {
-  Factor<T> f;
-  f.present = true;
-  f.split = from.split;
-  f.vec = from.vec;
+Factor<T> moved(const Factor<T>& from, Form form, index_t width, std::shared_ptr<const Buffer<T>> G) {
+  Factor<T> f = from;
   f.form = form;
   f.width = width;
-  f.U = std::make_shared<const Buffer<T>>(std::move(U));
+  f.U = std::move(G);
   return f;
 }
+template <class T>
+Factor<T> moved(const Factor<T>& from, Form form, index_t width, Buffer<T>&& G) {
+  return moved(from, form, width, std::make_shared<const Buffer<T>>(std::move(G)));
+}
 
-// U'_t = M_t U_t for every factor in `in` (one per parameter; absent ones stay absent), with M_t
+namespace detail {
+
+// For each present factor, the first one before it with the same G_t (or itself): a node maps
+// each distinct G_t once.
+template <class T>
+std::vector<size_t> first_alike(const std::vector<const Factor<T>*>& in) {
+  std::vector<size_t> first(in.size());
+  for (size_t p = 0; p < in.size(); ++p) {
+    first[p] = p;
+    if (!in[p]->present) continue;
+    for (size_t q = 0; q < p; ++q)
+      if (in[q]->present && in[q]->moves_like(*in[p])) {
+        first[p] = q;
+        break;
+      }
+  }
+  return first;
+}
+
+}  // namespace detail
+
+// G'_t = M_t G_t for every factor in `in` (one per piece; absent ones stay absent), with M_t
 // the (w_out, w_in) Jacobian of a node on its input: matrix_of(t) returns it (or one shared
-// matrix), formed once per token for all the parameters.
+// matrix), formed once per token for all the pieces.
 template <class T, class MatrixOf>
 std::vector<Factor<T>> left_multiply(const std::vector<const Factor<T>*>& in, index_t tokens, index_t w_out,
                                      MatrixOf&& matrix_of) {
   std::vector<Factor<T>> out(in.size());
-  std::vector<Buffer<T>> U(in.size());
+  const std::vector<size_t> first = detail::first_alike(in);
+  std::vector<Buffer<T>> G(in.size());
+  std::vector<size_t> formed;  // the distinct G_t, mapped below
   index_t work = 0;
   for (size_t p = 0; p < in.size(); ++p)
-    if (in[p]->present) {
-      U[p].resize(static_cast<size_t>(tokens * w_out * in[p]->n_mat()));
-      work += w_out * in[p]->width * in[p]->n_mat();
+    if (in[p]->present && first[p] == p) {
+      formed.push_back(p);
+      G[p].resize(static_cast<size_t>(tokens * w_out * in[p]->cols()));
+      work += w_out * in[p]->width * in[p]->cols();
     }
   if (work == 0) return out;
   blockhess::detail::parallel_for(tokens, work, [&](index_t t) {
     const auto& M = matrix_of(t);  // (w_out, w_in)
-    for (size_t p = 0; p < in.size(); ++p) {
+    for (size_t p : formed) {
       const Factor<T>& f = *in[p];
-      if (!f.present) continue;
-      const index_t r = f.n_mat();
-      MapM<T> o(U[p].data() + t * w_out * r, w_out, r);
+      const index_t r = f.cols();
+      MapM<T> o(G[p].data() + t * w_out * r, w_out, r);
       if (f.form == Form::dense) {
         o.noalias() = M * MapC<T>(f.dense_t(t), f.width, r);
       } else if (f.form == Form::identity) {
@@ -107,45 +154,75 @@ std::vector<Factor<T>> left_multiply(const std::vector<const Factor<T>*>& in, in
       }
     }
   });
+  std::vector<std::shared_ptr<const Buffer<T>>> shared(in.size());
+  for (size_t p : formed) shared[p] = std::make_shared<const Buffer<T>>(std::move(G[p]));
   for (size_t p = 0; p < in.size(); ++p)
-    if (in[p]->present) out[p] = moved(*in[p], Form::dense, w_out, std::move(U[p]));
+    if (in[p]->present) out[p] = moved(*in[p], Form::dense, w_out, shared[first[p]]);
   return out;
 }
 
-// U'_t = diag(m_t) U_t for a per-token mask or scale m (tokens, width): a pointwise map.
+// G'_t = diag(m_t) G_t for a per-token mask or scale m (tokens, width): a pointwise map.
 template <class T>
-Factor<T> scale_rows(const Factor<T>& in, index_t tokens, const T* m) {
-  const index_t r = in.n_mat(), w = in.width;
-  if (in.form == Form::dense) {
-    Buffer<T> U(static_cast<size_t>(tokens * w * r));
-    blockhess::detail::parallel_for(tokens, w * r, [&](index_t t) {
-      const Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, 1>> mt(m + t * w, w);
-      MapM<T>(U.data() + t * w * r, w, r).noalias() = mt.asDiagonal() * MapC<T>(in.dense_t(t), w, r);
-    });
-    return moved(in, Form::dense, w, std::move(U));
+std::vector<Factor<T>> scale_rows(const std::vector<const Factor<T>*>& in, index_t tokens, const T* m) {
+  std::vector<Factor<T>> out(in.size());
+  const std::vector<size_t> first = detail::first_alike(in);
+  for (size_t p = 0; p < in.size(); ++p) {
+    if (!in[p]->present) continue;
+    if (first[p] != p) {
+      out[p] = moved(*in[p], out[first[p]].form, out[first[p]].width, out[first[p]].U);
+      continue;
+    }
+    const Factor<T>& f = *in[p];
+    const index_t r = f.cols(), w = f.width;
+    if (f.form == Form::dense) {
+      Buffer<T> G(static_cast<size_t>(tokens * w * r));
+      blockhess::detail::parallel_for(tokens, w * r, [&](index_t t) {
+        const Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, 1>> mt(m + t * w, w);
+        MapM<T>(G.data() + t * w * r, w, r).noalias() = mt.asDiagonal() * MapC<T>(f.dense_t(t), w, r);
+      });
+      out[p] = moved(f, Form::dense, w, std::move(G));
+      continue;
+    }
+    Buffer<T> D(static_cast<size_t>(tokens * r));
+    for (index_t t = 0; t < tokens; ++t)
+      for (index_t k = 0; k < r; ++k) D[t * r + k] = m[t * w + k] * (f.form == Form::identity ? T(1) : f.diagonal_t(t)[k]);
+    out[p] = moved(f, Form::diagonal, w, std::move(D));
   }
-  Buffer<T> D(static_cast<size_t>(tokens * r));
-  for (index_t t = 0; t < tokens; ++t)
-    for (index_t k = 0; k < r; ++k) D[t * r + k] = m[t * w + k] * (in.form == Form::identity ? T(1) : in.diagonal_t(t)[k]);
-  return moved(in, Form::diagonal, w, std::move(D));
+  return out;
 }
 
-// The factor of a sum of values that the parameter reaches along several paths.
+// The factors of a sum of two values, piece by piece: a piece reaching both (along two paths
+// from where it entered, so with the same vec and R_t) moves the sum by G_a + G_b.
 template <class T>
-Factor<T> add(const Factor<T>& a, const Factor<T>& b, index_t tokens) {
-  if (!a.present) return b;
-  if (!b.present) return a;
-  const index_t r = a.n_mat(), w = a.width;
-  Buffer<T> U(static_cast<size_t>(tokens * w * r));
-  blockhess::detail::parallel_for(tokens, w * r, [&](index_t t) {
-    MapM<T> out(U.data() + t * w * r, w, r);
-    Mat<T> scratch;
-    if (a.form == Form::dense) out = MapC<T>(a.dense_t(t), w, r);
-    else a.materialise(t, scratch), out = scratch;
-    if (b.form == Form::dense) out += MapC<T>(b.dense_t(t), w, r);
-    else b.materialise(t, scratch), out += scratch;
-  });
-  return moved(a, Form::dense, w, std::move(U));
+std::vector<Factor<T>> add(const std::vector<const Factor<T>*>& a, const std::vector<const Factor<T>*>& b, index_t tokens) {
+  std::vector<Factor<T>> out(a.size());
+  for (size_t p = 0; p < a.size(); ++p) {
+    if (!a[p]->present || !b[p]->present) {
+      out[p] = a[p]->present ? *a[p] : *b[p];
+      continue;
+    }
+    const Factor<T>&fa = *a[p], &fb = *b[p];
+    if (fa.right != fb.right || fa.vec != fb.vec)
+      throw std::logic_error("engine: the two paths of a piece to a sum must share its vector and right factor");
+    // Pieces whose G_t are alike on both sides share their sum.
+    bool shared = false;
+    for (size_t q = 0; q < p && !shared; ++q)
+      if (a[q]->present && b[q]->present && a[q]->moves_like(fa) && b[q]->moves_like(fb))
+        out[p] = moved(fa, Form::dense, fa.width, out[q].U), shared = true;
+    if (shared) continue;
+    const index_t r = fa.cols(), w = fa.width;
+    Buffer<T> G(static_cast<size_t>(tokens * w * r));
+    blockhess::detail::parallel_for(tokens, w * r, [&](index_t t) {
+      MapM<T> sum(G.data() + t * w * r, w, r);
+      Mat<T> scratch;
+      if (fa.form == Form::dense) sum = MapC<T>(fa.dense_t(t), w, r);
+      else fa.materialise_moving(t, scratch), sum = scratch;
+      if (fb.form == Form::dense) sum += MapC<T>(fb.dense_t(t), w, r);
+      else fb.materialise_moving(t, scratch), sum += scratch;
+    });
+    out[p] = moved(fa, Form::dense, w, std::move(G));
+  }
+  return out;
 }
 
 }  // namespace blockhess::engine

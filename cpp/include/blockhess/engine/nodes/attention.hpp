@@ -5,10 +5,12 @@
 //   F = [F_1 ... F_h] (L, h d_v), per sample (docs/derivation.md §3.3).
 // The one node that mixes tokens: its parameters' factors at F are formed here, in closed form, per
 // token t and head i, each head's columns of a weight as its own piece (Graph::split_columns):
-//   W_Q: vec x_t (rows),        U_t = Mq_t = s V_i^T Jsm_t K_i  on head i's rows of F (d_v, d_k)
-//   W_K: vec s q_t (columns),   U_t = Mk_t = V_i^T Jsm_t X      on head i's rows      (d_v, d)
-//   W_V: vec (A_i X)_t (rows),  U_t = I                          on head i's rows
-// with Jsm_t = diag(a_t) - a_t a_t^T for row t of A_i. Its curvature, head by head: the softmax site
+//   W_Q: vec x_t (rows),        R_t = Mq_t = s V_i^T Jsm_t K_i  (d_v, d_k)
+//   W_K: vec s q_t (columns),   R_t = Mk_t = V_i^T Jsm_t X      (d_v, d)
+//   W_V: vec (A_i X)_t (rows),  R_t = I
+// with Jsm_t = diag(a_t) - a_t a_t^T for row t of A_i, all as U_t = G_t R_t with G_t head i's rows
+// of the identity (factor.hpp): what moves downstream is one G_t per head, shared by the head's
+// parameters, so W_K costs no more to push than W_V. Its curvature, head by head: the softmax site
 // at T_i (the logits row moves by s K_i dW_Q^T x_t and by X dW_K s q_t), the bilinear
 // <gF_i, dA_i dV_i> and <gT_i, s dQ_i dK_i^T>; heads do not meet inside the node.
 // With biases: b_Q enters like W_Q with vec [1]; b_V like W_V with vec [1] (the rows of A sum to
@@ -125,9 +127,29 @@ class AttentionNode final : public Node<T> {
     auto ones = std::make_shared<const Buffer<T>>(n, T(1));
     for (index_t i = 0; i < heads_; ++i) {
       const bool query_side = g.selected(wq()) || (biased() && g.selected(bq()));
-      if (query_side || g.selected(wk())) {
-        // Mq_t, Mk_t on head i's rows of F (zero elsewhere).
-        Buffer<T> Mq(query_side ? n * hv_ * dk_ : 0, T(0)), Mk(g.selected(wk()) ? n * hv_ * d : 0, T(0));
+      const bool keys = g.selected(wk()), values = g.selected(wv()) || (biased() && g.selected(bv()));
+      if (!query_side && !keys && !values) continue;
+      // Every parameter of head i moves F on the head's rows: G_t is those rows of the identity
+      // for all of them (factor.hpp), and R_t says how.
+      Factor<T> head_rows;
+      head_rows.present = true, head_rows.width = hv_;
+      if (heads_ == 1) {
+        head_rows.form = Form::identity;
+      } else {
+        Buffer<T> E(n * hv_ * dv_, T(0));
+        for (index_t t = 0; t < n; ++t)
+          for (index_t c = 0; c < dv_; ++c) E[(t * hv_ + i * dv_ + c) * dv_ + c] = T(1);
+        head_rows.form = Form::dense;
+        head_rows.U = std::make_shared<const Buffer<T>>(std::move(E));
+      }
+      auto with_right = [&](Buffer<T>&& R) {
+        Factor<T> f = head_rows;
+        f.right = std::make_shared<const Buffer<T>>(std::move(R)), f.inner = dv_;
+        return f;
+      };
+      if (query_side || keys) {
+        // R_t = Mq_t (d_v, d_k) and Mk_t (d_v, d).
+        Buffer<T> Mq(query_side ? n * dv_ * dk_ : 0), Mk(keys ? n * dv_ * d : 0);
         blockhess::detail::parallel_for(n, L * dv_ * (d + dk_), [&](index_t t) {
           const index_t b = t / L, r = t % L;
           const Vec a(weights(b, i, L) + r * L, L);
@@ -137,19 +159,15 @@ class AttentionNode final : public Node<T> {
           // first): where attention is one-hot both are equal and the difference is exactly 0.
           if (!Mq.empty()) {
             const Mat<T> Kbar = a.transpose() * k(b, i, L);
-            MapM<T>(Mq.data() + t * hv_ * dk_, hv_, dk_).middleRows(i * dv_, dv_).noalias() =
-                s_ * (Va.transpose() * k(b, i, L) - Ft.transpose() * Kbar);
+            MapM<T>(Mq.data() + t * dv_ * dk_, dv_, dk_).noalias() = s_ * (Va.transpose() * k(b, i, L) - Ft.transpose() * Kbar);
           }
           if (!Mk.empty()) {
             const Mat<T> Xbar = a.transpose() * sample_x(g, b);
-            MapM<T>(Mk.data() + t * hv_ * d, hv_, d).middleRows(i * dv_, dv_).noalias() =
-                Va.transpose() * sample_x(g, b) - Ft.transpose() * Xbar;
+            MapM<T>(Mk.data() + t * dv_ * d, dv_, d).noalias() = Va.transpose() * sample_x(g, b) - Ft.transpose() * Xbar;
           }
         });
         if (query_side) {
-          Factor<T> at_Q;
-          at_Q.present = true, at_Q.form = Form::dense, at_Q.width = hv_;
-          at_Q.U = std::make_shared<const Buffer<T>>(std::move(Mq));
+          Factor<T> at_Q = with_right(std::move(Mq));
           if (g.selected(wq())) {
             const int piece = g.pieces_of(wq())[i];
             at_Q.split = g.split_of(piece, true);
@@ -163,32 +181,19 @@ class AttentionNode final : public Node<T> {
             g.set_factor(this->output, piece, at_Q);
           }
         }
-        if (g.selected(wk())) {
+        if (keys) {
           Buffer<T> sq(n * dk_);
           for (index_t t = 0; t < n; ++t)
             for (index_t c = 0; c < dk_; ++c) sq[t * dk_ + c] = s_ * Q_[t * hk_ + i * dk_ + c];
-          Factor<T> f;
-          f.present = true, f.form = Form::dense, f.width = hv_;
+          Factor<T> f = with_right(std::move(Mk));
           f.split = g.split_of(g.pieces_of(wk())[i], false);
           f.vec = std::make_shared<const Buffer<T>>(std::move(sq));
-          f.U = std::make_shared<const Buffer<T>>(std::move(Mk));
           g.set_factor(this->output, g.pieces_of(wk())[i], std::move(f));
         }
       }
-      const bool values = g.selected(wv()) || (biased() && g.selected(bv()));
       if (!values) continue;
-      // U_t = I on head i's rows: the identity form with one head.
-      Factor<T> at_V;
-      at_V.present = true, at_V.width = hv_;
-      if (heads_ == 1) {
-        at_V.form = Form::identity;
-      } else {
-        Buffer<T> U(n * hv_ * dv_, T(0));
-        for (index_t t = 0; t < n; ++t)
-          for (index_t c = 0; c < dv_; ++c) U[(t * hv_ + i * dv_ + c) * dv_ + c] = T(1);
-        at_V.form = Form::dense;
-        at_V.U = std::make_shared<const Buffer<T>>(std::move(U));
-      }
+      // U_t = G_t itself: R_t = I.
+      Factor<T> at_V = head_rows;
       if (g.selected(wv())) {
         Buffer<T> AX(n * d);
         for (index_t b = 0; b < B; ++b)

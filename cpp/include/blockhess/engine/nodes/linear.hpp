@@ -61,8 +61,16 @@ class LinearNode final : public Node<T> {
     for (int p = 0; p < g.num_pieces(); ++p) {
       const Factor<T>& f = g.factor(in(), p);
       if (!f.present) continue;
-      if (f.form == Form::dense) {
-        const index_t wi = w_in(g), r = f.n_mat();
+      const index_t wi = w_in(g), r = f.n_mat();
+      if (f.right) {  // U_t^T = R_t^T G_t^T
+        terms.kron.push_back(KronTerm<T>{p, weight, f.split, by_columns, f.vec->data(), gout,
+                                         [f, wi, r](index_t t, T* out) {
+                                           Mat<T> G;
+                                           f.materialise_moving(t, G);
+                                           MapM<T>(out, r, wi).noalias() = f.right_t(t).transpose() * G.transpose();
+                                         },
+                                         false});
+      } else if (f.form == Form::dense) {
         terms.kron.push_back(KronTerm<T>{p, weight, f.split, by_columns, f.vec->data(), gout,
                                          [f, wi, r](index_t t, T* out) {
                                            MapM<T>(out, r, wi) = MapC<T>(f.dense_t(t), wi, r).transpose();

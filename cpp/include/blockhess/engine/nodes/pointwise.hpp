@@ -29,10 +29,7 @@ class PointwiseNode final : public Node<T> {
   }
 
   void push(Graph<T>& g) const override {
-    for (int p = 0; p < g.num_pieces(); ++p) {
-      const Factor<T>& f = g.factor(in(), p);
-      if (f.present) g.set_factor(this->output, p, scale_rows(f, g.tokens(), first_.data()));
-    }
+    g.set_factors(this->output, scale_rows(g.factors(in()), g.tokens(), first_.data()));
   }
 
   void curvature(const Graph<T>& g, Terms<T>& terms) const override {

@@ -29,9 +29,7 @@ class ResidualNode final : public Node<T> {
   }
 
   void push(Graph<T>& g) const override {
-    for (int p = 0; p < g.num_pieces(); ++p)
-      if (g.factor(this->inputs[0], p).present || g.factor(this->inputs[1], p).present)
-        g.set_factor(this->output, p, add(g.factor(this->inputs[0], p), g.factor(this->inputs[1], p), g.tokens()));
+    g.set_factors(this->output, add(g.factors(this->inputs[0]), g.factors(this->inputs[1]), g.tokens()));
   }
 
   void curvature(const Graph<T>&, Terms<T>&) const override {}
