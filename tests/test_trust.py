@@ -2,6 +2,7 @@
 range or constant up to rounding, finite inputs with non-finite results, mixed dtypes, masked
 arrays, np.matrix, byte order, alignment, PyTorch tensors, the memory budget and the bindings."""
 
+import functools
 import math
 import subprocess
 import sys
@@ -432,6 +433,62 @@ else:
 peak = high_water_mark() - before
 print(peak, estimate)
 """
+
+
+MEASURE_DIAGONAL_PEAK = r"""
+import re, sys, numpy as np, blockhess
+from blockhess import _working_memory
+
+
+def high_water_mark():
+    with open("/proc/self/status") as status:
+        return int(re.search(r"VmHWM:\s+(\d+) kB", status.read()).group(1)) * 1024
+
+
+L, d, dk, dff, heads = 128, 96, 24, 192, 4
+wrt = None if sys.argv[1] == "all" else tuple(sys.argv[1].split(","))
+spec = blockhess.BlockSpec(norm_position="pre", norm_affine=True, bias=True, heads=heads, out_proj=True,
+                           activation="gelu", causal=True)
+params = blockhess.BlockParams.random(spec, d=d, d_k=dk, d_ff=dff, seed=0)
+X = np.random.default_rng(0).standard_normal((L, d))
+blockhess.hessian_operator(X[:4], X[:4], params, wrt=wrt).diagonal()  # warm up
+op = blockhess.hessian_operator(X, X, params, wrt=wrt)
+before = high_water_mark()
+op.diagonal()
+peak = high_water_mark() - before
+names = params.names if wrt is None else wrt
+chosen = [(n, params[n].shape) for n in names]
+estimate = _working_memory.hessian_diagonal(1, L, d, dk, dff, 8, chosen, heads=heads, P=params.size, pre_ln=True)
+print(peak, estimate)
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def _diagonal_peak(wrt: str) -> tuple[int, int]:
+    done = subprocess.run([sys.executable, "-c", MEASURE_DIAGONAL_PEAK, wrt], capture_output=True, text=True,
+                          check=True)
+    peak, estimate = map(int, done.stdout.split())
+    return peak, estimate
+
+
+ATTENTION_PARAMETERS = "W_Q,b_Q,W_K,b_K,W_V,b_V"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+@pytest.mark.parametrize("wrt", ["W_K", ATTENTION_PARAMETERS, "gamma_1", "gamma_1,beta_1", "all"])
+def test_diagonal_working_memory_estimate_covers_the_measured_peak(wrt):
+    peak, estimate = _diagonal_peak(wrt)
+    assert peak <= estimate + 16 * 2**20
+    assert estimate <= 4 * peak + 16 * 2**20
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_diagonal_holds_one_nodes_factors_at_a_time():
+    # The six attention parameters share one pushed factor per head: about what W_K alone takes.
+    assert _diagonal_peak(ATTENTION_PARAMETERS)[0] < 1.25 * _diagonal_peak("W_K")[0]
+    # The whole block's diagonal holds its largest group's factors (the first norm's gamma, pre-LN),
+    # not the sum over its parameters.
+    assert _diagonal_peak("all")[0] < 1.25 * _diagonal_peak("gamma_1")[0]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")

@@ -80,44 +80,52 @@ def hvp(B: int, L: int, d: int, dk: int, dff: int, itemsize: int, columns: int, 
     return itemsize * (kept + per_product * max(1, min(columns, threads)))
 
 
-_ATTENTION = ("W_Q", "b_Q", "W_K", "b_K", "W_V", "b_V")
+# The parameters whose factors the diagonal forms together, a group at a time (block_loss.hpp,
+# Graph::factor_groups): a node's, a norm's gamma and beta apart.
+_GROUPS = (("W_Q", "b_Q", "W_K", "b_K", "W_V", "b_V"), ("W_O", "b_O"), ("gamma_1",), ("beta_1",), ("W_1", "b_1"),
+           ("W_2", "b_2"), ("gamma_2",), ("beta_2",))
 
 
 def hessian_diagonal(B: int, L: int, d: int, dk: int, dff: int, itemsize: int, selected: list[tuple[str, tuple[int, ...]]],
                      *, heads: int = 1, P: int | None = None, pooled: bool = False, pre_ln: bool = False) -> int:
     """engine/diagonal.hpp through block_loss.hpp: the forward and reverse passes, the sites' Omegas,
-    and the factors of the selected parameters only, at every value downstream of each, its matrix
-    side at most the larger of its two dimensions (heads together). Values of width d and d_ff:
-    W_1 2 and 0; W_2 2 and 0; the second norm's gamma and beta 1 and 0 post-LN (Z only), 3 and 2
-    pre-LN; the first norm's 4 and 2 post-LN, 11 and 2 pre-LN (it feeds Q, K and V at once). The
-    attention parameters move their head's rows of F alike (factor.hpp): one (width, d_v) factor
-    per head and value, 6 and 2, shared by all of them, plus each one's fixed right factor (W_K's
-    (d_v, d) per head and token). Checked against the peak RSS of a GPT-2-sized block (pre-LN
-    gamma_1 6.7 GB at L = 128 against 6.9 estimated; at L = 32, W_K 1.27 GB against 1.55, all six
-    attention parameters 1.28 against 1.55, every parameter 6.9 against 10.2)."""
+    and the factors of one group of selected parameters at a time (the largest group counts), at
+    every value downstream of each, its matrix side at most the larger of its two dimensions (heads
+    together). Values of width d and d_ff: W_1 2 and 0; W_2 2 and 0; the second norm's gamma and
+    beta 1 and 0 post-LN (Z only), 3 and 2 pre-LN; the first norm's 4 and 2 post-LN, 13 and 2 pre-LN
+    (it feeds Q, K and V at once). The attention parameters move their head's rows of F alike
+    (factor.hpp): one (width, d_v) factor per head and value, 6 and 2, shared by all of them, plus
+    each one's fixed right factor (W_K's (d_v, d) per head and token). Checked against the peak RSS
+    of a GPT-2-sized block at L = 32 (pre-LN): W_K 1.27 GB against 1.55 estimated, all six attention
+    parameters 1.28 against 1.55, gamma_1 1.75 against 1.92, every parameter 3.45 against 3.51."""
     n = B * L
     kept = block(B, L, d, dk, dff, itemsize, hessian=False, outer=False, heads=heads, P=P) // itemsize
     omegas = 4 * n * d * d + 2 * B * heads * L * L * L
     hv = max(d, heads * dk)  # the attention output's width (h d_v; d without W_O)
-    factors = 0
-    names = [name for name, _ in selected]
-    if any(name in _ATTENTION for name in names):
-        factors += n * hv * (6 * d + 2 * dff + hv)  # G_t downstream, and head i's rows of the identity at F
-    for name, shape in selected:
+
+    def factors_of(name: str, shape: tuple[int, ...]) -> int:
         n_mat = max(shape)
-        if name in ("W_Q", "b_Q", "W_K", "b_K", "W_V", "b_V"):
-            factors += {"W_Q": n * hv * dk, "W_K": n * hv * d + n * heads * dk, "W_V": n * heads * d}.get(name, 0)
+        if name in _GROUPS[0]:
+            own = {"W_Q": n * hv * dk, "W_K": n * hv * d + n * heads * dk, "W_V": n * heads * d}.get(name, 0)
         elif name in ("W_1", "b_1"):
-            factors += n * n_mat * (2 * d + 1)
+            own = n * n_mat * (2 * d + 1)
         elif name in ("W_2", "b_2"):
-            factors += n * n_mat * 2 * d
+            own = n * n_mat * 2 * d
         elif name in ("gamma_2", "beta_2"):
-            factors += n * n_mat * ((3 * d + 2 * dff) if pre_ln else d)
+            own = n * n_mat * ((3 * d + 2 * dff) if pre_ln else d)
         elif name in ("gamma_1", "beta_1"):  # pre-LN: upstream of Q, K and V at once
-            factors += n * n_mat * ((11 * d + 2 * dff) if pre_ln else (4 * d + 2 * dff))
+            own = n * n_mat * ((13 * d + 2 * dff) if pre_ln else (4 * d + 2 * dff))
         else:
-            factors += n * n_mat * (6 * d + 2 * dff)
-        factors += n * n_mat  # its Gamma diagonals
-        if pooled:
-            factors += L * d * n_mat
+            own = n * n_mat * (6 * d + 2 * dff)
+        return own + n * n_mat + (L * d * n_mat if pooled else 0)  # and its Gamma diagonals
+
+    shapes = dict(selected)
+    factors = 0
+    alone = tuple((name,) for name in shapes if not any(name in group for group in _GROUPS))
+    for group in _GROUPS + alone:
+        chosen = [name for name in group if name in shapes]
+        if not chosen:
+            continue
+        shared = n * hv * (6 * d + 2 * dff + hv) if group is _GROUPS[0] else 0  # the heads' G_t downstream, and at F
+        factors = max(factors, shared + sum(factors_of(name, shapes[name]) for name in chosen))
     return itemsize * (kept + omegas + factors)

@@ -64,13 +64,22 @@ def _counted(op, counter):
     return op
 
 
-def _block_trace(op) -> float | None:
-    """The exact trace of one parameter block, block by block so that only that block's factors are
-    held; None when even they exceed the memory budget (BLOCKHESS_MEMORY_BUDGET raises it)."""
+def _block_traces(op, X, target, params, kw) -> dict[str, float | None]:
+    """The exact trace of every parameter block: from the whole operator's diagonal (formed one
+    node's parameters at a time, an attention node's sharing their factors), else block by block
+    where that exceeds the memory budget; None for a block whose own factors exceed it
+    (BLOCKHESS_MEMORY_BUDGET raises it)."""
     try:
-        return op.trace()
+        return {a: trace for (a, _), trace in op.trace(by_block=True).items()}
     except OutputTooLargeError:
-        return None
+        pass
+    traces: dict[str, float | None] = {}
+    for name in params.names:
+        try:
+            traces[name] = hessian_operator(X, target, params, wrt=(name,), **kw).trace()
+        except OutputTooLargeError:
+            traces[name] = None
+    return traces
 
 
 def _block_extremes(op, counter) -> tuple[float, float, float | None]:
@@ -115,15 +124,15 @@ def run(cfg: check.Config, *, module: str | None = None, k: int = 5, probes: int
         eps = cfg.eps if module is None else params.spec.eps
         kw = dict(loss=cfg.loss, eps=eps, head=head)
         op = _counted(hessian_operator(X, target, params, **kw), counter)
-        blocks, t_trace = [], 0.0
+        t0 = time.perf_counter()
+        traces = _block_traces(op, X, target, params, kw)
+        t_trace = time.perf_counter() - t0
+        blocks = []
         for name in params.names:
             block_op = hessian_operator(X, target, params, wrt=(name,), **kw)
-            t0 = time.perf_counter()
-            trace = _block_trace(block_op)
-            t_trace += time.perf_counter() - t0
             low, high, frobenius = _block_extremes(block_op, counter)
             blocks.append({"block": name, "size": params.sizes[params.names.index(name)],
-                           "trace": trace, "frobenius": frobenius,
+                           "trace": traces[name], "frobenius": frobenius,
                            "min_eigenvalue": low, "max_eigenvalue": high})
         P = op.shape[0]
         kk = min(k, P - 1)

@@ -63,13 +63,13 @@ void assemble_hessian(const Evaluation<T>& e, const OuterCurvature<T>& outer, Pa
   engine::assemble(e.graph(), hessian_terms(e, outer, part), offset, P, H);
 }
 
-// The diagonal of the same Hessian (P entries), with no block of it formed (engine/diagonal.hpp).
+// diag (P entries, laid out as `wrt` selects) += the diagonal of the same Hessian on the
+// parameters whose factors `e` holds, with no block of it formed (engine/diagonal.hpp).
 template <class T>
-void assemble_hessian_diagonal(const Evaluation<T>& e, const OuterCurvature<T>& outer, Part part, const Selection& wrt,
-                               T* diag) {
-  index_t P = 0;
-  const std::vector<index_t> offset = selected_offsets(e, wrt, &P);
-  engine::assemble_diagonal(e.graph(), hessian_terms(e, outer, part), offset, P, diag);
+void add_hessian_diagonal(const Evaluation<T>& e, const OuterCurvature<T>& outer, Part part, const Selection& wrt,
+                          T* diag) {
+  const std::vector<index_t> offset = selected_offsets(e, wrt, nullptr);
+  engine::add_diagonal(e.graph(), hessian_terms(e, outer, part), offset, diag);
 }
 
 // dZ/dW_p for one sample: (L d, n_p), from p's factor at Z.

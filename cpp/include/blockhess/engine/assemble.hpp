@@ -79,22 +79,22 @@ void moving_sandwich(const Factor<T>& fi, const Factor<T>& fj, const Site<T>& si
       G.setZero();
       for (index_t k = 0; k < w; ++k) G(k, k) = scale(fi, k) * om[k] * scale(fj, k);
     } else if (di) {  // diag(s_i om) G_j: G_j's rows scaled
-      const MapC<T> Uj(fj.dense_t(t), w, rj);
+      const ColMap<T> Uj = fj.dense(t);
       for (index_t a = 0; a < w; ++a) G.row(a) = (scale(fi, a) * om[a]) * Uj.row(a);
     } else if (dj) {  // G_i^T diag(om s_j): G_i^T's columns scaled
-      const MapC<T> Ui(fi.dense_t(t), w, ri);
+      const ColMap<T> Ui = fi.dense(t);
       for (index_t b = 0; b < w; ++b) G.col(b) = Ui.row(b).transpose() * (om[b] * scale(fj, b));
     } else {
       const Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, 1>> omega(om, w);
-      G.noalias() = MapC<T>(fi.dense_t(t), w, ri).transpose() * omega.asDiagonal() * MapC<T>(fj.dense_t(t), w, rj);
+      G.noalias() = fi.dense(t).transpose() * omega.asDiagonal() * fj.dense(t);
     }
     return;
   }
-  Mat<T> Ui, Uj;
+  ColMat<T> Ui, Uj;
   if (fi.form == Form::diagonal) fi.materialise_moving(t, Ui);
   if (fj.form == Form::diagonal) fj.materialise_moving(t, Uj);
-  const MapC<T> Ui_map(fi.form == Form::dense ? fi.dense_t(t) : Ui.data(), w, ri);
-  const MapC<T> Uj_map(fj.form == Form::dense ? fj.dense_t(t) : Uj.data(), w, rj);
+  const ColMap<T> Ui_map(fi.form == Form::dense ? fi.dense_t(t) : Ui.data(), w, ri);
+  const ColMap<T> Uj_map(fj.form == Form::dense ? fj.dense_t(t) : Uj.data(), w, rj);
   const MapC<T> O(site.omega->data() + t * w * w, w, w);
   if (fi.form == Form::identity && fj.form == Form::identity) G = O;
   else if (fi.form == Form::identity) G.noalias() = O * Uj_map;

@@ -71,7 +71,7 @@ Buffer<T> site_gamma_diagonal(const Factor<T>& f, const Site<T>& site, index_t t
       }
       return;
     }
-    const MapC<T> U(f.dense_t(t), w, nr);
+    const ColMap<T> U = f.dense(t);
     if (site.diagonal) {
       const Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, 1>> om(omega, w);
       Eigen::Map<Eigen::Matrix<T, 1, Eigen::Dynamic>>(out, nr) = om.transpose() * U.cwiseAbs2();
@@ -150,10 +150,9 @@ void pooled_diagonal(const Graph<T>& g, const Factor<T>& f, const PooledSite<T>&
 
 }  // namespace detail
 
-// diag (the selected parameters at `offset`, P entries) = the diagonal of assemble(g, terms, ...).
+// diag (the parameters at `offset`) += the diagonal of assemble(g, terms, ...) on the selected ones.
 template <class T>
-void assemble_diagonal(const Graph<T>& g, Terms<T> terms, const std::vector<index_t>& offset, index_t P, T* diag) {
-  std::fill_n(diag, P, T(0));
+void add_diagonal(const Graph<T>& g, Terms<T> terms, const std::vector<index_t>& offset, T* diag) {
   const index_t n = g.tokens();
   auto at = [&](int f) { return diag + offset[static_cast<size_t>(g.piece(f).param)]; };
   const std::vector<Site<T>> sites = detail::settle_sites(g, std::move(terms.sites));

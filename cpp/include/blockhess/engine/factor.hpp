@@ -25,10 +25,21 @@
 #include "blockhess/eigen.hpp"
 #include "blockhess/kron_sum.hpp"
 #include "blockhess/parallel.hpp"
+#include "blockhess/parallel_product.hpp"
 
 namespace blockhess::engine {
 
 enum class Form { identity, diagonal, dense };
+
+// A dense G_t is stored column by column: the rows of G_t^T follow each other over all tokens, so
+// that a linear map of every token (G'_t = W^T G_t, i.e. G'_t^T = G_t^T W) is one (tokens cols, w_in)
+// x (w_in, w_out) product instead of a product per token.
+template <class T>
+using ColMat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::ColMajor>;
+template <class T>
+using ColMap = Eigen::Map<const ColMat<T>>;
+template <class T>
+using ColMapM = Eigen::Map<ColMat<T>>;
 
 template <class T>
 struct Factor {
@@ -37,13 +48,14 @@ struct Factor {
   std::shared_ptr<const Buffer<T>> vec;  // (tokens, split.n_vec())
   Form form = Form::dense;
   index_t width = 0;                     // rows of G_t: the width of the value
-  std::shared_ptr<const Buffer<T>> U;    // G_t. dense: (tokens, width, cols()); diagonal: (tokens, cols())
+  std::shared_ptr<const Buffer<T>> U;    // G_t. dense: (tokens, cols(), width), i.e. G_t^T; diagonal: (tokens, cols())
   std::shared_ptr<const Buffer<T>> right;  // R_t: (tokens, inner, n_mat), or null for R_t = I
   index_t inner = 0;
 
   index_t n_mat() const { return split.n_mat(); }
   index_t cols() const { return right ? inner : n_mat(); }  // columns of G_t
   const T* dense_t(index_t t) const { return U->data() + t * width * cols(); }
+  ColMap<T> dense(index_t t) const { return ColMap<T>(dense_t(t), width, cols()); }
   const T* diagonal_t(index_t t) const { return U->data() + t * cols(); }
   MapC<T> right_t(index_t t) const { return MapC<T>(right->data() + t * inner * n_mat(), inner, n_mat()); }
 
@@ -53,10 +65,10 @@ struct Factor {
   }
 
   // G_t as a dense (width, cols()) matrix (written into `out` for the identity and diagonal forms).
-  void materialise_moving(index_t t, Mat<T>& out) const {
+  void materialise_moving(index_t t, ColMat<T>& out) const {
     const index_t r = cols();
     if (form == Form::dense) {
-      out = MapC<T>(dense_t(t), width, r);
+      out = dense(t);
       return;
     }
     out.setZero(width, r);
@@ -65,10 +77,15 @@ struct Factor {
 
   // U_t = G_t R_t as a dense (width, n_mat) matrix.
   void materialise(index_t t, Mat<T>& out) const {
-    if (!right) return materialise_moving(t, out);
-    Mat<T> G;
+    if (form == Form::dense) {
+      if (right) out.noalias() = dense(t) * right_t(t);
+      else out = dense(t);
+      return;
+    }
+    ColMat<T> G;
     materialise_moving(t, G);
-    out.noalias() = G * right_t(t);
+    if (right) out.noalias() = G * right_t(t);
+    else out = G;
   }
 };
 
@@ -143,9 +160,9 @@ std::vector<Factor<T>> left_multiply(const std::vector<const Factor<T>*>& in, in
     for (size_t p : formed) {
       const Factor<T>& f = *in[p];
       const index_t r = f.cols();
-      MapM<T> o(G[p].data() + t * w_out * r, w_out, r);
+      ColMapM<T> o(G[p].data() + t * w_out * r, w_out, r);
       if (f.form == Form::dense) {
-        o.noalias() = M * MapC<T>(f.dense_t(t), f.width, r);
+        o.noalias() = M * f.dense(t);
       } else if (f.form == Form::identity) {
         o = M;
       } else {
@@ -156,6 +173,36 @@ std::vector<Factor<T>> left_multiply(const std::vector<const Factor<T>*>& in, in
   });
   std::vector<std::shared_ptr<const Buffer<T>>> shared(in.size());
   for (size_t p : formed) shared[p] = std::make_shared<const Buffer<T>>(std::move(G[p]));
+  for (size_t p = 0; p < in.size(); ++p)
+    if (in[p]->present) out[p] = moved(*in[p], Form::dense, w_out, shared[first[p]]);
+  return out;
+}
+
+// G'_t = W^T G_t for every factor in `in`, with one weight W (w_in, w_out) for every token (a
+// linear map): for a dense G_t, all tokens' G'_t^T = G_t^T W at once.
+template <class T>
+std::vector<Factor<T>> left_multiply_weight(const std::vector<const Factor<T>*>& in, index_t tokens, const T* weight,
+                                            index_t w_in, index_t w_out) {
+  std::vector<Factor<T>> out(in.size());
+  const std::vector<size_t> first = detail::first_alike(in);
+  const MapC<T> W(weight, w_in, w_out);
+  std::vector<std::shared_ptr<const Buffer<T>>> shared(in.size());
+  for (size_t p = 0; p < in.size(); ++p) {
+    if (!in[p]->present || first[p] != p) continue;
+    const Factor<T>& f = *in[p];
+    const index_t r = f.cols();
+    Buffer<T> G(static_cast<size_t>(tokens * r * w_out));
+    MapM<T> Gt(G.data(), tokens * r, w_out);  // the G'_t^T, token after token
+    if (f.form == Form::dense) {
+      product(Gt, MapC<T>(f.U->data(), tokens * r, w_in), W, T(1), false);
+    } else {  // G_t = diag(delta_t) (or I): G'_t^T = diag(delta_t) W
+      blockhess::detail::parallel_for(tokens, r * w_out, [&](index_t t) {
+        for (index_t k = 0; k < r; ++k)
+          Gt.row(t * r + k) = (f.form == Form::identity ? T(1) : f.diagonal_t(t)[k]) * W.row(k);
+      });
+    }
+    shared[p] = std::make_shared<const Buffer<T>>(std::move(G));
+  }
   for (size_t p = 0; p < in.size(); ++p)
     if (in[p]->present) out[p] = moved(*in[p], Form::dense, w_out, shared[first[p]]);
   return out;
@@ -178,7 +225,7 @@ std::vector<Factor<T>> scale_rows(const std::vector<const Factor<T>*>& in, index
       Buffer<T> G(static_cast<size_t>(tokens * w * r));
       blockhess::detail::parallel_for(tokens, w * r, [&](index_t t) {
         const Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, 1>> mt(m + t * w, w);
-        MapM<T>(G.data() + t * w * r, w, r).noalias() = mt.asDiagonal() * MapC<T>(f.dense_t(t), w, r);
+        ColMapM<T>(G.data() + t * w * r, w, r).noalias() = mt.asDiagonal() * f.dense(t);
       });
       out[p] = moved(f, Form::dense, w, std::move(G));
       continue;
@@ -213,11 +260,11 @@ std::vector<Factor<T>> add(const std::vector<const Factor<T>*>& a, const std::ve
     const index_t r = fa.cols(), w = fa.width;
     Buffer<T> G(static_cast<size_t>(tokens * w * r));
     blockhess::detail::parallel_for(tokens, w * r, [&](index_t t) {
-      MapM<T> sum(G.data() + t * w * r, w, r);
-      Mat<T> scratch;
-      if (fa.form == Form::dense) sum = MapC<T>(fa.dense_t(t), w, r);
+      ColMapM<T> sum(G.data() + t * w * r, w, r);
+      ColMat<T> scratch;
+      if (fa.form == Form::dense) sum = fa.dense(t);
       else fa.materialise_moving(t, scratch), sum = scratch;
-      if (fb.form == Form::dense) sum += MapC<T>(fb.dense_t(t), w, r);
+      if (fb.form == Form::dense) sum += fb.dense(t);
       else fb.materialise_moving(t, scratch), sum += scratch;
     });
     out[p] = moved(fa, Form::dense, w, std::move(G));

@@ -95,6 +95,10 @@ class Node {
   virtual void curvature(const Graph<T>& g, Terms<T>& terms) const = 0;
   virtual void jvp(const Graph<T>& g, Tangent<T>& tg) const = 0;
   virtual void vjp_tangent(const Graph<T>& g, Tangent<T>& tg, bool curved) const = 0;
+  // Whether its parameters' factors are pushed alike (an attention head's all move its rows of the
+  // output; a linear weight and its bias both enter as the identity), so that they are best
+  // formed together: Graph::factor_groups.
+  virtual bool parameters_move_alike() const { return true; }
   // Token-local with one input and no parameters: a site at its output is the site
   // J_t^T Omega_t J_t at its input (every factor at the output is J_t times one at the input).
   virtual bool pulls_sites() const { return false; }
@@ -229,6 +233,19 @@ class Graph {
     std::copy_n(g_output, tokens() * width(output_), seed.data);
     for (auto it = nodes_.rbegin(); it != nodes_.rend(); ++it)
       if (varies((*it)->output)) (*it)->vjp(*this);
+  }
+
+  // The parameters whose factors are best formed together: a node's, or each of them alone where
+  // they move differently (Node::parameters_move_alike).
+  std::vector<std::vector<int>> factor_groups() const {
+    std::vector<std::vector<int>> groups;
+    for (const auto& node : nodes_) {
+      if (node->params.empty()) continue;
+      if (node->parameters_move_alike()) groups.push_back(node->params);
+      else
+        for (int p : node->params) groups.push_back({p});
+    }
+    return groups;
   }
 
   // The parameters the Hessian is taken with respect to (one flag per parameter).

@@ -138,7 +138,7 @@ class AttentionNode final : public Node<T> {
       } else {
         Buffer<T> E(n * hv_ * dv_, T(0));
         for (index_t t = 0; t < n; ++t)
-          for (index_t c = 0; c < dv_; ++c) E[(t * hv_ + i * dv_ + c) * dv_ + c] = T(1);
+          for (index_t c = 0; c < dv_; ++c) E[(t * dv_ + c) * hv_ + i * dv_ + c] = T(1);  // column c: row i d_v + c
         head_rows.form = Form::dense;
         head_rows.U = std::make_shared<const Buffer<T>>(std::move(E));
       }
@@ -457,7 +457,7 @@ class AttentionNode final : public Node<T> {
         for (index_t u = 0; u < L; ++u)
           dT.row(u).noalias() += s_ * (qt * MapC<T>(m.Pk.data() + (b * L + u) * hk_ * r, hk_, r).middleRows(i * dk_, dk_));
         const Vec a(weights(b, i, L) + row * L, L);
-        auto out = MapM<T>(UF.data() + t * hv_ * r, hv_, r).middleRows(i * dv_, dv_);
+        auto out = ColMapM<T>(UF.data() + t * hv_ * r, hv_, r).middleRows(i * dv_, dv_);
         for (index_t u = 0; u < L; ++u)
           out += a[u] * MapC<T>(m.Pv.data() + (b * L + u) * hv_ * r, hv_, r).middleRows(i * dv_, dv_);
         const Mat<T> JdT = a.asDiagonal() * dT - a * (a.transpose() * dT);  // Jsm_t dT_t

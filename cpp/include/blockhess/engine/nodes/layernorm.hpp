@@ -121,6 +121,7 @@ class NormNode final : public Node<T> {
   }
 
   bool pulls_sites() const override { return !affine(); }
+  bool parameters_move_alike() const override { return false; }  // gamma's factor is diagonal, beta's the identity
   void pull_site(const Graph<T>& g, index_t t, const T* omega_out, T* omega_in) const override {
     const index_t d = width(g);
     const Mat<T> J = jacobian(g, t, true);

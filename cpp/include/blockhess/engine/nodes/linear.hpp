@@ -43,8 +43,7 @@ class LinearNode final : public Node<T> {
 
   void push(Graph<T>& g) const override {
     const index_t n = g.tokens();
-    const Mat<T> Wt = W(g).transpose();
-    g.set_factors(this->output, left_multiply(g.factors(in()), n, w_out(g), [&](index_t) -> const Mat<T>& { return Wt; }));
+    g.set_factors(this->output, left_multiply_weight(g.factors(in()), n, g.weight(param()), w_in(g), w_out(g)));
     if (g.selected(param()))
       g.set_factor(this->output, g.whole(param()),
                    entering<T>(kron::Split{w_in(g), w_out(g), true}, g.value_buffer(in()), w_out(g)));
@@ -65,7 +64,7 @@ class LinearNode final : public Node<T> {
       if (f.right) {  // U_t^T = R_t^T G_t^T
         terms.kron.push_back(KronTerm<T>{p, weight, f.split, by_columns, f.vec->data(), gout,
                                          [f, wi, r](index_t t, T* out) {
-                                           Mat<T> G;
+                                           ColMat<T> G;
                                            f.materialise_moving(t, G);
                                            MapM<T>(out, r, wi).noalias() = f.right_t(t).transpose() * G.transpose();
                                          },
@@ -73,7 +72,7 @@ class LinearNode final : public Node<T> {
       } else if (f.form == Form::dense) {
         terms.kron.push_back(KronTerm<T>{p, weight, f.split, by_columns, f.vec->data(), gout,
                                          [f, wi, r](index_t t, T* out) {
-                                           MapM<T>(out, r, wi) = MapC<T>(f.dense_t(t), wi, r).transpose();
+                                           MapM<T>(out, r, wi) = f.dense(t).transpose();
                                          },
                                          false});
       } else {
