@@ -74,11 +74,14 @@ def test_bad_batches_are_named(rng):
         op @ np.ones(3)
 
 
-@pytest.fixture(scope="module")
-def dask_client():
+# Workers in processes of their own (on loopback), and in this process (threads: what
+# benchmarks/benchmarks/bench_dataset.py measures fastest, since the core releases the GIL).
+@pytest.fixture(scope="module", params=["processes", "in_process"])
+def dask_client(request):
     distributed = pytest.importorskip("distributed", reason="dask[distributed] is in the test extra")
-    cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
-                                       dashboard_address=None, silence_logs=40)
+    where = {"processes": True, "host": "127.0.0.1"} if request.param == "processes" else {"processes": False}
+    cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=None, silence_logs=40,
+                                       **where)
     client = distributed.Client(cluster)
     try:
         yield client

@@ -34,7 +34,17 @@ def _calls():
     LN = rng.standard_normal((64, 128))
     S = rng.standard_normal((64, 32))
     A = [rng.standard_normal(s) for s in [(16, 32), (32, 32), (32, 32), (32, 32)]]
+    # Every option on: the bias and gamma/beta rows are column sums, whose bits once depended on
+    # where they sat in the output (and so on the thread count).
+    everything = blockhess.BlockSpec(norm_position="pre", norm_affine=True, bias=True, heads=2, out_proj=True,
+                                     activation="gelu", causal=True)
+    pe = blockhess.BlockParams.random(everything, d=8, d_k=4, d_ff=16, seed=3)
+    Xe = rng.standard_normal((3, 16, 8))
+    ve = rng.standard_normal(pe.size)
     return {
+        "loss_hvp_everything": lambda: blockhess.loss_hvp(Xe, Xe, pe, ve),
+        "loss_gradient_everything": lambda: blockhess.loss_gradient(Xe, Xe, pe),
+        "hessian_diagonal_everything": lambda: blockhess.hessian_operator(Xe, Xe, pe).diagonal(),
         "loss_hessian": lambda: blockhess.loss_hessian(X, target, params),
         "loss_hessian_f32": lambda: blockhess.loss_hessian(X.astype(np.float32), target.astype(np.float32),
                                                            blockhess.BlockParams(*(w.astype(np.float32) for w in W))),

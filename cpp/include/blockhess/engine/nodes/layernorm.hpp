@@ -74,9 +74,9 @@ class NormNode final : public Node<T> {
     }
     if (!affine()) return;
     const MapC<T> G(gy, n, d), N(normalized_.data(), n, d);
-    if (T* grad = g.gradient_out(gamma_param())) MapM<T>(grad, 1, d) = G.cwiseProduct(N).colwise().sum();
+    if (T* grad = g.gradient_out(gamma_param())) column_sums(G.cwiseProduct(N), grad);
     if (has_beta())
-      if (T* grad = g.gradient_out(beta_param())) MapM<T>(grad, 1, d) = G.colwise().sum();
+      if (T* grad = g.gradient_out(beta_param())) column_sums(G, grad);
   }
 
   void push(Graph<T>& g) const override {
@@ -180,12 +180,11 @@ class NormNode final : public Node<T> {
     if (!affine()) return;
     const MapC<T> G(gy, n, d), dG(dgy, n, d), N(normalized_.data(), n, d);
     if (T* out = tg.dgrad[gamma_param()]) {
-      MapM<T> o(out, 1, d);
-      o = dG.cwiseProduct(N).colwise().sum();
-      if (curved && dn) o += G.cwiseProduct(MapC<T>(dn, n, d)).colwise().sum();
+      column_sums(dG.cwiseProduct(N), out);
+      if (curved && dn) column_sums(G.cwiseProduct(MapC<T>(dn, n, d)), out, true);
     }
     if (has_beta())
-      if (T* out = tg.dgrad[beta_param()]) MapM<T>(out, 1, d) = dG.colwise().sum();
+      if (T* out = tg.dgrad[beta_param()]) column_sums(dG, out);
   }
 
  private:

@@ -38,7 +38,7 @@ class LinearNode final : public Node<T> {
     if (T* grad = g.gradient_out(param()))
       product(MapM<T>(grad, w_in(g), w_out(g)), MapC<T>(g.value(in()), n, w_in(g)).transpose(), gout, T(1), false);
     if (has_bias())
-      if (T* grad = g.gradient_out(bias_param())) MapM<T>(grad, 1, w_out(g)) = gout.colwise().sum();
+      if (T* grad = g.gradient_out(bias_param())) column_sums(gout, grad);
   }
 
   void push(Graph<T>& g) const override {
@@ -113,7 +113,7 @@ class LinearNode final : public Node<T> {
       if (curved && din) product(o, MapC<T>(din, n, w_in(g)).transpose(), gout, T(1), true);
     }
     if (has_bias())
-      if (T* out = tg.dgrad[static_cast<size_t>(bias_param())]) MapM<T>(out, 1, w_out(g)) = dgout.colwise().sum();
+      if (T* out = tg.dgrad[static_cast<size_t>(bias_param())]) column_sums(dgout, out);
   }
 
  private:
