@@ -37,7 +37,12 @@ struct Problem {
   index_t B = 0;
   std::vector<const T*> weights;
 
-  block::Evaluation<T> evaluate(const T* X, T eps) const { return block::forward(spec, dims, B, X, weights, eps); }
+  // The block at X, for one call: the weights are the caller's arrays, alive until it returns.
+  block::Evaluation<T> evaluate(const T* X, T eps) const {
+    return block::forward(spec, dims, B, X, weights, eps, engine::Storage::borrow);
+  }
+  // For an object that outlives the call (the Hessian operator): a copy of the weights.
+  block::Evaluation<T> evaluate_kept(const T* X, T eps) const { return block::forward(spec, dims, B, X, weights, eps); }
   std::vector<block::ParamShape> shapes() const { return block::parameters(spec, dims); }
 };
 
@@ -256,6 +261,26 @@ void bind_for(py::module_& m) {
       py::arg("wrt"), py::arg("out").noconvert(), py::arg("head_weight").noconvert().none(true) = py::none(),
       py::arg("head_bias").noconvert().none(true) = py::none());
 
+  // One product H V (V of shape (P,) or (P, k)), the weights read in place: loss_hvp.
+  m.def(
+      "loss_hvp",
+      [](A X, const SpecTuple& spec, Weights W, T eps, int kind, const optional_carray<T>& values,
+         const opt_classes& classes, int part, const std::vector<bool>& wrt, A V, carray<T>& out,
+         const optional_carray<T>& head_weight, const optional_carray<T>& head_bias) {
+        const auto c = curvature_call<T>(X, spec, W, kind, values, classes, part, wrt, head_weight, head_bias);
+        if (V.ndim() < 1 || V.ndim() > 2 || V.shape(0) != c.P) throw std::invalid_argument("loss_hvp: V must be (P,) or (P, k)");
+        const index_t k = V.ndim() == 2 ? V.shape(1) : 1;
+        if (V.ndim() == 2) require_shape(out, {c.P, k}, "out");
+        else require_shape(out, {c.P}, "out");
+        T* o = mutable_ptr(out);
+        py::gil_scoped_release release;
+        block::HessianOperator<T>(c.problem.evaluate(X.data(), eps), c.target, c.part, c.wrt).apply_columns(V.data(), k, o);
+      },
+      py::arg("X").noconvert(), py::arg("spec"), py::arg("weights"), py::arg("eps"), py::arg("kind"),
+      py::arg("values").noconvert().none(true), py::arg("classes").noconvert().none(true), py::arg("part"),
+      py::arg("wrt"), py::arg("V").noconvert(), py::arg("out").noconvert(),
+      py::arg("head_weight").noconvert().none(true) = py::none(), py::arg("head_bias").noconvert().none(true) = py::none());
+
   // The loss Hessian as an operator: the forward and reverse passes are computed once, at
   // construction; apply(V, out) writes H V for V of shape (P,) or (P, k).
   using Operator = block::HessianOperator<T>;
@@ -269,7 +294,7 @@ void bind_for(py::module_& m) {
              if (part < 0 || part > 2) throw std::invalid_argument("HessianOperator: bad part");
              const auto tgt = target<T>(p, kind, values, classes, head_weight, head_bias);
              py::gil_scoped_release release;
-             return new Operator(p.evaluate(X.data(), eps), tgt, static_cast<block::Part>(part), sel);
+             return new Operator(p.evaluate_kept(X.data(), eps), tgt, static_cast<block::Part>(part), sel);
            }),
            py::arg("X").noconvert(), py::arg("spec"), py::arg("weights"), py::arg("eps"), py::arg("kind"), py::arg("values").noconvert().none(true), py::arg("classes").noconvert().none(true),
            py::arg("part"), py::arg("wrt"), py::arg("head_weight").noconvert().none(true) = py::none(),

@@ -102,6 +102,32 @@ def test_operator_products_and_caching(rng):
     assert np.array_equal(op.matmat(np.asfortranarray(V)), HV)
 
 
+def test_loss_hvp_is_one_operator_product_bit_for_bit(rng):
+    """loss_hvp reads the weights in place (one call); the operator keeps a copy: the same bits."""
+    spec = blockhess.BlockSpec(norm_position="pre", norm_affine=True, bias=True, heads=2, out_proj=True,
+                               activation="gelu_tanh", causal=True)
+    params = blockhess.BlockParams.random(spec, d=6, d_k=2, d_ff=10, seed=3)
+    X, target = rng.standard_normal((2, 5, 6)), rng.standard_normal((2, 5, 6))
+    V = rng.standard_normal((params.size, 3))
+    op = blockhess.hessian_operator(X, target, params)
+    assert np.array_equal(blockhess.loss_hvp(X, target, params, V), op.matmat(V))
+    assert np.array_equal(blockhess.loss_hvp(X, target, params, V[:, 1]), op.matvec(V[:, 1]))
+
+
+def test_operator_keeps_its_own_copy_of_the_weights(rng):
+    """The operator outlives the call: changing (or dropping) the caller's arrays afterwards does not
+    change its products."""
+    X, target, params = _problem(rng, 5, 4, 3, 6, None, "mse")
+    weights = [np.array(w) for w in params.arrays]
+    op = blockhess.hessian_operator(X, target, blockhess.BlockParams(*weights))
+    v = rng.standard_normal(op.shape[0])
+    before = op.matvec(v)
+    for w in weights:
+        w[...] = 0.0
+    del weights
+    assert np.array_equal(op.matvec(v), before)
+
+
 def test_operator_bits_do_not_depend_on_threads(rng):
     X, target, params = _problem(rng, 8, 6, 4, 10, 3, "cross_entropy")
     op = blockhess.hessian_operator(X, target, params, loss="cross_entropy")

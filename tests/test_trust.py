@@ -287,6 +287,28 @@ def test_equal_inputs_give_equal_bits_whatever_the_alignment(rng, offset):
         assert np.array_equal(call(*args), call(*shifted))
 
 
+@pytest.mark.parametrize("offset", [8, 16, 32])
+def test_block_curvature_bits_do_not_depend_on_the_weights_alignment(rng, offset):
+    """One-shot block calls read aligned weights in place and copy the others (engine/graph.hpp,
+    Storage::borrow): either way the same bits."""
+    spec = blockhess.BlockSpec(norm_position="pre", norm_affine=True, bias=True, heads=2, out_proj=True,
+                               activation="gelu")
+    params = blockhess.BlockParams.random(spec, d=8, d_k=3, d_ff=12, seed=5)
+    shifted = blockhess.BlockParams.from_arrays(
+        spec, {name: _at_offset(np.asarray(w), offset) for name, w in zip(params.names, params.arrays)})
+    assert all(w.ctypes.data % 64 == offset for w in shifted.arrays)  # kept as given, not re-aligned
+    X, target = rng.standard_normal((2, 7, 8)), rng.standard_normal((2, 7, 8))
+    V = rng.standard_normal((params.size, 2))
+    calls = [
+        lambda p: blockhess.loss_hvp(X, target, p, V),
+        lambda p: blockhess.loss_hessian(X, target, p),
+        lambda p: blockhess.hessian_operator(X, target, p).diagonal(),
+        lambda p: blockhess.loss_gradient(X, target, p),
+    ]
+    for call in calls:
+        assert np.array_equal(call(params), call(shifted))
+
+
 # --- PyTorch tensors ----------------------------------------------------------------------------------
 
 def test_torch_cpu_tensors_in_and_out(rng):

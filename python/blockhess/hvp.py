@@ -7,7 +7,7 @@ no finite differences, memory O(B L (L + d + d_ff)) plus the vectors.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -59,18 +59,21 @@ class HessianOperator(CurvatureOperator):
 
     def _product(self, V: Any) -> np.ndarray:
         """H V for V already checked by float_array (dtype, NaN), in the operator's dtype."""
-        ndim = V.ndim
-        if _backend.is_device_array(V):
-            raise TypeError("the Hessian operator is built on the CPU; pass vectors as NumPy arrays "
-                            "(or CPU torch tensors), e.g. cupy.asnumpy(v)")
-        P = self.shape[0]
-        if V.shape[0] != P:
-            what = "V" if ndim == 2 else "v"
-            raise ValueError(f"{what} must have {P} rows (the parameters in wrt={self.names}), got shape {tuple(V.shape)}")
-        V = contiguous(V, self.dtype)
+        V = _vectors(V, self.shape[0], self.names, self.dtype)
         out = np.empty(V.shape, dtype=self.dtype)
         self._op.apply(V, out)
         return out
+
+
+def _vectors(V: np.ndarray, P: int, names: tuple[str, ...], dtype: np.dtype) -> np.ndarray:
+    """V (checked by float_array) as the C-contiguous (P,) or (P, k) array of dtype a product takes."""
+    if _backend.is_device_array(V):
+        raise TypeError("Hessian-vector products run on the CPU; pass vectors as NumPy arrays "
+                        "(or CPU torch tensors), e.g. cupy.asnumpy(v)")
+    if V.shape[0] != P:
+        what = "V" if V.ndim == 2 else "v"
+        raise ValueError(f"{what} must have {P} rows (the parameters in wrt={names}), got shape {tuple(V.shape)}")
+    return contiguous(V, dtype)
 
 
 def hessian_operator(
@@ -89,7 +92,23 @@ def hessian_operator(
     return _build(X, target, params, loss, part, eps, wrt, columns=1, head=head)
 
 
-def _build(X, target, params, loss, part, eps, wrt, columns, promote_with=(), head=None) -> HessianOperator:
+class _Problem(NamedTuple):
+    """A loss-Hessian call's inputs, validated and in one dtype, with its core arguments."""
+
+    params: BlockParams
+    X3: np.ndarray
+    dtype: np.dtype
+    kind: int
+    loss: str
+    part: str
+    names: tuple[str, ...]
+    selected: list[bool]
+    P: int
+    core_args: tuple  # X, spec, weights, eps, kind, values, classes, part, selection
+    head: tuple
+
+
+def _problem(X, target, params, loss, part, eps, wrt, columns, promote_with=(), head=None) -> _Problem:
     params, X3, W, dtype, eps, kind, values, classes, head = _loss_inputs(X, target, params, loss, eps,
                                                                           promote_with, head=head)
     loss = tuple(_LOSSES)[kind]  # the name _loss_inputs validated
@@ -102,9 +121,18 @@ def _build(X, target, params, loss, part, eps, wrt, columns, promote_with=(), he
     working = _working_memory.hvp(B, L, d, params.d_k, params.d_ff, dtype.itemsize, columns, get_num_threads(), **_family_size(params))
     require_output_fits((P, columns), dtype, f"the Hessian-vector products over {', '.join(names)} (P = {P})",
                         "pass fewer samples or tokens at a time, or fewer vectors", working=working)
+    core_args = (X3, params.spec._core(), list(W), eps, kind, values, classes, _PARTS[part], selected)
+    return _Problem(params, X3, dtype, kind, loss, part, names, selected, P, core_args, tuple(head))
+
+
+def _build(X, target, params, loss, part, eps, wrt, columns, promote_with=(), head=None) -> HessianOperator:
+    problem = _problem(X, target, params, loss, part, eps, wrt, columns, promote_with, head)
+    params, X3, dtype, kind, names, selected, P = (problem.params, problem.X3, problem.dtype, problem.kind,
+                                                    problem.names, problem.selected, problem.P)
+    B, L, d = X3.shape
     core_class = _core.HessianOperator64 if dtype == np.float64 else _core.HessianOperator32
-    core_operator = core_class(X3, params.spec._core(), list(W), eps, kind, values, classes, _PARTS[part], selected,
-                               *head)
+    core_operator = core_class(*problem.core_args, *problem.head)
+    X3, spec, W, eps, kind, values, classes, part_code, selected = problem.core_args
 
     def diagonal_of() -> np.ndarray:
         chosen = [(n, shape) for n, shape, keep in zip(params.names, params.shapes, selected) if keep]
@@ -115,11 +143,11 @@ def _build(X, target, params, loss, part, eps, wrt, columns, promote_with=(), he
         require_output_fits((P,), dtype, f"the Hessian's diagonal over {', '.join(names)} (P = {P})",
                             "pass wrt=(...) with fewer parameters, or fewer samples or tokens", working=hessian_working)
         out = np.empty(P, dtype=dtype)
-        _core.loss_hessian_diagonal(X3, params.spec._core(), list(W), eps, kind, values, classes, _PARTS[part],
-                                    selected, out, *head)
+        _core.loss_hessian_diagonal(X3, spec, W, eps, kind, values, classes, part_code, selected, out, *problem.head)
         return out
 
-    return HessianOperator(core_operator, dtype, names, part, loss, _selected_sizes(params, names), diagonal_of)
+    return HessianOperator(core_operator, dtype, names, problem.part, problem.loss, _selected_sizes(params, names),
+                           diagonal_of)
 
 
 @returns_callers_kind
@@ -141,5 +169,9 @@ def loss_hvp(
     products at the same point, build :func:`hessian_operator` once."""
     V_array = float_array(V, "V", ndim=(1, 2))
     columns = V_array.shape[1] if V_array.ndim == 2 else 1
-    op = _build(X, target, params, loss, part, eps, wrt, columns, promote_with=(V_array,), head=head)
-    return op._product(V_array)  # V checked once, above
+    problem = _problem(X, target, params, loss, part, eps, wrt, columns, promote_with=(V_array,), head=head)
+    V_array = _vectors(V_array, problem.P, problem.names, problem.dtype)
+    out = np.empty(V_array.shape, dtype=problem.dtype)
+    # One call, the weights read in place (no operator kept, nothing copied that need not be).
+    _core.loss_hvp(*problem.core_args, V_array, out, *problem.head)
+    return out

@@ -45,12 +45,15 @@ BLOCKHESS_HD void evaluate(Kind kind, T x, T* value, T* first, T* second) {
       return;
     }
     case Kind::gelu_tanh: {
+      // With sigma = (1 + tanh u) / 2 = 1 / (1 + e^{-2u}): 1 - tanh^2 u = 4 sigma (1 - sigma) and
+      // tanh u = 2 sigma - 1. One exp is about four times cheaper than tanh, and sigma keeps full
+      // relative accuracy where 1 + tanh u cancels (x far below 0).
       const T c = std::sqrt(T(2) / T(3.14159265358979323846)), k = T(0.044715);
       const T u = c * (x + k * x * x * x), du = c * (T(1) + T(3) * k * x * x), ddu = c * T(6) * k * x;
-      const T t = std::tanh(u), s = T(1) - t * t;
-      *value = x * (T(1) + t) / T(2);
-      *first = (T(1) + t) / T(2) + x * s * du / T(2);
-      *second = s * du + x * s * (ddu - T(2) * t * du * du) / T(2);
+      const T sigma = T(1) / (T(1) + std::exp(T(-2) * u)), s = T(4) * sigma * (T(1) - sigma);
+      *value = x * sigma;
+      *first = sigma + x * s * du / T(2);
+      *second = s * du + x * s * (ddu - T(2) * (T(2) * sigma - T(1)) * du * du) / T(2);
       return;
     }
     case Kind::silu: {

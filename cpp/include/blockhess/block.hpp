@@ -30,10 +30,12 @@ struct Weights {
 template <class T>
 class Evaluation {
  public:
-  // weights: one row-major array per parameters(spec, D) entry, in that order.
-  Evaluation(const Spec& spec, const Dims& D, index_t B, const T* X, const std::vector<const T*>& weights, T eps)
+  // weights: one row-major array per parameters(spec, D) entry, in that order; copied, or with
+  // Storage::borrow read in place for the evaluation's lifetime (engine/graph.hpp).
+  Evaluation(const Spec& spec, const Dims& D, index_t B, const T* X, const std::vector<const T*>& weights, T eps,
+             engine::Storage storage = engine::Storage::copy)
       : spec_(spec), dims_(D), shapes_(parameters(spec, D)), graph_(std::make_unique<engine::Graph<T>>(B, checked(spec, D).L)) {
-    values_ = blocks::wire(*graph_, spec, D, X, weights, eps);
+    values_ = blocks::wire(*graph_, spec, D, X, weights, eps, storage);
     graph_->forward();
   }
   Evaluation(const Dims& D, index_t B, const T* X, const Weights<T>& W, T eps) : Evaluation(Spec{}, D, B, X, W.all(), eps) {}
@@ -79,8 +81,9 @@ Evaluation<T> forward(const Dims& dims, index_t B, const T* X, const Weights<T>&
   return Evaluation<T>(dims, B, X, W, eps);
 }
 template <class T>
-Evaluation<T> forward(const Spec& spec, const Dims& dims, index_t B, const T* X, const std::vector<const T*>& weights, T eps) {
-  return Evaluation<T>(spec, dims, B, X, weights, eps);
+Evaluation<T> forward(const Spec& spec, const Dims& dims, index_t B, const T* X, const std::vector<const T*>& weights, T eps,
+                      engine::Storage storage = engine::Storage::copy) {
+  return Evaluation<T>(spec, dims, B, X, weights, eps, storage);
 }
 
 }  // namespace blockhess::block

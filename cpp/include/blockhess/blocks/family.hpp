@@ -11,9 +11,9 @@ namespace blockhess::blocks {
 
 template <class T>
 Values wire(engine::Graph<T>& g, const block::Spec& s, const block::Dims& D, const T* X,
-            const std::vector<const T*>& weights, T eps) {
+            const std::vector<const T*>& weights, T eps, engine::Storage storage = engine::Storage::copy) {
   block::check(s, D);
-  ParamCursor p(g, block::parameters(s, D), weights);
+  ParamCursor p(g, block::parameters(s, D), weights, storage);
   const Values v = s.attention_only ? wire_attention_only(g, s, D, p, X)
                    : s.pre_ln       ? wire_pre_ln(g, s, D, p, X, eps)
                                     : wire_post_ln(g, s, D, p, X, eps);

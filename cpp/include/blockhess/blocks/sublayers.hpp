@@ -23,11 +23,12 @@ namespace blockhess::blocks {
 class ParamCursor {
  public:
   template <class T>
-  ParamCursor(engine::Graph<T>& g, const std::vector<block::ParamShape>& shapes, const std::vector<const T*>& data) {
+  ParamCursor(engine::Graph<T>& g, const std::vector<block::ParamShape>& shapes, const std::vector<const T*>& data,
+              engine::Storage storage) {
     if (shapes.size() != data.size()) throw std::invalid_argument("block: one array per parameter");
     for (size_t k = 0; k < shapes.size(); ++k) {
       names_.push_back(shapes[k].name);
-      ids_.push_back(g.param(shapes[k].name, shapes[k].rows, shapes[k].cols, data[k]));
+      ids_.push_back(g.param(shapes[k].name, shapes[k].rows, shapes[k].cols, data[k], storage));
     }
     taken_.assign(ids_.size(), false);
   }

@@ -16,6 +16,7 @@
 // math lives in the nodes; nothing here knows what a LayerNorm or an attention head is.
 #pragma once
 
+#include <cstdint>
 #include <deque>
 #include <memory>
 #include <stdexcept>
@@ -33,6 +34,12 @@ namespace blockhess::engine {
 template <class T>
 class Graph;
 
+// How a graph holds its parameters: a copy of its own (it may outlive the caller's arrays), or
+// borrowed, the caller's arrays read in place where they are aligned like a copy would be (the
+// caller keeps them alive and unchanged while the graph lives: one call). Either way the results
+// are the same bits.
+enum class Storage { copy, borrow };
+
 // A parameter, or one block of its columns, with its own tangent factors (factor.hpp).
 struct Piece {
   int param = -1;
@@ -47,20 +54,22 @@ struct Slot {
 };
 
 // The tangents of one Hessian-vector product in flight. Kept and reused between products (the
-// buffers keep their size), one per product running at once.
+// buffers keep their size), one per product running at once. Raw (uninitialised) storage: each
+// node writes a tangent (or the first share of a slot) before anything reads it.
 template <class T>
 struct Tangent {
-  std::vector<Buffer<T>> d;      // per value: its forward tangent (where has_d)
-  std::vector<Buffer<T>> dcot;   // per value: the tangent of its cotangent
+  std::vector<RawBuffer<T>> d;      // per value: its forward tangent (where has_d)
+  std::vector<RawBuffer<T>> dcot;   // per value: the tangent of its cotangent
   std::vector<char> has_d, dcot_written;
   std::vector<const T*> dW;      // per parameter: its tangent (inside v), null when not selected
   std::vector<T*> dgrad;         // per parameter: its rows of H v, null when not selected
-  std::vector<std::deque<Buffer<T>>> node_scratch;  // a deque: growing it keeps references valid
+  std::vector<std::deque<RawBuffer<T>>> node_scratch;  // a deque: growing it keeps references valid
 
-  Buffer<T>& scratch(int node, int k, index_t size) {
+  // Node scratch k, of `size` values, uninitialised: the node writes it before reading it.
+  RawBuffer<T>& scratch(int node, int k, index_t size) {
     auto& list = node_scratch[static_cast<size_t>(node)];
     if (static_cast<int>(list.size()) <= k) list.resize(static_cast<size_t>(k + 1));
-    Buffer<T>& b = list[static_cast<size_t>(k)];
+    RawBuffer<T>& b = list[static_cast<size_t>(k)];
     b.resize(static_cast<size_t>(size));
     return b;
   }
@@ -72,7 +81,7 @@ struct Tangent {
   }
   const T* in(int v) const { return has_d[static_cast<size_t>(v)] ? d[static_cast<size_t>(v)].data() : nullptr; }
   Slot<T> dcot_slot(int v, index_t size) {
-    Buffer<T>& b = dcot[static_cast<size_t>(v)];
+    RawBuffer<T>& b = dcot[static_cast<size_t>(v)];
     b.resize(static_cast<size_t>(size));
     const bool add = dcot_written[static_cast<size_t>(v)] != 0;
     dcot_written[static_cast<size_t>(v)] = 1;
@@ -111,8 +120,10 @@ class Graph {
   struct Param {
     std::string name;
     index_t rows = 0, cols = 0;
-    Buffer<T> data;  // an aligned copy (buffer.hpp)
+    Buffer<T> data;              // an aligned copy (buffer.hpp), unless borrowed
+    const T* borrowed = nullptr;  // the caller's array, read in place
     index_t size() const { return rows * cols; }
+    const T* values() const { return borrowed ? borrowed : data.data(); }
   };
 
   Graph(index_t B, index_t L) : B_(B), L_(L) {}
@@ -129,8 +140,13 @@ class Graph {
     values_[static_cast<size_t>(v)] = std::make_shared<Buffer<T>>(X, X + tokens() * width);
     return v;
   }
-  int param(std::string name, index_t rows, index_t cols, const T* data) {
-    params_.push_back(Param{std::move(name), rows, cols, Buffer<T>(data, data + rows * cols)});
+  int param(std::string name, index_t rows, index_t cols, const T* data, Storage storage = Storage::copy) {
+    // Borrowed only where aligned like Buffer's copy: Eigen's kernels then read the same bits in
+    // the same order (buffer.hpp), and a 720,896-parameter block skips copying 2.9 MB per call.
+    constexpr std::uintptr_t copy_alignment = EIGEN_DEFAULT_ALIGN_BYTES > 0 ? EIGEN_DEFAULT_ALIGN_BYTES : 1;
+    const bool in_place = storage == Storage::borrow && reinterpret_cast<std::uintptr_t>(data) % copy_alignment == 0;
+    if (in_place) params_.push_back(Param{std::move(name), rows, cols, Buffer<T>(), data});
+    else params_.push_back(Param{std::move(name), rows, cols, Buffer<T>(data, data + rows * cols)});
     const int p = static_cast<int>(params_.size()) - 1;
     pieces_of_.push_back({static_cast<int>(pieces_.size())});
     pieces_.push_back(Piece{p, 0, cols});
@@ -179,7 +195,7 @@ class Graph {
     return kron::Split{parameter(pc.param).rows, pc.cols, vec_on_first, parameter(pc.param).cols, pc.col_offset};
   }
   const Param& parameter(int p) const { return params_[static_cast<size_t>(p)]; }
-  const T* weight(int p) const { return params_[static_cast<size_t>(p)].data.data(); }
+  const T* weight(int p) const { return params_[static_cast<size_t>(p)].values(); }
   index_t width(int v) const { return width_[static_cast<size_t>(v)]; }
   bool varies(int v) const { return varies_[static_cast<size_t>(v)]; }
   const Node<T>* producer(int v) const {
@@ -196,7 +212,7 @@ class Graph {
   }
   const T* cotangent(int v) const { return cot_[static_cast<size_t>(v)].data(); }
   Slot<T> cotangent_slot(int v) {
-    Buffer<T>& b = cot_[static_cast<size_t>(v)];
+    RawBuffer<T>& b = cot_[static_cast<size_t>(v)];
     b.resize(static_cast<size_t>(tokens() * width(v)));
     const bool add = cot_written_[static_cast<size_t>(v)] != 0;
     cot_written_[static_cast<size_t>(v)] = 1;
@@ -313,7 +329,7 @@ class Graph {
   std::vector<int> producer_;
   std::vector<bool> varies_;
   std::vector<std::shared_ptr<Buffer<T>>> values_;
-  std::vector<Buffer<T>> cot_;
+  std::vector<RawBuffer<T>> cot_;  // written by the first share of each slot
   std::vector<char> cot_written_;
   std::vector<T*> grad_out_;
   std::vector<char> selected_;

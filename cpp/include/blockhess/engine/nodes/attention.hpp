@@ -307,8 +307,8 @@ class AttentionNode final : public Node<T> {
     const index_t B = g.samples(), L = g.tokens_per_sample(), n = g.tokens(), d = g.width(x());
     const MapC<T> X(g.value(x()), n, d);
     // dX W + X dW + 1 db, zero where nothing moves.
-    auto tangent_of = [&](int slot, int weight, const T* dW, const T* db, index_t cols) -> const Buffer<T>& {
-      Buffer<T>& out = tg.scratch(this->index, slot, n * cols);
+    auto tangent_of = [&](int slot, int weight, const T* dW, const T* db, index_t cols) -> const RawBuffer<T>& {
+      RawBuffer<T>& out = tg.scratch(this->index, slot, n * cols);
       MapM<T> o(out.data(), n, cols);
       if (dW) product(o, X, MapC<T>(dW, d, cols), T(1), false);
       if (dX) product(o, MapC<T>(dX, n, d), W(g, weight), T(1), dW != nullptr);
@@ -316,9 +316,9 @@ class AttentionNode final : public Node<T> {
       if (db) o.rowwise() += MapC<T>(db, 1, cols).row(0);
       return out;
     };
-    const Buffer<T>&dQ = tangent_of(kDQ, wq(), dWQ, dbQ, hk_), &dK = tangent_of(kDK, wk(), dWK, dbK, hk_);
-    const Buffer<T>& dV = tangent_of(kDV, wv(), dWV, dbV, hv_);
-    Buffer<T>& dA = tg.scratch(this->index, kDA, static_cast<index_t>(A_.size()));
+    const RawBuffer<T>&dQ = tangent_of(kDQ, wq(), dWQ, dbQ, hk_), &dK = tangent_of(kDK, wk(), dWK, dbK, hk_);
+    const RawBuffer<T>& dV = tangent_of(kDV, wv(), dWV, dbV, hv_);
+    RawBuffer<T>& dA = tg.scratch(this->index, kDA, static_cast<index_t>(A_.size()));
     MapM<T> dT(tg.scratch(this->index, kRows, L * L).data(), L, L);
     T* dF = tg.out(this->output, n * hv_);
     for (index_t b = 0; b < B; ++b)
@@ -346,11 +346,11 @@ class AttentionNode final : public Node<T> {
     const bool moves_k = dX || tg.dW[wk()] || (biased() && tg.dW[bk()]);
     const bool moves_v = dX || tg.dW[wv()] || (biased() && tg.dW[bv()]);
     const index_t nA = static_cast<index_t>(A_.size());
-    const Buffer<T>&dQ = tg.scratch(this->index, kDQ, n * hk_), &dK = tg.scratch(this->index, kDK, n * hk_);
-    const Buffer<T>&dV = tg.scratch(this->index, kDV, n * hv_), &dA = tg.scratch(this->index, kDA, nA);
-    Buffer<T>& dgQ = tg.scratch(this->index, kDgQ, n * hk_);
-    Buffer<T>& dgK = tg.scratch(this->index, kDgK, n * hk_);
-    Buffer<T>& dgV = tg.scratch(this->index, kDgV, n * hv_);
+    const RawBuffer<T>&dQ = tg.scratch(this->index, kDQ, n * hk_), &dK = tg.scratch(this->index, kDK, n * hk_);
+    const RawBuffer<T>&dV = tg.scratch(this->index, kDV, n * hv_), &dA = tg.scratch(this->index, kDA, nA);
+    RawBuffer<T>& dgQ = tg.scratch(this->index, kDgQ, n * hk_);
+    RawBuffer<T>& dgK = tg.scratch(this->index, kDgK, n * hk_);
+    RawBuffer<T>& dgV = tg.scratch(this->index, kDgV, n * hv_);
     const MapM<T> dgA(tg.scratch(this->index, kRows, L * L).data(), L, L);
     MapM<T> dgT(tg.scratch(this->index, kDgT, L * L).data(), L, L);
     for (index_t b = 0; b < B; ++b)
@@ -585,10 +585,12 @@ class AttentionNode final : public Node<T> {
   MapC<T> W(const Graph<T>& g, int p) const { return MapC<T>(g.weight(p), g.parameter(p).rows, g.parameter(p).cols); }
 
   // Head i's columns of sample b of a token-major array with `width` columns.
-  static auto head(const Buffer<T>& rows, index_t b, index_t i, index_t L, index_t width, index_t cols) {
+  template <class Rows>
+  static auto head(const Rows& rows, index_t b, index_t i, index_t L, index_t width, index_t cols) {
     return MapC<T>(rows.data() + b * L * width, L, width).middleCols(i * cols, cols);
   }
-  static auto head_of(Buffer<T>& rows, index_t b, index_t i, index_t L, index_t width, index_t cols) {
+  template <class Rows>
+  static auto head_of(Rows& rows, index_t b, index_t i, index_t L, index_t width, index_t cols) {
     return MapM<T>(rows.data() + b * L * width, L, width).middleCols(i * cols, cols);
   }
   auto q(index_t b, index_t i, index_t L) const { return head(Q_, b, i, L, hk_, dk_); }

@@ -136,15 +136,15 @@ class NormNode final : public Node<T> {
     const index_t n = g.tokens(), d = width(g);
     T* dy = tg.out(this->output, n * d);
     T* dn = affine() && du ? tg.scratch(this->index, kNormalizedTangent, n * d).data() : dy;
-    for (index_t t = 0; t < n; ++t) {
+    blockhess::detail::parallel_for(n, 4 * d, [&](index_t t) {
       T* row = dy + t * d;
       if (du) Rows::vjp_row(n_t(g, t), sigma_[t], du + t * d, d, dn + t * d);  // J0 is symmetric
-      if (!affine()) continue;
+      if (!affine()) return;
       const T* gam = g.weight(gamma_param());
       const T* nt = n_t(g, t);
       for (index_t a = 0; a < d; ++a)
         row[a] = (du ? gam[a] * dn[t * d + a] : T(0)) + (dgamma ? nt[a] * dgamma[a] : T(0)) + (dbeta ? dbeta[a] : T(0));
-    }
+    });
   }
 
   // With g^ = gamma * g the cotangent of n: d(J0^T g^) = J0^T dg^ + (curved) dJ0^T g^ (in O(d) a row,
@@ -156,11 +156,15 @@ class NormNode final : public Node<T> {
     const T *du = tg.in(in()), *dgamma = affine() ? tg.dW[gamma_param()] : nullptr;
     const T* dn = !du ? nullptr : affine() ? tg.scratch(this->index, kNormalizedTangent, n * d).data() : tg.in(this->output);
     if (du) {
-      Buffer<T>& rows = tg.scratch(this->index, kRows, 5 * d);
-      T *g_hat = rows.data(), *dg_hat = rows.data() + d, *u = rows.data() + 2 * d, *term = rows.data() + 3 * d,
-        *du_t = rows.data() + 4 * d;
+      // Five rows of scratch per thread (slot).
+      const int threads = parallel::num_threads();
+      RawBuffer<T>& rows = tg.scratch(this->index, kRows, 5 * d * threads);
       const Slot<T> slot = tg.dcot_slot(in(), n * d);
-      for (index_t t = 0; t < n; ++t) {
+      const index_t work = 12 * d;  // multiply-adds per token
+      blockhess::detail::parallel_for_slots(n, n * work >= blockhess::detail::kParallelWorkThreshold,
+                                            blockhess::detail::chunk_size(n, work, threads), threads, [&](index_t t, int thread) {
+        T* own = rows.data() + 5 * d * thread;
+        T *g_hat = own, *dg_hat = own + d, *u = own + 2 * d, *term = own + 3 * d, *du_t = own + 4 * d;
         const T* gh = scaled_cotangent(g, gy + t * d, g_hat);
         const T* dgh = scaled_cotangent(g, dgy + t * d, dg_hat);
         if (curved && dgamma) {
@@ -175,7 +179,7 @@ class NormNode final : public Node<T> {
         }
         T* o = slot.data + t * d;
         for (index_t a = 0; a < d; ++a) o[a] = slot.add ? o[a] + term[a] : term[a];
-      }
+      });
     }
     if (!affine()) return;
     const MapC<T> G(gy, n, d), dG(dgy, n, d), N(normalized_.data(), n, d);
