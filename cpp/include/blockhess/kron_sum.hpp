@@ -70,7 +70,7 @@ void accumulate(index_t tokens, const Split& si, const T* u, const Split& sj, co
   if (tokens <= 0 || gsize == 0) return;
   upper_only = upper_only && si.vec_on_first && sj.vec_on_first && si.whole() && sj.whole();
   const index_t chunk = detail::chunk_tokens(tokens, gsize);
-  Buffer<T> gammas(static_cast<size_t>(chunk * gsize));
+  RawBuffer<T> gammas(static_cast<size_t>(chunk * gsize));  // gamma() writes every Gamma_t before the GEMM reads it
 
   // Work is split by o_i: the rows of H that belong to one o_i are written by one task. Each task
   // takes a few consecutive o_i and forms all their (o_i, o_j) pairs with one GEMM, which packs the
@@ -82,7 +82,7 @@ void accumulate(index_t tokens, const Split& si, const T* u, const Split& sj, co
   const index_t tasks = (noi + oi_per_task - 1) / oi_per_task;
   const int slots = parallel::num_threads();
   struct Scratch {
-    Buffer<T> weights, R;  // grow only: no allocation per task
+    RawBuffer<T> weights, R;  // grow only: no allocation per task; written whole before read
   };
   std::vector<Scratch> scratch;
 
