@@ -132,7 +132,6 @@ def _build(X, target, params, loss, part, eps, wrt, columns, promote_with=(), he
     B, L, d = X3.shape
     core_class = _core.HessianOperator64 if dtype == np.float64 else _core.HessianOperator32
     core_operator = core_class(*problem.core_args, *problem.head)
-    X3, spec, W, eps, kind, values, classes, part_code, selected = problem.core_args
 
     def diagonal_of() -> np.ndarray:
         chosen = [(n, shape) for n, shape, keep in zip(params.names, params.shapes, selected) if keep]
@@ -143,7 +142,7 @@ def _build(X, target, params, loss, part, eps, wrt, columns, promote_with=(), he
         require_output_fits((P,), dtype, f"the Hessian's diagonal over {', '.join(names)} (P = {P})",
                             "pass wrt=(...) with fewer parameters, or fewer samples or tokens", working=hessian_working)
         out = np.empty(P, dtype=dtype)
-        _core.loss_hessian_diagonal(X3, spec, W, eps, kind, values, classes, part_code, selected, out, *problem.head)
+        _core.loss_hessian_diagonal(*problem.core_args, out, *problem.head)
         return out
 
     return HessianOperator(core_operator, dtype, names, problem.part, problem.loss, _selected_sizes(params, names),
