@@ -41,7 +41,13 @@ def _calls():
     pe = blockhess.BlockParams.random(everything, d=8, d_k=4, d_ff=16, seed=3)
     Xe = rng.standard_normal((3, 16, 8))
     ve = rng.standard_normal(pe.size)
+    head = (rng.standard_normal((8, 3)), rng.standard_normal(3))
     return {
+        # The dense Hessians of a block with many pieces (heads) are assembled block by block on
+        # the pool; the pooled head's site then adds to all of it between two rounds of blocks.
+        "loss_hessian_everything": lambda: blockhess.loss_hessian(Xe, Xe, pe),
+        "loss_hessian_everything_pooled": lambda: blockhess.loss_hessian(Xe, np.array([0, 2, 1]), pe,
+                                                                         loss="pooled_cross_entropy", head=head),
         "loss_hvp_everything": lambda: blockhess.loss_hvp(Xe, Xe, pe, ve),
         "loss_gradient_everything": lambda: blockhess.loss_gradient(Xe, Xe, pe),
         "hessian_diagonal_everything": lambda: blockhess.hessian_operator(Xe, Xe, pe).diagonal(),

@@ -61,9 +61,11 @@ inline index_t chunk_tokens(index_t tokens, index_t gamma_size) {
 // upper_only: the block is a diagonal block of a symmetric matrix (same factors on both sides);
 // only vector pairs o_j >= o_i are formed, which covers its upper triangle when vec_on_first.
 // overwrite: H's old contents are ignored (saves a zero-fill pass over a memory-bound output).
+// threads: whether it may use the thread pool (false: the caller is running many of these at once).
+// Either way every entry comes out of the same GEMM, bit for bit.
 template <class T, class GammaFn>
 void accumulate(index_t tokens, const Split& si, const T* u, const Split& sj, const T* w, GammaFn&& gamma,
-                T scale, T* H, index_t ldH, bool upper_only = false, bool overwrite = false) {
+                T scale, T* H, index_t ldH, bool upper_only = false, bool overwrite = false, bool threads = true) {
   using Mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   const index_t noi = si.n_vec(), nri = si.n_mat(), noj = sj.n_vec(), nrj = sj.n_mat();
   const index_t gsize = nri * nrj;
@@ -89,7 +91,7 @@ void accumulate(index_t tokens, const Split& si, const T* u, const Split& sj, co
   for (index_t t0 = 0; t0 < tokens; t0 += chunk) {
     const index_t nt = std::min(chunk, tokens - t0);
     const bool assign = overwrite && t0 == 0;
-    const bool parallel = noi * noj * nt * gsize > (1 << 18);  // else everything runs on the caller
+    const bool parallel = threads && noi * noj * nt * gsize > (1 << 18);  // else everything runs on the caller
     if (scratch.empty()) scratch.resize(parallel ? static_cast<size_t>(slots) : 1);
     const int n_slots = static_cast<int>(scratch.size());
     const Eigen::Map<const Mat> G(gammas.data(), nt, gsize);
@@ -138,9 +140,10 @@ void accumulate(index_t tokens, const Split& si, const T* u, const Split& sj, co
 //     H[flat_i(o_i, r), flat_j(o_j, r)] += scale * sum_t u_t[o_i] * w_t[o_j] * D_t[r],
 // one (n_vec_i x n_vec_j) GEMM over tokens per r (one in all for the identity) instead of a
 // Gamma of r^2 entries per token.
+// threads as for accumulate.
 template <class T>
 void accumulate_diagonal(index_t tokens, const Split& si, const T* u, const Split& sj, const T* w, const T* D,
-                         T scale, T* H, index_t ldH) {
+                         T scale, T* H, index_t ldH, bool threads = true) {
   using Mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   using CMap = Eigen::Map<const Mat>;
   const index_t noi = si.n_vec(), noj = sj.n_vec(), r = si.n_mat();
@@ -153,12 +156,16 @@ void accumulate_diagonal(index_t tokens, const Split& si, const T* u, const Spli
       for (index_t oj = 0; oj < noj; ++oj) row[sj.flat(oj, k)] += scale * M(oi, oj);
     }
   };
+  auto for_each_r = [&](index_t work, auto&& body) {
+    if (threads) blockhess::detail::parallel_for(r, work, body);
+    else for (index_t k = 0; k < r; ++k) body(k);
+  };
   if (D == nullptr) {
     const Mat M = U.transpose() * W;
-    blockhess::detail::parallel_for(r, noi * noj, [&](index_t k) { scatter(M, k); });
+    for_each_r(noi * noj, [&](index_t k) { scatter(M, k); });
     return;
   }
-  blockhess::detail::parallel_for(r, tokens * noi * noj, [&](index_t k) {
+  for_each_r(tokens * noi * noj, [&](index_t k) {
     Mat Uk = U;
     for (index_t t = 0; t < tokens; ++t) Uk.row(t) *= D[t * r + k];
     const Mat M = Uk.transpose() * W;

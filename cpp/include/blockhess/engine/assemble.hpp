@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <functional>
 #include <map>
 #include <vector>
 
@@ -161,42 +162,74 @@ void accumulate_pooled(const Graph<T>& g, const PooledSite<T>& site, const std::
 
 }  // namespace detail
 
+namespace detail {
+
+// The block of H that one ordered pair of pieces owns (assemble: the upper block triangle, and one
+// parameter's pieces in both orders), with what adds to it, in the order the terms come.
+template <class T>
+struct HessianBlock {
+  struct Step {
+    std::function<void(bool overwrite, bool threads)> run;
+    bool covers = false;  // writes every entry of the block that the mirror reads (a diagonal term does not)
+  };
+  int i = -1, j = -1;
+  std::vector<Step> early, late;  // before and after the pooled sites (which add to all of H at once)
+  double cost = 0;                // multiply-adds, roughly: what the scheduler balances
+};
+
+// Runs each block's steps: the first step that covers the block overwrites it (no zero fill of a
+// memory-bound output), a block with none is zeroed first. The blocks own disjoint entries, so
+// they run at once on the thread pool, each on one thread, largest first; only a block too large
+// to balance (over 1/(2 threads) of the work) runs alone on every thread. Each entry's terms are
+// summed in the same order either way: the bits do not depend on the schedule.
+template <class T>
+void run_blocks(std::vector<HessianBlock<T>>& blocks, bool early, const std::function<void(const HessianBlock<T>&)>& zero) {
+  auto run = [&](HessianBlock<T>& b, bool threads) {
+    auto& steps = early ? b.early : b.late;
+    bool overwrite = early && !steps.empty() && steps.front().covers;
+    if (early && !overwrite) zero(b);
+    for (auto& step : steps) step.run(overwrite, threads), overwrite = false;
+  };
+  std::vector<HessianBlock<T>*> order;
+  double total = 0;
+  for (auto& b : blocks) order.push_back(&b), total += b.cost;
+  std::stable_sort(order.begin(), order.end(), [](auto* a, auto* b) { return a->cost > b->cost; });
+  const int threads = parallel::num_threads();
+  size_t first_shared = 0;
+  while (first_shared < order.size() && order[first_shared]->cost * 2 * threads > total) run(*order[first_shared++], true);
+  const index_t shared = static_cast<index_t>(order.size() - first_shared);
+  blockhess::detail::parallel_for_slots(shared, total >= blockhess::detail::kParallelWorkThreshold, 1, threads,
+                                        [&](index_t k) { run(*order[first_shared + static_cast<size_t>(k)], false); });
+}
+
+}  // namespace detail
+
 // H (P x P, the selected parameters at `offset`) = the sum of the terms. Terms name pieces (a
 // parameter, or one head's block of its columns: Graph::split_columns); each pair of parameters is
 // written into the upper block triangle, and the pieces of one parameter in both orders (their
-// columns interleave). The first site that every selected piece reaches overwrites H (no zero fill
-// of a memory-bound output); the rest add.
+// columns interleave). Every term becomes steps of the blocks it writes (detail::HessianBlock).
 template <class T>
 void assemble(const Graph<T>& g, Terms<T> terms, const std::vector<index_t>& offset, index_t P, T* H) {
   const index_t n = g.tokens();
   std::vector<Site<T>> sites = detail::settle_sites(g, std::move(terms.sites));
   auto param = [&](int f) { return g.piece(f).param; };
-  // A piece with no factor anywhere moves nothing (a key bias): its rows and columns are 0.
-  std::vector<int> selected, inert;
+  // A piece with no factor anywhere moves nothing (a key bias): its block rows stay 0.
+  std::vector<int> selected, all;
   for (int f = 0; f < g.num_pieces(); ++f) {
     if (!g.piece_selected(f)) continue;
+    all.push_back(f);
     bool present = false;
     for (int v = 0; v < g.num_values() && !present; ++v) present = g.factor(v, f).present;
-    (present ? selected : inert).push_back(f);
+    if (present) selected.push_back(f);
   }
+  // The site every selected piece reaches (the loss's, at the output) goes first: it writes every
+  // block, the others add to it.
   auto reaches_all = [&](const Site<T>& s) {
     return std::all_of(selected.begin(), selected.end(), [&](int f) { return g.factor(s.value, f).present; });
   };
   auto first = std::find_if(sites.begin(), sites.end(), reaches_all);
   if (first != sites.end()) std::rotate(sites.begin(), first, first + 1);
-  else std::fill_n(H, P * P, T(0));
-  bool overwrite = first != sites.end();
-  if (overwrite)
-    for (int f : inert) {
-      const kron::Split piece = g.split_of(f, true);
-      for (index_t r = 0; r < piece.n_vec(); ++r)
-        for (index_t c = 0; c < piece.n_mat(); ++c) {
-          const index_t k = offset[static_cast<size_t>(param(f))] + piece.flat(r, c);
-          std::fill_n(H + k * P, P, T(0));
-          for (index_t i = 0; i < P; ++i) H[i * P + k] = T(0);
-        }
-    }
-  auto block = [&](int fi, int fj) {
+  auto block_at = [&](int fi, int fj) {
     return H + offset[static_cast<size_t>(param(fi))] * P + offset[static_cast<size_t>(param(fj))];
   };
   // Whether the pair (fi, fj) is assembled as it stands: upper block triangle, or one parameter's
@@ -205,36 +238,76 @@ void assemble(const Graph<T>& g, Terms<T> terms, const std::vector<index_t>& off
     if (param(fi) != param(fj)) return param(fi) < param(fj);
     return fi == fj || g.pieces_of(param(fi)).size() > 1;
   };
+  std::vector<detail::HessianBlock<T>> blocks;
+  std::vector<int> block_of(static_cast<size_t>(g.num_pieces() * g.num_pieces()), -1);
+  for (int i : all)
+    for (int j : all)
+      if (assembled(i, j)) {
+        block_of[static_cast<size_t>(i * g.num_pieces() + j)] = static_cast<int>(blocks.size());
+        blocks.emplace_back();
+        blocks.back().i = i, blocks.back().j = j;
+      }
+  const bool pooled = !terms.pooled.empty();
+  auto add_step = [&](int fi, int fj, bool covers, double work, std::function<void(bool, bool)> run) {
+    detail::HessianBlock<T>& b = blocks[static_cast<size_t>(block_of[static_cast<size_t>(fi * g.num_pieces() + fj)])];
+    (pooled && !covers ? b.late : b.early).push_back({std::move(run), covers});
+    b.cost += work;
+  };
+  auto size_of = [&](int f) { return static_cast<double>(g.split_of(f, true).size()); };
 
-  for (const Site<T>& s : sites) {
+  for (const Site<T>& s : sites)
     for (int i : selected)
       for (int j : selected) {
         if (!assembled(i, j)) continue;
         const Factor<T>&fi = g.factor(s.value, i), &fj = g.factor(s.value, j);
         if (!fi.present || !fj.present) continue;
-        kron::accumulate(n, fi.split, fi.vec->data(), fj.split, fj.vec->data(), detail::sandwich(fi, fj, s),
-                         T(1), block(i, j), P, i == j, overwrite);
+        add_step(i, j, true, n * size_of(i) * size_of(j), [&, i, j, &fi = fi, &fj = fj](bool overwrite, bool threads) {
+          kron::accumulate(n, fi.split, fi.vec->data(), fj.split, fj.vec->data(), detail::sandwich(fi, fj, s), T(1),
+                           block_at(i, j), P, i == j, overwrite, threads);
+        });
       }
-    overwrite = false;
-  }
   for (const KronTerm<T>& k : terms.kron) {
     if (!g.piece_selected(k.i) || !g.piece_selected(k.j)) continue;
-    const index_t ri = k.si.n_mat(), rj = k.sj.n_mat();
-    auto transposed = [&k, ri, rj](index_t t, T* out) {
-      Mat<T> G(ri, rj);
-      k.gamma(t, G.data());
-      MapM<T>(out, rj, ri) = G.transpose();
-    };
-    if (assembled(k.i, k.j) || k.i == k.j) kron::accumulate(n, k.si, k.u, k.sj, k.w, k.gamma, T(1), block(k.i, k.j), P, k.symmetric);
+    const double work = n * size_of(k.i) * size_of(k.j);
+    if (assembled(k.i, k.j) || k.i == k.j)
+      add_step(k.i, k.j, true, work, [&](bool overwrite, bool threads) {
+        kron::accumulate(n, k.si, k.u, k.sj, k.w, k.gamma, T(1), block_at(k.i, k.j), P, k.symmetric, overwrite, threads);
+      });
     if (k.i != k.j && (assembled(k.j, k.i) || param(k.i) == param(k.j)))  // the pair's upper block is (j, i)
-      kron::accumulate(n, k.sj, k.w, k.si, k.u, transposed, T(1), block(k.j, k.i), P);
+      add_step(k.j, k.i, true, work, [&](bool overwrite, bool threads) {
+        const index_t ri = k.si.n_mat(), rj = k.sj.n_mat();
+        auto transposed = [&k, ri, rj](index_t t, T* out) {
+          Mat<T> G(ri, rj);
+          k.gamma(t, G.data());
+          MapM<T>(out, rj, ri) = G.transpose();
+        };
+        kron::accumulate(n, k.sj, k.w, k.si, k.u, transposed, T(1), block_at(k.j, k.i), P, false, overwrite, threads);
+      });
   }
-  for (const PooledSite<T>& s : terms.pooled) detail::accumulate_pooled(g, s, selected, offset, P, H);
   for (const DiagonalTerm<T>& k : terms.diagonal) {
     if (!g.piece_selected(k.i) || !g.piece_selected(k.j)) continue;
-    if (assembled(k.i, k.j) || k.i == k.j) kron::accumulate_diagonal(n, k.si, k.u, k.sj, k.w, k.D, T(1), block(k.i, k.j), P);
+    const double work = n * size_of(k.i) * size_of(k.j) / static_cast<double>(std::max<index_t>(1, k.si.n_mat()));
+    if (assembled(k.i, k.j) || k.i == k.j)
+      add_step(k.i, k.j, false, work, [&](bool, bool threads) {
+        kron::accumulate_diagonal(n, k.si, k.u, k.sj, k.w, k.D, T(1), block_at(k.i, k.j), P, threads);
+      });
     if (k.i != k.j && (assembled(k.j, k.i) || param(k.i) == param(k.j)))
-      kron::accumulate_diagonal(n, k.sj, k.w, k.si, k.u, k.D, T(1), block(k.j, k.i), P);
+      add_step(k.j, k.i, false, work, [&](bool, bool threads) {
+        kron::accumulate_diagonal(n, k.sj, k.w, k.si, k.u, k.D, T(1), block_at(k.j, k.i), P, threads);
+      });
+  }
+
+  auto zero = [&](const detail::HessianBlock<T>& b) {
+    const kron::Split si = g.split_of(b.i, true), sj = g.split_of(b.j, true);
+    T* base = block_at(b.i, b.j);
+    for (index_t o = 0; o < si.n_vec(); ++o)
+      for (index_t r = 0; r < si.n_mat(); ++r)
+        for (index_t oj = 0; oj < sj.n_vec(); ++oj) std::fill_n(base + si.flat(o, r) * P + sj.flat(oj, 0), sj.n_mat(), T(0));
+  };
+  detail::run_blocks<T>(blocks, true, zero);
+  if (pooled) {
+    for (const PooledSite<T>& s : terms.pooled) detail::accumulate_pooled(g, s, selected, offset, P, H);
+    detail::run_blocks<T>(blocks, false, zero);
   }
   if (!kron::mirror_upper(H, P))  // checks every entry as it mirrors: no extra pass over H
     throw non_finite_error("block: the assembled Hessian (a sum of products of finite factors) is not finite "
