@@ -60,6 +60,7 @@ void bind_ffn(py::module_& m);
 void bind_block(py::module_& m);
 void bind_checks(py::module_& m);
 void bind_threads(py::module_& m);
+void bind_memory(py::module_& m);
 void bind_engine(py::module_& m);
 
 }  // namespace blockhess::bind

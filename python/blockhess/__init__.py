@@ -24,6 +24,7 @@ except ImportError as err:  # pragma: no cover - only without a build
 from ._backend import cuda_available
 from ._config import get_memory_budget, memory_budget, set_memory_budget
 from ._paths import get_cmake_dir, get_include
+from ._memory_cache import cached_memory, get_memory_cache_limit, release_memory, set_memory_cache_limit
 from ._threads import get_num_threads, set_num_threads
 from ._errors import NonFiniteError, OutputTooLargeError
 from .layernorm import layernorm, layernorm_hessian, layernorm_hessian_contract, layernorm_jacobian
@@ -71,14 +72,18 @@ __all__ = [
     "cuda_available",
     "get_cmake_dir",
     "get_include",
+    "cached_memory",
     "get_memory_budget",
+    "get_memory_cache_limit",
     "get_num_threads",
     "layernorm",
     "layernorm_hessian",
     "layernorm_hessian_contract",
     "layernorm_jacobian",
     "memory_budget",
+    "release_memory",
     "set_memory_budget",
+    "set_memory_cache_limit",
     "set_num_threads",
     # commutation / softmax / attention / FFN
     "attention",

@@ -2,22 +2,43 @@
 #pragma once
 
 #include <Eigen/Core>
+#include <cstddef>
 #include <new>
 #include <utility>
 #include <vector>
+
+#include "blockhess/memory_cache.hpp"
 
 namespace blockhess {
 
 // Aligned to Eigen's widest packet. With AVX-512, Eigen's vectorised reductions peel differently
 // depending on an address modulo 64; aligned buffers make every result independent of where
-// malloc happened to put them, so equal inputs give bit-identical Hessians on every call.
+// malloc happened to put them, so equal inputs give bit-identical Hessians on every call. Large
+// buffers are reused from call to call (memory_cache.hpp).
 template <class T>
-using Buffer = std::vector<T, Eigen::aligned_allocator<T>>;
+struct AlignedAllocator {
+  using value_type = T;
+  AlignedAllocator() = default;
+  template <class U>
+  AlignedAllocator(const AlignedAllocator<U>&) noexcept {}
+  T* allocate(std::size_t n) {
+    if (n > std::size_t(-1) / sizeof(T)) throw std::bad_alloc();
+    return static_cast<T*>(memory::allocate(n * sizeof(T)));
+  }
+  void deallocate(T* p, std::size_t n) noexcept { memory::deallocate(p, n * sizeof(T)); }
+  template <class U>
+  bool operator==(const AlignedAllocator<U>&) const noexcept { return true; }
+  template <class U>
+  bool operator!=(const AlignedAllocator<U>&) const noexcept { return false; }
+};
 
-// Eigen's aligned allocator, except that a new element is left uninitialised (default-initialised)
+template <class T>
+using Buffer = std::vector<T, AlignedAllocator<T>>;
+
+// The same allocator, except that a new element is left uninitialised (default-initialised)
 // instead of zeroed: growing a buffer costs no pass over its memory.
 template <class T>
-struct DefaultInitAllocator : Eigen::aligned_allocator<T> {
+struct DefaultInitAllocator : AlignedAllocator<T> {
   template <class U>
   struct rebind {
     using other = DefaultInitAllocator<U>;
