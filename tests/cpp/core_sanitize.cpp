@@ -49,6 +49,10 @@ void check_memory_cache() {
   mem::deallocate(big, std::size_t(5) << 20);
   expect(mem::cached_bytes() == 0, "a block beyond the limit is freed");
   mem::deallocate(b, cls - 1);
+  void* other = mem::allocate(2 * n);  // a class the cache does not hold: it frees what it holds first
+  expect(mem::cached_bytes() == 0, "a miss frees the held blocks");
+  mem::deallocate(other, 2 * n);
+  expect(mem::cached_bytes() == mem::size_class(2 * n), "and keeps the new block when it is freed");
   mem::set_cache_limit(0);
   expect(mem::cached_bytes() == 0, "lowering the limit frees what is over it");
   void* small = mem::allocate(100);

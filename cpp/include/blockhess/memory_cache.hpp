@@ -8,6 +8,7 @@
 // 256 KiB and more therefore go through this cache: a freed block waits for a request of its size
 // class (eight classes per power of two, so a block is at most 1/8 larger than asked), up to a
 // limit on the bytes held (256 MiB unless set_limit says otherwise); beyond the limit it is freed.
+// A request no held block serves frees them all first, so that malloc can reuse their memory.
 // What the cache holds never changes a result: every block is aligned alike, and every buffer is
 // initialised (or written before it is read) by its user.
 //
@@ -45,6 +46,9 @@ namespace detail {
 
 class Cache {
  public:
+  // A held block of the class, else a new one. A miss (a call of new sizes) first hands every
+  // held block back to malloc, which can then reuse their memory: the cache never holds memory a
+  // call could have reused, so a call's peak stays what it would be without it.
   void* take(std::size_t size) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -56,8 +60,8 @@ class Cache {
         return p;
       }
     }
-    void* p = Eigen::internal::aligned_malloc(size);  // throws std::bad_alloc
-    return p;
+    release();
+    return Eigen::internal::aligned_malloc(size);  // throws std::bad_alloc
   }
   void give(void* p, std::size_t size) noexcept {
     {
