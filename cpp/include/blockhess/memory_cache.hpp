@@ -18,16 +18,13 @@
 #pragma once
 
 #include <Eigen/Core>
-#include <atomic>
 #include <cstddef>
 #include <map>
 #include <mutex>
 #include <new>
 #include <vector>
 
-#if defined(__unix__) || defined(__APPLE__)
-#include <pthread.h>
-#endif
+#include "blockhess/process_singleton.hpp"
 
 namespace blockhess::memory {
 
@@ -114,27 +111,9 @@ class Cache {
   std::size_t held_ = 0, limit_ = kDefaultLimit;
 };
 
-inline std::atomic<Cache*>& cache_pointer() {
-  static std::atomic<Cache*> p{nullptr};
-  return p;
-}
-
-inline void forget_cache_after_fork() { cache_pointer().store(nullptr, std::memory_order_relaxed); }
-
-// Created on first use and deliberately leaked, like the thread pool: buffers may be freed by
+// Created on first use and deliberately leaked (process_singleton.hpp): buffers may be freed by
 // static destructors after any cache destructor would have run.
-inline Cache& cache() {
-#if defined(__unix__) || defined(__APPLE__)
-  static const bool registered = (pthread_atfork(nullptr, nullptr, &forget_cache_after_fork), true);
-  (void)registered;
-#endif
-  Cache* p = cache_pointer().load(std::memory_order_acquire);
-  if (p != nullptr) return *p;
-  auto fresh = new Cache();
-  if (cache_pointer().compare_exchange_strong(p, fresh, std::memory_order_acq_rel)) return *fresh;
-  delete fresh;
-  return *p;  // another thread made it first
-}
+inline Cache& cache() { return blockhess::detail::process_singleton<Cache>(); }
 
 }  // namespace detail
 

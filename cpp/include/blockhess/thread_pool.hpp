@@ -39,14 +39,12 @@
 #if defined(__linux__)
 #include <sched.h>
 #endif
-#if defined(__unix__) || defined(__APPLE__)
-#include <pthread.h>
-#endif
 #if defined(__x86_64__) || defined(__i386__) || defined(_M_X64)
 #include <immintrin.h>
 #endif
 
 #include "blockhess/config.hpp"
+#include "blockhess/process_singleton.hpp"
 
 namespace blockhess::parallel {
 
@@ -277,26 +275,9 @@ class Pool {
   std::vector<std::thread> threads_;  // touched only while busy_ is held
 };
 
-inline std::atomic<Pool*>& pool_pointer() {
-  static std::atomic<Pool*> p{nullptr};
-  return p;
-}
-
-inline void forget_pool_after_fork() { pool_pointer().store(nullptr, std::memory_order_relaxed); }
-
-// The process-wide pool, created on first use and deliberately leaked: destroying it at exit
-// would race with threads still inside blockhess, and sleeping workers cost nothing.
-inline Pool& instance() {
-#if defined(__unix__) || defined(__APPLE__)
-  static const bool registered = (pthread_atfork(nullptr, nullptr, &forget_pool_after_fork), true);
-  (void)registered;
-#endif
-  Pool* p = pool_pointer().load(std::memory_order_acquire);
-  if (p != nullptr) return *p;
-  auto fresh = std::make_unique<Pool>();
-  if (pool_pointer().compare_exchange_strong(p, fresh.get(), std::memory_order_acq_rel)) return *fresh.release();
-  return *p;  // another thread made it first
-}
+// The process-wide pool (process_singleton.hpp): leaked, since destroying it at exit would race
+// with threads still inside blockhess, and sleeping workers cost nothing.
+inline Pool& instance() { return blockhess::detail::process_singleton<Pool>(); }
 
 template <class F>
 void invoke_chunk(void* ctx, index_t begin, index_t end, int slot) {
@@ -322,7 +303,7 @@ inline int num_threads() {
 inline void set_num_threads(int n) {
   n = std::clamp(n, 1, kMaxThreads);
   detail::configured_threads().store(n, std::memory_order_relaxed);
-  if (detail::Pool* p = detail::pool_pointer().load(std::memory_order_acquire)) p->try_shrink(n - 1);
+  if (detail::Pool* p = blockhess::detail::existing_singleton<detail::Pool>()) p->try_shrink(n - 1);
 }
 
 // Runs f(begin, end, slot) over [0, n) in chunks of `chunk` items on up to `max_threads` threads
