@@ -284,7 +284,8 @@ void bind_for(py::module_& m) {
   // The loss Hessian as an operator: the forward and reverse passes are computed once, at
   // construction; apply(V, out) writes H V for V of shape (P,) or (P, k).
   using Operator = block::HessianOperator<T>;
-  // module_local: the portable and x86-64-v3 builds of the core each bind this same C++ type.
+  // module_local: every instruction-set build of the core (_core_portable, _core_x86_64_v3, ...)
+  // binds this same C++ type.
   py::class_<Operator>(m, sizeof(T) == 8 ? "HessianOperator64" : "HessianOperator32", py::module_local())
       .def(py::init([](A X, const SpecTuple& spec, Weights W, T eps, int kind, const optional_carray<T>& values,
                        const opt_classes& classes, int part, const std::vector<bool>& wrt,

@@ -4,7 +4,8 @@
 #include "blockhess/version.hpp"
 
 // Set by CMakeLists.txt, which builds this module once per instruction-set level (_core_portable,
-// _core_x86_64_v3, or _core_native); defaults for a build that compiles this file some other way.
+// _core_x86_64_v3, _core_x86_64_v4, or _core_native); defaults for a build that compiles this file
+// some other way.
 #ifndef BLOCKHESS_MODULE_NAME
 #define BLOCKHESS_MODULE_NAME _core_portable
 #endif
@@ -16,7 +17,9 @@
 #endif
 
 namespace {
-// Whether this CPU runs the x86-64-v3 build (AVX2, FMA, BMI1/2, F16C, LZCNT, MOVBE).
+// Whether this CPU (and its operating system, which must save the wider registers) runs the
+// x86-64-v3 build (AVX2, FMA, BMI1/2, F16C, LZCNT, MOVBE) and the x86-64-v4 build (v3 plus
+// AVX-512 F, BW, CD, DQ, VL). GCC's and clang's checks read XCR0 for the registers' state.
 bool cpu_runs_x86_64_v3() {
 #if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
   __builtin_cpu_init();
@@ -25,6 +28,19 @@ bool cpu_runs_x86_64_v3() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("bmi2") &&
          __builtin_cpu_supports("f16c");
+#else
+  return false;
+#endif
+}
+
+bool cpu_runs_x86_64_v4() {
+#if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("x86-64-v4");
+#elif (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
+  return cpu_runs_x86_64_v3() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512cd") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512vl");
 #else
   return false;
 #endif
@@ -53,6 +69,7 @@ PYBIND11_MODULE(BLOCKHESS_MODULE_NAME, m, py::mod_gil_not_used()) {
     m.attr("build_info") = py::module_::import("types").attr("MappingProxyType")(info);
   }
   m.def("cpu_runs_x86_64_v3", &cpu_runs_x86_64_v3, "Whether this CPU runs the x86-64-v3 build.");
+  m.def("cpu_runs_x86_64_v4", &cpu_runs_x86_64_v4, "Whether this CPU runs the x86-64-v4 build.");
   using namespace blockhess::bind;
   bind_layernorm(m);
   bind_softmax(m);

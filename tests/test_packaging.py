@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import blockhess
@@ -55,6 +56,24 @@ def test_installed_extension_is_portable():
     )
 
 
+def _best_level_this_cpu_runs(portable, cap: str = "x86_64_v4") -> str:
+    """The level the dispatch should load: the highest one, up to ``cap``, that this CPU runs and
+    this install has (a build with BLOCKHESS_CPU_DISPATCH=OFF, or off x86-64, has only portable)."""
+    levels = ["portable", "x86_64_v3", "x86_64_v4"]
+    for level in reversed(levels[1:levels.index(cap) + 1]):
+        if getattr(portable, f"cpu_runs_{level}")() and importlib.util.find_spec(f"blockhess._core_{level}"):
+            return level
+    return "portable"
+
+
+def _loaded_with(cpu: str) -> list[str]:
+    code = ("import blockhess, numpy as np; print(blockhess._core.build_info['isa']); "
+            "print(blockhess._core.__name__)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          env={**os.environ, "BLOCKHESS_CPU": cpu})
+    return done.stdout.split()
+
+
 def test_the_portable_core_is_always_there_and_the_dispatch_picks_one_this_cpu_runs():
     import blockhess
 
@@ -62,17 +81,59 @@ def test_the_portable_core_is_always_there_and_the_dispatch_picks_one_this_cpu_r
         pytest.skip("a deliberate -march=native build has only _core_native")
     portable = importlib.import_module("blockhess._core_portable")
     assert portable.build_info["isa"] == "portable"
-    expected = "x86_64_v3" if portable.cpu_runs_x86_64_v3() else "portable"
-    if expected == "x86_64_v3" and importlib.util.find_spec("blockhess._core_x86_64_v3") is None:
-        expected = "portable"  # built with BLOCKHESS_CPU_DISPATCH=OFF
-    assert _core.build_info["isa"] == expected
-    # BLOCKHESS_CPU=portable forces the baseline build; both give the same Hessian to rounding.
-    code = ("import blockhess, numpy as np; print(blockhess._core.build_info['isa']); "
-            "print(blockhess._core.__name__)")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                          env={**os.environ, "BLOCKHESS_CPU": "portable"})
-    assert done.stdout.split() == ["portable", "blockhess._core_portable"]
+    assert not (portable.cpu_runs_x86_64_v4() and not portable.cpu_runs_x86_64_v3())  # v4 contains v3
+    if os.environ.get("BLOCKHESS_CPU", "auto").strip().lower() in ("", "auto"):
+        assert _core.build_info["isa"] == _best_level_this_cpu_runs(portable)
     assert blockhess._core is _core
+    # BLOCKHESS_CPU caps the level: portable forces the baseline, x86_64_v3 stops short of AVX-512.
+    assert _loaded_with("portable") == ["portable", "blockhess._core_portable"]
+    v3 = _best_level_this_cpu_runs(portable, cap="x86_64_v3")
+    assert _loaded_with("x86_64_v3") == [v3, f"blockhess._core_{v3}"]
+    best = _best_level_this_cpu_runs(portable)
+    assert _loaded_with("auto") == [best, f"blockhess._core_{best}"]
+
+
+def test_an_unknown_cpu_level_is_refused_by_name():
+    if _core.build_info["native"]:
+        pytest.skip("a deliberate -march=native build has only _core_native")
+    code = "import blockhess"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "BLOCKHESS_CPU": "avx9000"})
+    assert done.returncode != 0
+    assert "BLOCKHESS_CPU must be one of" in done.stderr and "'avx9000'" in done.stderr
+
+
+_SAME_PROBLEM_ON_EVERY_LEVEL = """
+import sys, numpy as np, blockhess
+rng = np.random.default_rng(3)
+params = blockhess.BlockParams.random(d=8, d_k=8, d_ff=16, seed=1)
+X, T = rng.standard_normal((2, 24, 8)), rng.standard_normal((2, 24, 8))
+v = rng.standard_normal(params.size)
+f32 = blockhess.BlockParams.random(d=8, d_k=8, d_ff=16, seed=1, dtype=np.float32)
+np.savez(sys.argv[1], isa=blockhess._core.build_info["isa"], H=blockhess.loss_hessian(X, T, params),
+         hv=blockhess.loss_hvp(X, T, params, v),
+         hv32=blockhess.loss_hvp(X.astype(np.float32), T.astype(np.float32), f32, v.astype(np.float32)))
+"""
+
+
+@pytest.mark.parametrize("level", ["x86_64_v3", "x86_64_v4"])
+def test_every_level_this_cpu_runs_gives_the_portable_results_to_rounding(level, tmp_path):
+    """The instruction-set builds differ only in how the same sums are vectorised."""
+    if _core.build_info["native"]:
+        pytest.skip("a deliberate -march=native build has only _core_native")
+    portable = importlib.import_module("blockhess._core_portable")
+    if _best_level_this_cpu_runs(portable, cap=level) != level:
+        pytest.skip(f"this CPU or this install has no {level} build")
+    runs = {}
+    for cpu in (level, "portable"):
+        subprocess.run([sys.executable, "-c", _SAME_PROBLEM_ON_EVERY_LEVEL, str(tmp_path / cpu)], check=True,
+                       env={**os.environ, "BLOCKHESS_CPU": cpu})
+        runs[cpu] = np.load(tmp_path / f"{cpu}.npz")
+    ours, base = runs[level], runs["portable"]
+    assert (str(ours["isa"]), str(base["isa"])) == (level, "portable")
+    assert np.array_equal(ours["H"], ours["H"].T)
+    for key, tol in (("H", 1e-13), ("hv", 1e-13), ("hv32", 1e-5)):
+        assert np.abs(ours[key] - base[key]).max() <= tol * np.abs(base[key]).max(), key
 
 
 def test_pyproject_keeps_native_off_by_default():
@@ -113,8 +174,9 @@ def test_compile_commands_use_march_native_only_when_asked(tmp_path):
     assert not any("-march=native" in c for c in default), "the default build compiles with -march=native"
     portable = [c for c in default if "_core_portable" in c]
     assert portable and not any("-march" in c for c in portable), "the baseline build must be portable"
-    if platform.machine() in ("x86_64", "AMD64"):  # the dispatched AVX2/FMA build
-        assert any("-march=x86-64-v3" in c and "_core_x86_64_v3" in c for c in default)
+    if platform.machine() in ("x86_64", "AMD64"):  # the dispatched AVX2/FMA and AVX-512 builds
+        for level in ("3", "4"):
+            assert any(f"-march=x86-64-v{level}" in c and f"_core_x86_64_v{level}" in c for c in default)
     native = _configure_top_level(tmp_path / "native", "-DBLOCKHESS_NATIVE=ON")
     core = [c for c in native if "core_module.cpp" in c]
     assert core and all("-march=native" in c and "_core_native" in c for c in core)

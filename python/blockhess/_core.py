@@ -1,11 +1,13 @@
 """The CPU extension: the build for this processor's instruction set.
 
 The wheel carries the core compiled for the platform's baseline (``_core_portable``) and, on
-x86-64, again for x86-64-v3 (AVX2 + FMA: ``_core_x86_64_v3``), so it runs on any CPU of its
-platform and still uses the wide vector units where they exist. A ``BLOCKHESS_NATIVE=ON`` build has
-only ``_core_native``. ``BLOCKHESS_CPU=portable`` in the environment forces the baseline build.
-This module replaces itself with the chosen extension: ``blockhess._core`` *is* that module, and
-``blockhess._core.build_info["isa"]`` says which one it is.
+x86-64, again for x86-64-v3 (AVX2 + FMA: ``_core_x86_64_v3``) and for x86-64-v4 (AVX-512:
+``_core_x86_64_v4``), so it runs on any CPU of its platform and still uses the widest vector units
+it has. A ``BLOCKHESS_NATIVE=ON`` build has only ``_core_native``. ``BLOCKHESS_CPU`` in the
+environment caps the level: ``portable`` forces the baseline build, ``x86_64_v3`` stops short of
+AVX-512, ``auto`` (or unset) takes the best this CPU runs. This module replaces itself with the
+chosen extension: ``blockhess._core`` *is* that module, and ``blockhess._core.build_info["isa"]``
+says which one it is.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+
+# The dispatched levels, lowest first; the portable build checks whether this CPU runs each.
+_LEVELS = ("portable", "x86_64_v3", "x86_64_v4")
 
 
 def _load():
@@ -26,13 +31,15 @@ def _load():
             pass
     portable = load("portable")
     forced = os.environ.get("BLOCKHESS_CPU", "").strip().lower()
-    if forced not in ("", "portable", "auto"):
-        raise ImportError(f"BLOCKHESS_CPU must be 'portable' or 'auto', got {forced!r}")
-    if forced != "portable" and portable.cpu_runs_x86_64_v3():
-        try:
-            return load("x86_64_v3")
-        except ImportError:  # a build without it (BLOCKHESS_CPU_DISPATCH=OFF, or not x86-64)
-            pass
+    if forced not in ("", "auto", *_LEVELS):
+        raise ImportError(f"BLOCKHESS_CPU must be one of 'auto', {', '.join(map(repr, _LEVELS))}, got {forced!r}")
+    cap = _LEVELS.index(forced) if forced in _LEVELS else len(_LEVELS) - 1
+    for level in reversed(_LEVELS[1:cap + 1]):
+        if getattr(portable, f"cpu_runs_{level}")():
+            try:
+                return load(level)
+            except ImportError:  # a build without it (BLOCKHESS_CPU_DISPATCH=OFF, not x86-64, an old compiler)
+                pass
     return portable
 
 
