@@ -160,10 +160,6 @@ void accumulate_pooled(const Graph<T>& g, const PooledSite<T>& site, const std::
   }
 }
 
-}  // namespace detail
-
-namespace detail {
-
 // The block of H that one ordered pair of pieces owns (assemble: the upper block triangle, and one
 // parameter's pieces in both orders), with what adds to it, in the order the terms come.
 template <class T>
