@@ -90,7 +90,11 @@ def dask_client(request):
         cluster.close()
 
 
-def test_dask_cluster_gives_the_same_numbers(rng, dask_client):
+# Vectors go inside the tasks (small) or scattered to the workers first (large): both ways, at
+# the test's size, by moving the threshold.
+@pytest.mark.parametrize("sent", ["inline", "scattered"])
+def test_dask_cluster_gives_the_same_numbers(rng, dask_client, sent, monkeypatch):
+    monkeypatch.setattr(blockhess.dataset, "_INLINE_BYTES", 1 << 20 if sent == "inline" else 0)
     params, batches, _, _ = _data(rng, EVERYTHING, [2, 1, 3, 2, None, 2])
     local = blockhess.dataset_hessian_operator(batches, params)
     distributed = blockhess.dataset_hessian_operator(batches, params, client=dask_client)
@@ -101,7 +105,7 @@ def test_dask_cluster_gives_the_same_numbers(rng, dask_client):
     assert distributed.trace(by_block=True).keys() == local.trace(by_block=True).keys()
     np.testing.assert_allclose(distributed.eigsh(k=2, return_eigenvectors=False),
                                local.eigsh(k=2, return_eigenvectors=False), rtol=1e-9)
-    # The same vector again and again (a benchmark's repeats): each call scatters its own copy.
+    # The same vector again and again (a benchmark's repeats): each call sends its own copy.
     v = V[:, 0].copy()
     first = distributed @ v
     for _ in range(5):
