@@ -56,19 +56,21 @@ def test_installed_extension_is_portable():
     )
 
 
-def _best_level_this_cpu_runs(portable, cap: str = "x86_64_v4") -> str:
+# The instruction-set levels of a dispatched build, lowest first (python/blockhess/_core.py).
+LEVELS = ("portable", "x86_64_v3", "x86_64_v4")
+
+
+def _best_level_this_cpu_runs(portable, cap: str = LEVELS[-1]) -> str:
     """The level the dispatch should load: the highest one, up to ``cap``, that this CPU runs and
     this install has (a build with BLOCKHESS_CPU_DISPATCH=OFF, or off x86-64, has only portable)."""
-    levels = ["portable", "x86_64_v3", "x86_64_v4"]
-    for level in reversed(levels[1:levels.index(cap) + 1]):
+    for level in reversed(LEVELS[1:LEVELS.index(cap) + 1]):
         if getattr(portable, f"cpu_runs_{level}")() and importlib.util.find_spec(f"blockhess._core_{level}"):
             return level
     return "portable"
 
 
 def _loaded_with(cpu: str) -> list[str]:
-    code = ("import blockhess, numpy as np; print(blockhess._core.build_info['isa']); "
-            "print(blockhess._core.__name__)")
+    code = "import blockhess; print(blockhess._core.build_info['isa']); print(blockhess._core.__name__)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                           env={**os.environ, "BLOCKHESS_CPU": cpu})
     return done.stdout.split()
@@ -96,8 +98,7 @@ def test_the_portable_core_is_always_there_and_the_dispatch_picks_one_this_cpu_r
 def test_an_unknown_cpu_level_is_refused_by_name():
     if _core.build_info["native"]:
         pytest.skip("a deliberate -march=native build has only _core_native")
-    code = "import blockhess"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", "import blockhess"], capture_output=True, text=True,
                           env={**os.environ, "BLOCKHESS_CPU": "avx9000"})
     assert done.returncode != 0
     assert "BLOCKHESS_CPU must be one of" in done.stderr and "'avx9000'" in done.stderr
@@ -116,7 +117,7 @@ np.savez(sys.argv[1], isa=blockhess._core.build_info["isa"], H=blockhess.loss_he
 """
 
 
-@pytest.mark.parametrize("level", ["x86_64_v3", "x86_64_v4"])
+@pytest.mark.parametrize("level", LEVELS[1:])
 def test_every_level_this_cpu_runs_gives_the_portable_results_to_rounding(level, tmp_path):
     """The instruction-set builds differ only in how the same sums are vectorised."""
     if _core.build_info["native"]:
