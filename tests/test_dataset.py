@@ -90,11 +90,7 @@ def dask_client(request):
         cluster.close()
 
 
-# Vectors go inside the tasks (small) or scattered to the workers first (large): both ways, at
-# the test's size, by moving the threshold.
-@pytest.mark.parametrize("sent", ["inline", "scattered"])
-def test_dask_cluster_gives_the_same_numbers(rng, dask_client, sent, monkeypatch):
-    monkeypatch.setattr(blockhess.dataset, "_INLINE_BYTES", 1 << 20 if sent == "inline" else 0)
+def test_dask_cluster_gives_the_same_numbers(rng, dask_client):
     params, batches, _, _ = _data(rng, EVERYTHING, [2, 1, 3, 2, None, 2])
     local = blockhess.dataset_hessian_operator(batches, params)
     distributed = blockhess.dataset_hessian_operator(batches, params, client=dask_client)
