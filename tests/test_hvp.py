@@ -143,6 +143,29 @@ def test_operator_bits_do_not_depend_on_threads(rng):
     assert np.array_equal(one, four)
 
 
+# Deep products into small results (a weight's gradient over 1,568 tokens into 16 x 64) are summed
+# in chunks of depth (parallel_product.hpp): they still match torch, in both precisions, and do
+# not depend on the thread count.
+def test_hvp_over_many_tokens(rng):
+    X, target, params = _problem(rng, 49, 16, 16, 64, 32, "mse")
+    v = rng.standard_normal(params.size)
+    theirs = torch_reference.loss_hvp(X, target, params.arrays, v, kind="mse", part="full").numpy()
+    assert ref.rel_err(blockhess.loss_hvp(X, target, params, v), theirs) <= 1e-10
+    single = blockhess.BlockParams(*(w.astype(np.float32) for w in params.arrays))
+    ours32 = blockhess.loss_hvp(X.astype(np.float32), target.astype(np.float32), single, v.astype(np.float32))
+    assert ours32.dtype == np.float32 and ref.rel_err(ours32, theirs) <= 1e-4
+    op = blockhess.hessian_operator(X, target, params)
+    before = blockhess.get_num_threads()
+    try:
+        blockhess.set_num_threads(1)
+        one = op @ v
+        blockhess.set_num_threads(3)
+        three = op @ v
+    finally:
+        blockhess.set_num_threads(before)
+    assert np.array_equal(one, three)
+
+
 def test_operator_through_scipy_eigsh(rng):
     scipy_linalg = pytest.importorskip("scipy.sparse.linalg")
     X, target, params = _problem(rng, 5, 4, 3, 6, 2, "mse")
