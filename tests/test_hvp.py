@@ -128,18 +128,24 @@ def test_operator_keeps_its_own_copy_of_the_weights(rng):
     assert np.array_equal(op.matvec(v), before)
 
 
+def _products_on_threads(op, V, counts):
+    """op @ V with the core on each of ``counts`` threads, the caller's setting restored."""
+    before = blockhess.get_num_threads()
+    try:
+        results = []
+        for threads in counts:
+            blockhess.set_num_threads(threads)
+            results.append(op @ V)
+        return results
+    finally:
+        blockhess.set_num_threads(before)
+
+
 def test_operator_bits_do_not_depend_on_threads(rng):
     X, target, params = _problem(rng, 8, 6, 4, 10, 3, "cross_entropy")
     op = blockhess.hessian_operator(X, target, params, loss="cross_entropy")
     V = rng.standard_normal((op.shape[0], 5))
-    before = blockhess.get_num_threads()
-    try:
-        blockhess.set_num_threads(1)
-        one = op.matmat(V)
-        blockhess.set_num_threads(4)
-        four = op.matmat(V)
-    finally:
-        blockhess.set_num_threads(before)
+    one, four = _products_on_threads(op, V, (1, 4))
     assert np.array_equal(one, four)
 
 
@@ -154,15 +160,7 @@ def test_hvp_over_many_tokens(rng):
     single = blockhess.BlockParams(*(w.astype(np.float32) for w in params.arrays))
     ours32 = blockhess.loss_hvp(X.astype(np.float32), target.astype(np.float32), single, v.astype(np.float32))
     assert ours32.dtype == np.float32 and ref.rel_err(ours32, theirs) <= 1e-4
-    op = blockhess.hessian_operator(X, target, params)
-    before = blockhess.get_num_threads()
-    try:
-        blockhess.set_num_threads(1)
-        one = op @ v
-        blockhess.set_num_threads(3)
-        three = op @ v
-    finally:
-        blockhess.set_num_threads(before)
+    one, three = _products_on_threads(blockhess.hessian_operator(X, target, params), v, (1, 3))
     assert np.array_equal(one, three)
 
 
