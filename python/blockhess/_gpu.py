@@ -378,7 +378,10 @@ class _Block:
             p = _softmax_rows(self.Z)
             onehot = xp.zeros_like(p)
             onehot[xp.arange(n), classes.reshape(n)] = 1
-            value = -c * xp.log((p * onehot).sum(axis=1)).sum()
+            # log-sum-exp minus the class's logit: -log p[class] is -log 0 = Inf once p[class] underflows.
+            top = self.Z.max(axis=1)
+            gap = top - (self.Z * onehot).sum(axis=1)
+            value = c * (gap + xp.log(xp.exp(self.Z - top[:, None]).sum(axis=1))).sum()
             gZ = c * (p - onehot)
             hess = c * (xp.eye(d, dtype=self.dtype)[None, :, :] * p[:, None, :] - _outer(p, p)) if with_hessian else None
         omega = None

@@ -1,6 +1,7 @@
 // Losses on the block output Z (B samples of L tokens, d features), averaged over the batch:
 //   mse:            l = 1/(B L d) sum (Z - target)^2                     (docs/derivation.md §2.2, per sample 1/(L d))
-//   cross_entropy:  l = 1/(B L) sum_t [logsumexp(Z_t) - Z_t[class_t]]    (each row of Z is a logit vector)
+//   cross_entropy:  l = 1/(B L) sum_t [logsumexp(Z_t) - Z_t[class_t]]    (each row of Z is a logit vector;
+//                   formed in that form, softmax::cross_entropy_row, so large logit gaps stay finite)
 //   pooled_cross_entropy (the paper's ViT classifier head, docs/derivation.md §2.2):
 //                   m_b = 1/L sum_t Z_b,t,  logits_b = m_b W_C + b_C,
 //                   l = 1/B sum_b [logsumexp(logits_b) - logits_b[class_b]]
@@ -79,8 +80,7 @@ Derivatives<T> derivatives(Kind kind, index_t B, index_t L, index_t d, const T* 
       throw std::invalid_argument("loss: class index " + std::to_string(k) + " is out of range [0, " +
                                   std::to_string(d) + ")");
     const T* z = Z + t * d;
-    softmax::forward_row(z, d, p.data());
-    out.value += -c * std::log(p[k]);
+    out.value += c * softmax::cross_entropy_row(z, d, k, p.data());
     for (index_t a = 0; a < d; ++a) out.gZ[t * d + a] = c * (p[a] - (a == k ? T(1) : T(0)));
     if (with_hessian)
       for (index_t a = 0; a < d; ++a)
@@ -117,8 +117,7 @@ Derivatives<T> pooled_derivatives(index_t B, index_t L, index_t d, const T* Z, c
       for (index_t a = 0; a < d; ++a) s += m[a] * head.weight[a * C + c];
       logits[c] = s;
     }
-    softmax::forward_row(logits.data(), C, p.data());
-    out.value += -inv_B * std::log(p[k]);
+    out.value += inv_B * softmax::cross_entropy_row(logits.data(), C, k, p.data());
     for (index_t a = 0; a < d; ++a) {
       T s = 0;
       for (index_t c = 0; c < C; ++c) s += head.weight[a * C + c] * (p[c] - (c == k ? T(1) : T(0)));

@@ -15,18 +15,36 @@
 
 namespace blockhess::softmax {
 
-// a = softmax(t) for one row of length n (max-shifted, so it never overflows).
+// a = softmax(t) for one row of length n (max-shifted, so it never overflows); returns max_k t_k and
+// sets total = sum_k exp(t_k - max t), which is >= 1 (the largest entry's exp(0)). a may alias t.
 template <class T>
-BLOCKHESS_HD void forward_row(const T* t, index_t n, T* a) {
+BLOCKHESS_HD T forward_row_shifted(const T* t, index_t n, T* a, T& total) {
   T top = t[0];
   for (index_t k = 1; k < n; ++k) top = t[k] > top ? t[k] : top;
-  T total = 0;
+  total = 0;
   for (index_t k = 0; k < n; ++k) {
     a[k] = std::exp(t[k] - top);
     total += a[k];
   }
   const T inv = T(1) / total;
   for (index_t k = 0; k < n; ++k) a[k] *= inv;
+  return top;
+}
+
+template <class T>
+BLOCKHESS_HD void forward_row(const T* t, index_t n, T* a) {
+  T total;
+  forward_row_shifted(t, n, a, total);
+}
+
+// a = softmax(t) for one row, and the cross-entropy -log a_c of class c in log-sum-exp form,
+// (max t - t_c) + log sum_k exp(t_k - max t): finite for every finite row, where -log a_c is
+// -log 0 = Inf once a_c underflows (a gap past about 745 in float64, 104 in float32). a must not alias t.
+template <class T>
+BLOCKHESS_HD T cross_entropy_row(const T* t, index_t n, index_t c, T* a) {
+  T total;
+  const T top = forward_row_shifted(t, n, a, total);
+  return (top - t[c]) + std::log(total);
 }
 
 // J_i[j,k] = a_j (delta_jk - a_k) for one row, from a = softmax(t); n^2 entries.
