@@ -1,6 +1,6 @@
 """What every curvature operator of blockhess offers on top of its product H V: vector handling
 (NumPy or torch in, the same kind out), scipy interop, the exact diagonal and traces, extreme
-eigenvalues and the spectral density (blockhess.spectrum)."""
+eigenvalues and the spectral density (blockhess.spectrum), each within the memory budget."""
 
 from __future__ import annotations
 
@@ -8,20 +8,25 @@ from typing import Any
 
 import numpy as np
 
+from ._config import get_memory_budget
 from ._interop import is_torch_tensor, to_torch
-from ._validate import float_array
+from ._validate import float_array, require_output_fits
 
 
 class CurvatureOperator:
     """A symmetric (P, P) operator over the parameters in ``names`` (their sizes ``_sizes``).
     Subclasses set ``shape``, ``dtype``, ``names`` and ``_sizes`` and implement ``_product(V)`` (H V
-    for a checked float array V of shape (P,) or (P, k)) and ``_compute_diagonal()``."""
+    for a checked float array V of shape (P,) or (P, k)) and ``_compute_diagonal()``; they may
+    override ``_product_working(columns)`` (the bytes a product holds besides its result, for the
+    memory budget) and set ``_from_torch`` (results without a vector argument, the diagonal and
+    eigsh's, are then torch tensors)."""
 
     shape: tuple[int, int]
     dtype: np.dtype
     names: tuple[str, ...]
     _sizes: tuple[int, ...]
     _diagonal: np.ndarray | None = None
+    _from_torch: bool = False
 
     def _product(self, V: Any) -> np.ndarray:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -29,8 +34,20 @@ class CurvatureOperator:
     def _compute_diagonal(self) -> np.ndarray:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def _product_working(self, columns: int) -> int:
+        """Bytes a product with ``columns`` columns holds besides its (P, columns) result."""
+        return 0
+
+    def _callers_kind(self, result: Any) -> Any:
+        return to_torch(result) if self._from_torch else result
+
     def _apply(self, V: Any, ndim: int) -> np.ndarray:
-        return self._product(float_array(V, "V" if ndim == 2 else "v", ndim=ndim))
+        V = float_array(V, "V" if ndim == 2 else "v", ndim=ndim)
+        columns = V.shape[1] if V.ndim == 2 else 1
+        P = self.shape[0]
+        require_output_fits((P, columns), self.dtype, f"the product H V over {', '.join(self.names)} (P = {P})",
+                            "multiply fewer vectors at a time", working=self._product_working(columns))
+        return self._product(V)
 
     def matvec(self, v: Any) -> Any:
         """H v for v of shape (P,)."""
@@ -43,11 +60,17 @@ class CurvatureOperator:
         return to_torch(product) if is_torch_tensor(V) else product
 
     def __matmul__(self, V: Any) -> Any:
-        return self.matmat(V) if len(getattr(V, "shape", ())) == 2 else self.matvec(V)
+        ndim = len(V.shape) if hasattr(V, "shape") else np.ndim(V)  # np.ndim reads nested lists
+        return self.matmat(V) if ndim == 2 else self.matvec(V)
 
-    def diagonal(self) -> np.ndarray:
+    def diagonal(self) -> Any:
         """The Hessian's diagonal (P,), exact: assembled from the per-token factors and curvature
-        terms like the dense Hessian, with no block of it formed and no random probes."""
+        terms like the dense Hessian, with no block of it formed and no random probes (a torch
+        tensor when the operator was built from tensors)."""
+        return self._callers_kind(self._diagonal_array())
+
+    def _diagonal_array(self) -> np.ndarray:
+        """The diagonal as a read-only NumPy array, computed once."""
         if self._diagonal is None:
             self._diagonal = self._compute_diagonal()
             self._diagonal.setflags(write=False)
@@ -56,7 +79,7 @@ class CurvatureOperator:
     def trace(self, by_block: bool = False) -> float | dict[tuple[str, str], float]:
         """tr(H), exact (the sum of :meth:`diagonal`); by_block=True: a dict keyed like
         ``loss_hessian(layout="blocks")``'s diagonal blocks, ``{("W_Q", "W_Q"): tr(H_QQ), ...}``."""
-        diag = self.diagonal()
+        diag = self._diagonal_array()
         if not by_block:
             return float(np.sum(diag, dtype=np.float64))
         bounds = np.cumsum((0, *self._sizes))
@@ -65,14 +88,13 @@ class CurvatureOperator:
 
     def frobenius_norm(self, by_block: bool = False) -> float | dict[tuple[str, str], float]:
         """||H||_F, exact and without random probes: the columns of H come from products with the
-        columns of the identity, a chunk at a time (at most 64 MiB of them), and only their sums of
-        squares are kept. That is P products, so it is for one parameter block (``wrt=(name,)``)
-        or a small block: no factor-only form exists, since ||J^T G J||_F needs every pair of
-        tokens. by_block=True: ``{(a, b): ||H[a, b]||_F}`` for every pair, keyed like
-        ``loss_hessian(layout="blocks")``."""
+        columns of the identity, a chunk at a time (at most 64 MiB of them, less under a smaller
+        memory budget), and only their sums of squares are kept. That is P products, so it is for
+        one parameter block (``wrt=(name,)``) or a small block: no factor-only form exists, since
+        ||J^T G J||_F needs every pair of tokens. by_block=True: ``{(a, b): ||H[a, b]||_F}`` for
+        every pair, keyed like ``loss_hessian(layout="blocks")``."""
         P = self.shape[0]
-        itemsize = np.dtype(self.dtype).itemsize
-        chunk = int(max(1, min(P, (64 << 20) // (2 * P * itemsize))))
+        chunk = self._frobenius_chunk()
         bounds = np.cumsum((0, *self._sizes))
         squares = np.zeros((len(self.names), len(self.names)))
         for b, (start, stop) in enumerate(zip(bounds[:-1], bounds[1:])):
@@ -80,22 +102,38 @@ class CurvatureOperator:
                 last = min(first + chunk, int(stop))
                 E = np.zeros((P, last - first), dtype=self.dtype)
                 E[np.arange(first, last), np.arange(last - first)] = 1
-                columns = np.asarray(self._product(E), dtype=np.float64)
+                columns = self._product(E)
                 for a, (top, bottom) in enumerate(zip(bounds[:-1], bounds[1:])):
-                    squares[a, b] += float(np.sum(columns[top:bottom] ** 2))
+                    squares[a, b] += float(np.sum(np.square(columns[top:bottom], dtype=np.float64)))
         if not by_block:
             return float(np.sqrt(squares.sum()))
         return {(m, n): float(np.sqrt(squares[i, j])) for i, m in enumerate(self.names)
                 for j, n in enumerate(self.names)}
+
+    def _frobenius_chunk(self) -> int:
+        """How many columns of H frobenius_norm computes at a time: at most 64 MiB of them, halved
+        until the chunk fits the memory budget; OutputTooLargeError when not even one column does."""
+        P, itemsize = self.shape[0], np.dtype(self.dtype).itemsize
+
+        def working(columns: int) -> int:  # besides the (P, columns) product: E and a block's squares
+            return P * columns * (itemsize + 8) + self._product_working(columns)
+
+        chunk = int(max(1, min(P, (64 << 20) // (P * (2 * itemsize + 8)))))
+        budget = get_memory_budget()
+        while chunk > 1 and P * chunk * itemsize + working(chunk) > budget:
+            chunk //= 2
+        require_output_fits((P, chunk), self.dtype, "the columns of H that frobenius_norm sums, a chunk at a time,",
+                            "build the operator over fewer parameters, e.g. wrt=(name,)", working=working(chunk))
+        return chunk
 
     def eigsh(self, k: int = 6, which: str = "LA", tol: float = 0.0, return_eigenvectors: bool = True):
         """k extreme eigenvalues (ascending) of the operator by Lanczos (scipy's ARPACK) through the
         exact H v: which "LA" (largest), "SA" (smallest: how non-convex) or "LM" (largest
         magnitude); with the eigenvectors as columns unless return_eigenvectors=False. For one
         parameter block, build the operator with ``wrt=(name,)``."""
-        from .spectrum import eigsh
+        from .spectrum import eigsh  # checks its arguments and its memory (ARPACK's, or the dense matrix)
 
-        return eigsh(self, k, which, tol, return_eigenvectors)
+        return self._callers_kind(eigsh(self, k, which, tol, return_eigenvectors))
 
     def spectral_density(self, *, probes: int = 10, steps: int = 60, sigma: float | None = None,
                          grid: Any = 1000, seed: int = 0):
@@ -103,7 +141,7 @@ class CurvatureOperator:
         Rademacher probes of ``steps`` Lanczos steps each, broadened by a Gaussian of width
         ``sigma``; returns a :class:`blockhess.spectrum.SpectralDensity` (``.grid``, ``.density``,
         integrating to 1, and the quadrature's ``.moment(m)``)."""
-        from .spectrum import spectral_density
+        from .spectrum import spectral_density  # checks its memory (the Lanczos bases, the grid)
 
         return spectral_density(self._matvec64, self.shape[0], probes=probes, steps=steps, sigma=sigma, grid=grid,
                                 seed=seed)

@@ -2,9 +2,10 @@
 
 Every array argument passes through :func:`as_array`, which turns a PyTorch tensor into the array
 blockhess computes on without copying (a CPU tensor into a NumPy view, a CUDA tensor into a CuPy
-view), and refuses a masked array (blockhess would silently compute on the values under the mask).
-Every public function is wrapped by :func:`returns_callers_kind`, which gives results back as
-PyTorch tensors (sharing memory with the computed arrays) whenever an argument was a tensor.
+view), nested lists and tuples into a NumPy array (as ``np.asarray`` reads them), and refuses a
+masked array (blockhess would silently compute on the values under the mask). Every public
+function is wrapped by :func:`returns_callers_kind`, which gives results back as PyTorch tensors
+(sharing memory with the computed arrays) whenever an argument was a tensor.
 torch is never imported here unless the caller passed a tensor.
 """
 
@@ -24,9 +25,15 @@ def is_torch_tensor(x: Any) -> bool:
 
 
 def as_array(x: Any, name: str) -> Any:
-    """x as a NumPy or CuPy array (or x unchanged when it is neither a tensor nor a special array)."""
+    """x as a NumPy or CuPy array (or x unchanged when it is neither a tensor, a list or tuple, nor a
+    special array)."""
     if is_torch_tensor(x):
         return _from_torch(x, name)
+    if isinstance(x, (list, tuple)):
+        try:
+            return np.asarray(x)
+        except (ValueError, TypeError) as err:  # ragged nesting, or items NumPy cannot hold
+            raise TypeError(f"{name} must be a numeric array: {err}") from None
     if isinstance(x, np.ma.MaskedArray):
         raise TypeError(
             f"{name} is a masked array; blockhess does not apply masks (it would compute on the "
@@ -51,10 +58,18 @@ def _from_torch(t: Any, name: str) -> Any:
         raise TypeError(f"{name} must have dtype float32 or float64, got {t.dtype}") from None
 
 
-def _holds_torch(value: Any) -> bool:
-    if is_torch_tensor(value):
-        return True
-    return bool(getattr(value, "_from_torch", False))  # BlockParams built from tensors
+def holds_torch(*values: Any) -> bool:
+    """Whether any of ``values`` is a torch tensor, a list or tuple holding one (head=(W_C, b_C)),
+    or a BlockParams built from tensors."""
+    for value in values:
+        if isinstance(value, (list, tuple)):
+            # A sequence of arrays is looked through (one level); a nested list of numbers is data,
+            # never walked element by element.
+            if value and hasattr(value[0], "shape") and any(is_torch_tensor(v) for v in value):
+                return True
+        elif is_torch_tensor(value) or getattr(value, "_from_torch", False):
+            return True
+    return False
 
 
 def to_torch(result: Any) -> Any:
@@ -82,8 +97,7 @@ def returns_callers_kind(func: F) -> F:
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         result = func(*args, **kwargs)
-        values = list(args) + list(kwargs.values())
-        if not any(_holds_torch(v) for v in values):
+        if not holds_torch(*args, *kwargs.values()):
             return result
         out = kwargs.get("out")
         if out is None and "out" in signature.parameters:

@@ -8,6 +8,7 @@ TypeError that names the offending argument.
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 from typing import Any
 
@@ -84,20 +85,25 @@ def float_array(x: Any, name: str, *, ndim: int | tuple[int, ...] | None = None)
     return x
 
 
-def positive_int(value: Any, name: str, *, most: int | None = None) -> int:
-    """``value`` as an int >= 1 (and <= ``most``), or TypeError / ValueError naming ``name``. Any
-    integer type (numpy's too) is accepted; bools and floats are not."""
-    if isinstance(value, bool):
+def integer(value: Any, name: str, *, least: int | None = None, most: int | None = None) -> int:
+    """``value`` as an int in [least, most], or TypeError / ValueError naming ``name``. Any integer
+    type (numpy's too) is accepted; bools and floats are not."""
+    if isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be an integer, got bool")
     try:
         value = operator.index(value)
     except TypeError:
         raise TypeError(f"{name} must be an integer, got {type(value).__name__}") from None
-    if most is not None and not 1 <= value <= most:
-        raise ValueError(f"{name} must be between 1 and {most}, got {value}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
+    if least is not None and most is not None and not least <= value <= most:
+        raise ValueError(f"{name} must be between {least} and {most}, got {value}")
+    if least is not None and value < least:
+        raise ValueError(f"{name} must be >= {least}, got {value}")
     return value
+
+
+def positive_int(value: Any, name: str, *, most: int | None = None) -> int:
+    """``value`` as an int >= 1 (and <= ``most``): :func:`integer` with ``least=1``."""
+    return integer(value, name, least=1, most=most)
 
 
 def common_dtype(*arrays: Any) -> np.dtype:
@@ -116,6 +122,12 @@ def contiguous(x: Any, dtype: np.dtype) -> Any:
     return _xp(x).ascontiguousarray(x, dtype=dtype)
 
 
+def owned_copy(x: Any, dtype: np.dtype) -> Any:
+    """A C-contiguous copy of ``x`` in ``dtype`` that shares no memory with it: for state an object
+    keeps, which the caller's later changes to ``x`` must not reach."""
+    return _xp(x).array(x, dtype=dtype, order="C", copy=True)
+
+
 def output_array(out: Any, shape: tuple[int, ...], dtype: np.dtype, inputs: tuple[Any, ...]) -> Any:
     """``out`` checked as the destination of a result: exactly ``shape`` and ``dtype``, C-contiguous,
     writeable and sharing no memory with ``inputs`` (results are written in place, never cast).
@@ -123,6 +135,8 @@ def output_array(out: Any, shape: tuple[int, ...], dtype: np.dtype, inputs: tupl
     ``inputs`` must be the caller's own arrays, not internal copies: an F-ordered X that is a view
     of ``out``'s memory is copied before the computation, and only the caller's X shows the overlap.
     """
+    if isinstance(out, (list, tuple)):  # as_array would read it into a new array, not write it
+        raise TypeError(f"out must be an array, got {type(out).__name__}")
     out = as_array(out, "out")
     if not (hasattr(out, "shape") and hasattr(out, "dtype") and hasattr(out, "flags")):
         raise TypeError(f"out must be an array, got {type(out).__name__}")
@@ -142,13 +156,21 @@ def output_array(out: Any, shape: tuple[int, ...], dtype: np.dtype, inputs: tupl
     return out
 
 
-def nonneg_scalar(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+def real_number(value: Any, name: str) -> float:
+    """``value`` as a float: any real number type (Python's, NumPy's, fractions), not a bool; a
+    TypeError naming ``name`` otherwise. Range checks are the caller's, but for an integer beyond
+    the float range (a ValueError here)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     try:
-        value = float(value)
+        return float(value)
     except OverflowError:  # an int beyond the float range, e.g. 10**400
-        raise ValueError(f"{name} must be finite and >= 0, got an integer beyond the float range") from None
+        raise ValueError(f"{name} must be finite, got an integer beyond the float range") from None
+
+
+def nonneg_scalar(value: Any, name: str) -> float:
+    """``value`` as a finite float >= 0 (:func:`real_number`), or TypeError / ValueError."""
+    value = real_number(value, name)
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"{name} must be finite and >= 0, got {value}")
     return value

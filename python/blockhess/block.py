@@ -18,12 +18,16 @@ from ._interop import as_array, is_torch_tensor, returns_callers_kind, to_torch
 from ._validate import _xp as _array_module
 from .spec import PAPER_BLOCK, BlockSpec
 from ._validate import (
+    FLOAT_DTYPES,
     choice,
     common_dtype,
     contiguous,
     float_array,
+    integer,
     nonneg_scalar,
     output_array,
+    owned_copy,
+    positive_int,
     require_finite,
     require_output_fits,
 )
@@ -46,7 +50,11 @@ class BlockParams:
     """The parameters of a block: for the paper's block (the default spec) the five weight matrices
     W_Q (d, d_k), W_K (d, d_k), W_V (d, d), W_1 (d, d_ff), W_2 (d_ff, d); for any :class:`BlockSpec`
     use :meth:`from_arrays` or :meth:`random`. Arrays are kept in one float dtype (float32 only if
-    all are float32), in the canonical order of :attr:`names`."""
+    all are float32), in the canonical order of :attr:`names`.
+
+    The arrays are the object's own, copied at construction: an optimizer step in place on the
+    arrays or tensors given never changes these parameters (nor an operator built from them, which
+    keeps copies of its own). Build a new BlockParams for new values."""
 
     names = PARAM_NAMES
 
@@ -70,17 +78,36 @@ class BlockParams:
                d_v: int | None = None, seed: int = 0, dtype: Any = np.float64) -> BlockParams:
         """Random parameters of ``spec`` (weights ~ N(0, 1/fan_in); gamma 1 + N(0, 0.1^2), beta and
         biases N(0, 0.1^2)); d_v defaults to d / heads (d_k and d_v are per head). d_ff is required
-        unless ``spec.attention_only`` (which has no FFN and ignores it)."""
+        unless ``spec.attention_only`` (which has no FFN and ignores it). Sizes are integers >= 1 of
+        any integer type, ``seed`` an integer >= 0."""
         if not isinstance(spec, BlockSpec):
             raise TypeError(f"spec must be a blockhess.BlockSpec, got {type(spec).__name__}")
+        d, d_k = positive_int(d, "d"), positive_int(d_k, "d_k")
         if spec.attention_only:
             d_ff = 0
         elif d_ff is None:
             raise TypeError(f"BlockParams.random needs d_ff for {spec!r} (only attention_only=True has no FFN)")
-        d_v = d // spec.heads if d_v is None else d_v
-        dtype = np.dtype(dtype)
-        if dtype not in (np.float32, np.float64):
-            raise TypeError(f"dtype must be float32 or float64, got {dtype}")
+        else:
+            d_ff = positive_int(d_ff, "d_ff")
+        _require_heads_fill_d(spec, d)
+        if d_v is None:
+            if d % spec.heads:  # with out_proj: d_v is free, but its default is not a whole number
+                raise ValueError(f"d_v defaults to d / heads, and heads = {spec.heads} does not divide d = {d}: "
+                                 "pass d_v (the value columns per head)")
+            d_v = d // spec.heads
+        else:
+            d_v = positive_int(d_v, "d_v")
+            if not spec.out_proj and d_v * spec.heads != d:
+                raise ValueError(f"without out_proj the heads' values fill the width d: heads * d_v must equal "
+                                 f"d = {d}, got d_v = {d_v} with heads = {spec.heads}")
+        seed = integer(seed, "seed", least=0)
+        try:
+            wanted = np.dtype(dtype)
+        except (TypeError, ValueError):  # not a dtype at all
+            wanted = None
+        if wanted is None or wanted not in FLOAT_DTYPES:
+            raise TypeError(f"dtype must be float32 or float64, got {dtype!r}")
+        dtype = wanted
         rng = np.random.default_rng(seed)
         arrays = {}
         for name, shape in _parameter_table(spec, d, d_k, d_v, d_ff):
@@ -99,16 +126,20 @@ class BlockParams:
             if name not in given:
                 raise ValueError(f"the parameters of {spec!r} include {name}; got {', '.join(map(str, given)) or 'none'}")
         first = {n: float_array(given[n], n, ndim=2) for n in sized}
-        d, hk = first["W_Q"].shape
+        d, qk_columns = first["W_Q"].shape
+        # Without an output projection the heads' values fill the width d exactly.
+        v_columns = first["W_V"].shape[1] if spec.out_proj else d
         d_ff = 0 if spec.attention_only else first["W_1"].shape[1]
-        if spec.attention_only and min(d, hk) < 1:
-            raise ValueError(f"d and d_k must be >= 1, got {(d, hk)}")
-        if not spec.attention_only and min(d, hk, d_ff) < 1:
-            raise ValueError(f"d, d_k and d_ff must be >= 1, got {(d, hk, d_ff)}")
-        d_k = hk // spec.heads
-        # Without an output projection the heads' values must fill the width d exactly.
-        d_v = first["W_V"].shape[1] // spec.heads if spec.out_proj else d // spec.heads
-        expected = dict(_parameter_table(spec, d, max(d_k, 1), max(d_v, 1), d_ff))
+        if min(d, qk_columns, v_columns) < 1 or (not spec.attention_only and d_ff < 1):
+            shapes = ", ".join(f"{n} {tuple(a.shape)}" for n, a in first.items())
+            raise ValueError(f"{', '.join(sized)} must have at least one row and one column, got {shapes}")
+        _require_heads_fill_d(spec, d)
+        for name, columns, per_head in (("W_Q", qk_columns, "d_k"), ("W_V", v_columns, "d_v")):
+            if columns % spec.heads:
+                raise ValueError(f"{name} has {columns} columns, which heads = {spec.heads} does not divide: they "
+                                 f"must be {per_head} * heads ({per_head} columns per head)")
+        d_k, d_v = qk_columns // spec.heads, v_columns // spec.heads
+        expected = dict(_parameter_table(spec, d, d_k, d_v, d_ff))
         missing = [n for n in expected if n not in given]
         extra = [n for n in given if n not in expected]
         if missing or extra:
@@ -122,17 +153,19 @@ class BlockParams:
         self._sources = tuple(as_array(given[n], n) for n in names)
         self._from_torch = any(is_torch_tensor(given[n]) for n in names)
         _backend.on_device(*arrays)
+        # Where every expected shape comes from, so that no message derives a shape from itself.
+        values = (f"d_v * heads = {v_columns} from W_V's columns" if spec.out_proj
+                  else f"d_v * heads = d = {d} without out_proj")
+        ffn = "" if spec.attention_only else f", d_ff = {d_ff} from W_1's columns"
         for name, w in zip(names, arrays):
             if tuple(w.shape) != expected[name]:
-                got = ", ".join(f"{n} {tuple(a.shape)}" for n, a in zip(names, arrays))
-                ffn = "" if spec.attention_only else f" and W_1 with d_ff = {d_ff}"
                 raise ValueError(
-                    f"{name} must have shape {expected[name]} (from W_Q of shape {(d, hk)}, W_V with "
-                    f"{d_v * spec.heads} columns{ffn}); got {got}"
+                    f"{name} must have shape {expected[name]}, got {tuple(w.shape)} (d = {d} from W_Q's rows, "
+                    f"d_k * heads = {qk_columns} from W_Q's columns, {values}{ffn}; heads = {spec.heads})"
                 )
         self.names = names
         self.dtype = common_dtype(*arrays)
-        self._arrays = tuple(contiguous(w, self.dtype) for w in arrays)
+        self._arrays = tuple(owned_copy(w, self.dtype) for w in arrays)
         self.d, self.d_k, self.d_v, self.d_ff = d, d_k, d_v, d_ff
 
     @property
@@ -194,11 +227,22 @@ def _param_index(params: BlockParams, name: Any) -> int:
     return params.names.index(name)
 
 
-def _selection(params: BlockParams, wrt: Any) -> tuple[tuple[str, ...], list[bool], int]:
-    """(names in the canonical order, a flag per parameter, their total size P) for ``wrt``."""
-    names = params.names if wrt is None else tuple(wrt)
+def _require_heads_fill_d(spec: BlockSpec, d: int) -> None:
+    """Without an output projection the heads' values fill the width d: heads must divide d."""
+    if not spec.out_proj and d % spec.heads:
+        raise ValueError(f"heads = {spec.heads} does not divide d = {d}: without out_proj the heads' values fill "
+                         "the width d (heads * d_v must equal d); use a spec with out_proj=True for other widths")
+
+
+def _selection(params: BlockParams, wrt: Any, argument: str = "wrt") -> tuple[tuple[str, ...], list[bool], int]:
+    """(names in the canonical order, a flag per parameter, their total size P) for ``wrt`` (the
+    caller's ``argument``, named in the error)."""
+    try:
+        names = params.names if wrt is None else tuple(wrt)
+    except TypeError:  # not iterable, e.g. wrt=3
+        names = ()
     if isinstance(wrt, str) or not names or len(set(names)) != len(names):
-        raise ValueError(f"wrt must be a non-empty sequence of distinct names from {params.names}, got {wrt!r}")
+        raise ValueError(f"{argument} must be a non-empty sequence of distinct names from {params.names}, got {wrt!r}")
     for n in names:
         _param_index(params, n)
     selected = [n in names for n in params.names]
@@ -238,8 +282,9 @@ def _check_params(params: Any) -> BlockParams:
 
 
 def _batch(X: Any, params: BlockParams, *, single: bool = False, promote_with: tuple[Any, ...] = ()):
-    """X as a C-contiguous (B, L, d) array in the common dtype of X, the weights and the float
-    arrays in ``promote_with`` (a float target), with the weights in that dtype."""
+    """(X3, weights, dtype, shape): X as a C-contiguous (B, L, d) array in the common dtype of X,
+    the weights and the float arrays in ``promote_with`` (a float target), the weights in that
+    dtype, and X's own shape, (L, d) or (B, L, d)."""
     X = float_array(X, "X", ndim=(2,) if single else (2, 3))
     if X.shape[-1] != params.d:
         raise ValueError(f"X has {X.shape[-1]} features (shape {tuple(X.shape)}) but W_Q has d = {params.d} rows")
@@ -248,7 +293,7 @@ def _batch(X: Any, params: BlockParams, *, single: bool = False, promote_with: t
     _backend.on_device(X, *params.arrays)
     dtype = common_dtype(X, *params.arrays, *promote_with)
     weights = tuple(contiguous(w, dtype) for w in params.arrays)
-    return contiguous(X.reshape((1, *X.shape)) if X.ndim == 2 else X, dtype), weights, dtype
+    return contiguous(X.reshape((1, *X.shape)) if X.ndim == 2 else X, dtype), weights, dtype, tuple(X.shape)
 
 
 def _target(target: Any, loss: str, X3: np.ndarray, batched: bool, dtype: np.dtype, classes: int | None = None):
@@ -305,8 +350,7 @@ def block_forward(X: Any, params: BlockParams, *, eps: float | None = None) -> n
     """The block output Z for X of shape (L, d) or (B, L, d); same shape as X."""
     params = _check_params(params)
     eps = _eps(eps, params)
-    X3, W, dtype = _batch(X, params)
-    shape = tuple(X.shape)
+    X3, W, dtype, shape = _batch(X, params)
     B, L, d = X3.shape
     require_output_fits(X3.shape, dtype, "the block output", "pass fewer samples or tokens at a time",
                         working=_working_memory.block(B, L, d, params.d_k, params.d_ff, dtype.itemsize, hessian=False, **_family_size(params)))
@@ -323,7 +367,7 @@ def block_jacobian(X: Any, params: BlockParams, wrt: str, *, eps: float | None =
     params = _check_params(params)
     p = _param_index(params, wrt)
     eps = _eps(eps, params)
-    X3, W, dtype = _batch(X, params, single=True)
+    X3, W, dtype, _ = _batch(X, params, single=True)
     L, d = X3.shape[1:]
     shape = (L * d, params.sizes[p])
     working = _working_memory.block(1, L, d, params.d_k, params.d_ff, dtype.itemsize, hessian=True, outer=False, **_family_size(params))
@@ -347,7 +391,7 @@ def block_output_hessian(X: Any, params: BlockParams, wrt_i: str, wrt_j: str, *,
     params = _check_params(params)
     i, j = _param_index(params, wrt_i), _param_index(params, wrt_j)
     eps = _eps(eps, params)
-    X3, W, dtype = _batch(X, params, single=True)
+    X3, W, dtype, _ = _batch(X, params, single=True)
     L, d = X3.shape[1:]
     shape = (L * d * params.sizes[i], params.sizes[j])
     pair = params.sizes[i] + (params.sizes[j] if i != j else 0)
@@ -371,13 +415,12 @@ def _loss_inputs(X, target, params, loss, eps, promote_with=(), head=None):
         target = float_array(target, "target")
     W_C, b_C = _head(head, loss, params.d)
     floats = (target,) if loss == "mse" else (W_C, b_C) if W_C is not None else ()
-    X3, W, dtype = _batch(X, params, promote_with=(*floats, *promote_with))
+    X3, W, dtype, shape = _batch(X, params, promote_with=(*floats, *promote_with))
     _backend.on_device(X3, target, W_C, b_C)  # TypeError for a target or head on the other side of X
     if W_C is not None and _backend.on_device(X3):
         raise TypeError("loss='pooled_cross_entropy' runs on the CPU only so far; pass NumPy arrays "
                         "(cupy.asnumpy) to compute it there")
-    batched = len(as_array(X, "X").shape) == 3
-    values, classes = _target(target, loss, X3, batched, dtype, None if W_C is None else W_C.shape[1])
+    values, classes = _target(target, loss, X3, len(shape) == 3, dtype, None if W_C is None else W_C.shape[1])
     head = (contiguous(W_C, dtype), contiguous(b_C, dtype))
     return params, X3, W, dtype, eps, _LOSSES[loss], values, classes, head
 

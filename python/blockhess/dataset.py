@@ -15,18 +15,73 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from . import _backend
 from ._curvature_operator import CurvatureOperator
-from ._interop import as_array
-from ._validate import contiguous, require_output_fits
+from ._interop import as_array, holds_torch
+from ._validate import common_dtype, contiguous, float_array, owned_copy, require_output_fits
 from .block import BlockParams, _selected_sizes, _selection, loss_hessian
 from .hvp import hessian_operator
 
 
-def _samples(X: Any) -> int:
-    shape = tuple(as_array(X, "X").shape)
-    if len(shape) not in (2, 3):
-        raise ValueError(f"each batch's X must be (L, d) or (B, L, d), got shape {shape}")
-    return 1 if len(shape) == 2 else shape[0]
+def _pairs(batches: Any) -> list[tuple[Any, Any]]:
+    """``batches`` as a list of (X, target) pairs. A pair is a tuple or a list of two: a bare array
+    would otherwise be split silently into its first two rows."""
+    try:
+        batches = list(batches)
+    except TypeError:
+        raise TypeError(f"batches must be an iterable of (X, target) pairs, got {type(batches).__name__}") from None
+    if not batches:
+        raise ValueError("batches must hold at least one (X, target) pair")
+    for b, batch in enumerate(batches):
+        if not isinstance(batch, (tuple, list)):
+            raise TypeError(f"batch {b} must be an (X, target) pair (a tuple or list), got {type(batch).__name__}")
+        if len(batch) != 2:
+            raise ValueError(f"batch {b} must be an (X, target) pair, got {len(batch)} items")
+    return [tuple(batch) for batch in batches]
+
+
+def _batch_X(X: Any, b: int) -> np.ndarray:
+    X = float_array(X, f"X of batch {b}")
+    if X.ndim not in (2, 3):
+        raise ValueError(f"each batch's X must be (L, d) or (B, L, d), got shape {tuple(X.shape)} in batch {b}")
+    return X
+
+
+def _own_copies(batches, params: BlockParams, loss: str, head: Any):
+    """(batches, params, head): the operator's own copies of every array it reads, in the common
+    dtype of them all (float32 only if every float array is float32, as for every other function).
+    Every method then answers for the data as they were at construction, whatever the caller does
+    to its arrays afterwards."""
+    Xs = [_batch_X(X, b) for b, (X, _) in enumerate(batches)]
+    float_targets = loss == "mse"  # a float target takes part in the dtype; class indices are kept as they are
+    targets = [float_array(t, f"target of batch {b}") if float_targets else as_array(t, f"target of batch {b}")
+               for b, (_, t) in enumerate(batches)]
+    head_arrays = ()
+    if isinstance(head, (tuple, list)) and len(head) == 2:  # any other head is refused when the batches are built
+        head_arrays = tuple(float_array(h, name) for h, name in zip(head, ("W_C", "b_C")))
+    floats = (*Xs, *(targets if float_targets else ()), *params.arrays, *head_arrays)
+    if any(_backend.is_device_array(a) for a in (*floats, *targets)):
+        raise TypeError("dataset_hessian_operator runs on the CPU only so far; pass NumPy arrays (cupy.asnumpy)")
+    dtype = common_dtype(*floats)
+    owned = [(owned_copy(X, dtype), owned_copy(t, dtype if float_targets else None)) for X, t in zip(Xs, targets)]
+    params = BlockParams.from_arrays(params.spec, dict(zip(params.names, params.arrays)))  # copies them
+    if head_arrays:
+        head = tuple(owned_copy(h, dtype) for h in head_arrays)
+    return owned, params, head
+
+
+def _check_client(client: Any) -> None:
+    """A TypeError or ValueError unless ``client`` is a running dask.distributed.Client (rather than
+    an AttributeError deep in Dask, or a wait on a closed connection)."""
+    try:
+        from distributed import Client
+    except ImportError:
+        raise TypeError("client must be a dask.distributed.Client, and dask.distributed is not installed: "
+                        "pip install 'blockhess[dask]'") from None
+    if not isinstance(client, Client):
+        raise TypeError(f"client must be a dask.distributed.Client, got {type(client).__name__}")
+    if client.status != "running":
+        raise ValueError(f"the Dask client is not running (status {client.status!r}); pass a connected client")
 
 
 def _build(X, target, params, options):
@@ -68,11 +123,12 @@ class DatasetHessianOperator(CurvatureOperator):
     and :meth:`running_differences`, the sequence ||H^(k+1) - H^(k)|| as batches are added."""
 
     def __init__(self, batches, params: BlockParams, options: dict[str, Any], client: Any = None) -> None:
+        """From the checked, owned batches, params and options of :func:`dataset_hessian_operator`."""
         self._batches = batches
         self._params = params
         self._options = options
         self._client = client
-        counts = np.array([_samples(X) for X, _ in batches], dtype=np.float64)
+        counts = np.array([1 if X.ndim == 2 else X.shape[0] for X, _ in batches], dtype=np.float64)
         self._weights = counts / counts.sum()
         self._counts = counts
         names, _, P = _selection(params, options["wrt"])
@@ -126,6 +182,11 @@ class DatasetHessianOperator(CurvatureOperator):
         else:
             total = self._reduce("product", V)
         return total.astype(self.dtype, copy=False)
+
+    def _product_working(self, columns: int) -> int:
+        """The largest batch product's working memory, plus the float64 running sum and term."""
+        local = max(op._product_working(columns) for op in self._local) if self._client is None else 0
+        return local + 16 * self.shape[0] * columns
 
     def _compute_diagonal(self) -> np.ndarray:
         if self._client is None:
@@ -195,13 +256,12 @@ def dataset_hessian_operator(batches: Iterable[tuple[Any, Any]], params: BlockPa
     each build and keep their share of the batches' operators (they need blockhess installed)."""
     if not isinstance(params, BlockParams):
         raise TypeError(f"params must be a blockhess.BlockParams, got {type(params).__name__}")
-    try:
-        batches = [tuple(b) for b in batches]
-    except TypeError:
-        raise TypeError("batches must be an iterable of (X, target) pairs") from None
-    if not batches:
-        raise ValueError("batches must hold at least one (X, target) pair")
-    if any(len(b) != 2 for b in batches):
-        raise ValueError("every batch must be an (X, target) pair")
+    if client is not None:
+        _check_client(client)
+    pairs = _pairs(batches)
+    from_torch = holds_torch(params, head, *(array for pair in pairs for array in pair))  # the caller's own
+    batches, params, head = _own_copies(pairs, params, loss, head)
     options = dict(loss=loss, part=part, eps=eps, wrt=wrt, head=head)
-    return DatasetHessianOperator(batches, params, options, client)
+    operator = DatasetHessianOperator(batches, params, options, client)
+    operator._from_torch = from_torch
+    return operator

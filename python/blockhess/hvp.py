@@ -13,7 +13,7 @@ import numpy as np
 
 from . import _backend, _core, _working_memory
 from ._curvature_operator import CurvatureOperator
-from ._interop import returns_callers_kind
+from ._interop import holds_torch, returns_callers_kind
 from ._threads import get_num_threads
 from ._validate import choice, contiguous, float_array, require_output_fits
 from .block import _LOSSES, _PARTS, BlockParams, _family_size, _loss_inputs, _selected_sizes, _selection
@@ -30,23 +30,41 @@ class HessianOperator(CurvatureOperator):
 
     Curvature without a dense matrix: :meth:`diagonal`, :meth:`trace` (whole or per parameter) exact
     from the per-token factors; :meth:`eigsh` (extreme eigenvalues by Lanczos through H v) and
-    :meth:`spectral_density` (stochastic Lanczos quadrature).
+    :meth:`spectral_density` (stochastic Lanczos quadrature). The diagonal and eigsh's results are
+    torch tensors when the operator was built from tensors.
+
+    The operator keeps its own copies of the inputs: every method answers for X, the target, the
+    weights and the head as they were when it was built, whatever the caller changes later.
     """
 
-    def __init__(self, core_operator: Any, dtype: np.dtype, names: tuple[str, ...], part: str, loss: str,
-                 sizes: tuple[int, ...] = (), diagonal_of: Any = None) -> None:
+    def __init__(self, core_operator: Any, problem: _Problem, from_torch: bool = False) -> None:
         self._op = core_operator
-        self.dtype = np.dtype(dtype)
-        self.names = names
-        self.part = part
-        self.loss = loss
-        self.shape = (int(core_operator.size), int(core_operator.size))
-        self._sizes = sizes  # of the parameters in names
-        self._diagonal_of = diagonal_of  # computes the exact diagonal (a core call), once
+        self._problem = problem
+        self.dtype = problem.dtype
+        self.names = problem.names
+        self.part = problem.part
+        self.loss = problem.loss
+        self.shape = (problem.P, problem.P)
+        self._sizes = _selected_sizes(problem.params, problem.names)  # of the parameters in names
+        self._from_torch = from_torch
         self._diagonal = None
 
     def _compute_diagonal(self) -> np.ndarray:
-        return self._diagonal_of()
+        problem, params = self._problem, self._problem.params
+        B, L, d = problem.X3.shape
+        chosen = [(n, shape) for n, shape, keep in zip(params.names, params.shapes, problem.selected) if keep]
+        working = _working_memory.hessian_diagonal(B, L, d, params.d_k, params.d_ff, problem.dtype.itemsize, chosen,
+                                                   pooled=problem.kind == _LOSSES["pooled_cross_entropy"],
+                                                   pre_ln=params.spec.norm_position == "pre", **_family_size(params))
+        require_output_fits((problem.P,), problem.dtype,
+                            f"the Hessian's diagonal over {', '.join(problem.names)} (P = {problem.P})",
+                            "pass wrt=(...) with fewer parameters, or fewer samples or tokens", working=working)
+        out = np.empty(problem.P, dtype=problem.dtype)
+        _core.loss_hessian_diagonal(*problem.core_args, out, *problem.head)
+        return out
+
+    def _product_working(self, columns: int) -> int:
+        return _products_working(self._problem, columns)
 
     @property
     def loss_value(self) -> float:
@@ -88,8 +106,12 @@ def hessian_operator(
     head: Any = None,
 ) -> HessianOperator:
     """The exact loss Hessian as a linear operator, for Hessian-vector products at sizes where the
-    dense (P, P) matrix would not fit. Arguments as in :func:`blockhess.loss_hessian`."""
-    return _build(X, target, params, loss, part, eps, wrt, columns=1, head=head)
+    dense (P, P) matrix would not fit. Arguments as in :func:`blockhess.loss_hessian`. The operator
+    answers for the arguments as they are now (it keeps copies)."""
+    problem = _kept(_problem(X, target, params, loss, part, eps, wrt, columns=1, head=head))
+    core_class = _core.HessianOperator64 if problem.dtype == np.float64 else _core.HessianOperator32
+    return HessianOperator(core_class(*problem.core_args, *problem.head), problem,
+                           from_torch=holds_torch(X, target, params, head))
 
 
 class _Problem(NamedTuple):
@@ -117,36 +139,33 @@ def _problem(X, target, params, loss, part, eps, wrt, columns, promote_with=(), 
     if _backend.on_device(X3):
         raise TypeError("hessian_operator and loss_hvp run on the CPU only so far; pass NumPy arrays "
                         "(cupy.asnumpy) or use loss_hessian on the GPU")
-    B, L, d = X3.shape
-    working = _working_memory.hvp(B, L, d, params.d_k, params.d_ff, dtype.itemsize, columns, get_num_threads(), **_family_size(params))
-    require_output_fits((P, columns), dtype, f"the Hessian-vector products over {', '.join(names)} (P = {P})",
-                        "pass fewer samples or tokens at a time, or fewer vectors", working=working)
     core_args = (X3, params.spec._core(), list(W), eps, kind, values, classes, _PARTS[part], selected)
-    return _Problem(params, X3, dtype, kind, loss, part, names, selected, P, core_args, tuple(head))
+    problem = _Problem(params, X3, dtype, kind, loss, part, names, selected, P, core_args, tuple(head))
+    require_output_fits((P, columns), dtype, f"the Hessian-vector products over {', '.join(names)} (P = {P})",
+                        "pass fewer samples or tokens at a time, or fewer vectors",
+                        working=_products_working(problem, columns))
+    return problem
 
 
-def _build(X, target, params, loss, part, eps, wrt, columns, promote_with=(), head=None) -> HessianOperator:
-    problem = _problem(X, target, params, loss, part, eps, wrt, columns, promote_with, head)
-    params, X3, dtype, kind, names, selected, P = (problem.params, problem.X3, problem.dtype, problem.kind,
-                                                    problem.names, problem.selected, problem.P)
-    B, L, d = X3.shape
-    core_class = _core.HessianOperator64 if dtype == np.float64 else _core.HessianOperator32
-    core_operator = core_class(*problem.core_args, *problem.head)
+def _products_working(problem: _Problem, columns: int) -> int:
+    """Bytes that products with ``columns`` columns hold besides their (P, columns) result: the
+    core's (the operator's caches and the products in flight) and the columns' copy in the
+    problem's dtype (_vectors)."""
+    params, (B, L, d), itemsize = problem.params, problem.X3.shape, problem.dtype.itemsize
+    core = _working_memory.hvp(B, L, d, params.d_k, params.d_ff, itemsize, columns, get_num_threads(),
+                               **_family_size(params))
+    return core + problem.P * columns * itemsize
 
-    def diagonal_of() -> np.ndarray:
-        chosen = [(n, shape) for n, shape, keep in zip(params.names, params.shapes, selected) if keep]
-        hessian_working = _working_memory.hessian_diagonal(B, L, d, params.d_k, params.d_ff, dtype.itemsize, chosen,
-                                                           pooled=kind == _LOSSES["pooled_cross_entropy"],
-                                                           pre_ln=params.spec.norm_position == "pre",
-                                                           **_family_size(params))
-        require_output_fits((P,), dtype, f"the Hessian's diagonal over {', '.join(names)} (P = {P})",
-                            "pass wrt=(...) with fewer parameters, or fewer samples or tokens", working=hessian_working)
-        out = np.empty(P, dtype=dtype)
-        _core.loss_hessian_diagonal(*problem.core_args, out, *problem.head)
-        return out
 
-    return HessianOperator(core_operator, dtype, names, problem.part, problem.loss, _selected_sizes(params, names),
-                           diagonal_of)
+def _kept(problem: _Problem) -> _Problem:
+    """``problem`` with its own copies of the arrays that may be the caller's (X, the target's
+    values or classes, the weights, which ``params.arrays`` hands out, the head): an operator reads
+    them again later (its diagonal), and must then see them as they were."""
+    X3, spec, W, eps, kind, values, classes, part, selected = problem.core_args
+    X3, values, classes = (None if a is None else a.copy() for a in (X3, values, classes))
+    W = [w.copy() for w in W]
+    head = tuple(None if a is None else a.copy() for a in problem.head)
+    return problem._replace(X3=X3, core_args=(X3, spec, W, eps, kind, values, classes, part, selected), head=head)
 
 
 @returns_callers_kind

@@ -7,7 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ._validate import nonneg_scalar
+import numpy as np
+
+from ._validate import nonneg_scalar, positive_int
 
 _NORM_POSITIONS = ("post", "pre")
 _NORMS = ("layernorm", "rmsnorm")
@@ -50,11 +52,13 @@ class BlockSpec:
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"BlockSpec.{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+        # NumPy's scalars are accepted like Python's and stored as Python's (the spec stays hashable
+        # and compares equal whichever kind it was given).
         for name in ("norm_affine", "bias", "out_proj", "causal", "attention_only"):
-            if not isinstance(getattr(self, name), bool):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise TypeError(f"BlockSpec.{name} must be a bool, got {getattr(self, name)!r}")
-        if isinstance(self.heads, bool) or not isinstance(self.heads, int) or self.heads < 1:
-            raise ValueError(f"BlockSpec.heads must be an int >= 1, got {self.heads!r}")
+            object.__setattr__(self, name, bool(getattr(self, name)))
+        object.__setattr__(self, "heads", positive_int(self.heads, "BlockSpec.heads"))
         object.__setattr__(self, "eps", nonneg_scalar(self.eps, "BlockSpec.eps"))
         if self.attention_only:
             # An attention-only block has no norm and no FFN: options about them would be ignored.
