@@ -2,7 +2,8 @@
 
 Each function returns :class:`Bound` records: the exact value, the bound as the paper states it, and
 a corrected bound that provably holds (the derivation is in each module's docstring and in
-docs/errata.md, which also names the erratum it fixes).
+docs/errata.md, which also names the erratum it fixes). A bound past the float64 range is inf (it
+holds, vacuously); an exact value past it is a NonFiniteError.
 
 - :func:`lemma4`: the LayerNorm Jacobian and Hessian norms;
 - :func:`theorem1`: the lone self-attention layer's loss Hessian, per block and whole (M);

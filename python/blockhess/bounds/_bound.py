@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
+
+from .._errors import NonFiniteError
 
 
 @dataclass(frozen=True)
@@ -14,6 +17,10 @@ class Bound:
     stated form is already valid and the corrected one only tightens or restates it). ``extra``
     holds other readings of the stated bound (e.g. Lemma 4 with the row std in place of the
     printed row norm).
+
+    A bound past the float64 range is inf: it still holds, vacuously. (The inputs are finite, so a
+    NaN bound can only come from such an overflow, e.g. inf * 0, and is read as inf too.) The exact
+    value must be finite: NonFiniteError otherwise.
     """
 
     quantity: str
@@ -23,6 +30,16 @@ class Bound:
     erratum: str | None = None
     source: str = ""
     extra: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        exact = float(self.exact)
+        if not math.isfinite(exact):
+            raise NonFiniteError(f"{self.quantity}: the exact value is {exact}, past the float64 range; rescale the "
+                                 "inputs (or weights) to smaller magnitudes")
+        object.__setattr__(self, "exact", exact)
+        object.__setattr__(self, "stated", None if self.stated is None else as_bound(self.stated))
+        object.__setattr__(self, "corrected", as_bound(self.corrected))
+        object.__setattr__(self, "extra", {key: as_bound(value) for key, value in self.extra.items()})
 
     @property
     def stated_holds(self) -> bool | None:
@@ -42,3 +59,9 @@ class Bound:
         out = asdict(self)
         out.update(stated_holds=self.stated_holds, corrected_holds=self.corrected_holds, tightness=self.tightness)
         return out
+
+
+def as_bound(value: float) -> float:
+    """A bound's value as a float, NaN (an overflowed intermediate, see :class:`Bound`) as inf."""
+    value = float(value)
+    return math.inf if math.isnan(value) else value

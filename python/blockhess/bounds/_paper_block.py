@@ -7,20 +7,25 @@ from typing import Any
 
 import numpy as np
 
+from .._validate import float_array
 from ..attention import attention
+from ..block import _check_params
 from ..softmax import softmax
 from ..ffn import ffn
 from ..layernorm import layernorm
+from ._float import frobenius
 from .layernorm import row_std
 
 
-def _norm(A: np.ndarray) -> float:
-    return float(np.linalg.norm(A, 2))
+def _norm(A: np.ndarray) -> np.float64:
+    """||A||_2 as a numpy float64: the powers the bounds take of it overflow to inf (a Python float's
+    would raise OverflowError)."""
+    return np.linalg.norm(A, 2)
 
 
 @dataclass(frozen=True)
 class Sample:
-    """One sample's sizes and norms (spectral unless named otherwise)."""
+    """One sample's sizes and norms (spectral unless named otherwise), the norms numpy float64."""
 
     L: int
     d: int
@@ -47,7 +52,7 @@ class Sample:
 def paper_params(params: Any) -> tuple[np.ndarray, ...]:
     """W_Q, W_K, W_V (and W_1, W_2) as float64 arrays, after checking the spec is one the bounds are
     about: the paper's block, or the lone attention layer of Thm 1."""
-    spec = params.spec
+    spec = _check_params(params).spec
     if not replace(spec, attention_only=False).is_paper_block:
         raise ValueError(f"the paper's bounds are for its block (BlockSpec()) or its attention layer "
                          f"(BlockSpec(attention_only=True)), got {spec}")
@@ -55,10 +60,9 @@ def paper_params(params: Any) -> tuple[np.ndarray, ...]:
     return tuple(np.asarray(params[n], dtype=np.float64) for n in names)
 
 
-def samples_of(X: Any) -> np.ndarray:
-    X = np.asarray(X, dtype=np.float64)
-    if X.ndim not in (2, 3):
-        raise ValueError(f"X must have shape (L, d) or (B, L, d), got {X.shape}")
+def samples_of(X: Any, name: str = "X") -> np.ndarray:
+    """``X`` (L, d) or (B, L, d), checked, as float64 (B, L, d)."""
+    X = np.asarray(float_array(X, name, ndim=(2, 3)), dtype=np.float64)
     return X[None] if X.ndim == 2 else X
 
 
@@ -72,7 +76,7 @@ def attention_sample(X: np.ndarray, target: np.ndarray, W: tuple[np.ndarray, ...
     L, d = X.shape
     F = attention(X, W_Q, W_K, W_V)
     return Sample(L=L, d=d, d_k=W_Q.shape[1], X=_norm(X), W_Q=_norm(W_Q), W_K=_norm(W_K), W_V=_norm(W_V),
-                  target_frobenius=float(np.linalg.norm(target)), residual_frobenius=float(np.linalg.norm(F - target)),
+                  target_frobenius=frobenius(target), residual_frobenius=frobenius(F - target),
                   **_attention_weights(X, W_Q, W_K))
 
 
@@ -85,7 +89,7 @@ def block_sample(X: np.ndarray, target: np.ndarray, W: tuple[np.ndarray, ...], e
     Z = layernorm(S, eps)
     return Sample(L=L, d=d, d_k=W_Q.shape[1], X=_norm(X), W_Q=_norm(W_Q), W_K=_norm(W_K), W_V=_norm(W_V),
                   W_1=_norm(W_1), W_2=_norm(W_2), d_ff=W_1.shape[1],
-                  target_frobenius=float(np.linalg.norm(target)), residual_frobenius=float(np.linalg.norm(Z - target)),
+                  target_frobenius=frobenius(target), residual_frobenius=frobenius(Z - target),
                   Y=_norm(Y), relu=_norm(np.maximum(Y @ W_1, 0.0)),
-                  sigma_min_S0=float(row_std(S0, eps).min()), sigma_min_S=float(row_std(S, eps).min()), S0=_norm(S0), S=_norm(S),
+                  sigma_min_S0=row_std(S0, eps).min(), sigma_min_S=row_std(S, eps).min(), S0=_norm(S0), S=_norm(S),
                   **_attention_weights(X, W_Q, W_K))

@@ -37,8 +37,9 @@ from typing import Any
 
 import numpy as np
 
-from ._bound import Bound
-from ._norms import block_norms
+from ._bound import Bound, as_bound
+from ._float import overflow_is_inf
+from ._norms import ITERATIONS, TOL, block_norms
 from ._paper_block import Sample, attention_sample, paper_params, samples_of
 
 PAIRS = (("W_V", "W_V"), ("W_Q", "W_Q"), ("W_Q", "W_V"), ("W_Q", "W_K"), ("W_K", "W_K"), ("W_K", "W_V"))
@@ -132,25 +133,28 @@ def stated_outer_QQ(s: Sample) -> float:
 
 
 def block_matrix_bound(blocks: dict[tuple[str, str], float], names: tuple[str, ...]) -> float:
-    """||H|| <= the spectral norm of the matrix of its blocks' norm bounds."""
+    """||H|| <= the spectral norm of the matrix of its blocks' norm bounds (inf when one of them is:
+    past the float range)."""
     N = np.array([[blocks[a, b] if (a, b) in blocks else blocks[b, a] for b in names] for a in names])
-    return float(np.linalg.norm(N, 2))
+    return float(np.linalg.norm(N, 2)) if np.isfinite(N).all() else np.inf
 
 
-def theorem1(X: Any, target: Any, params: Any) -> list[Bound]:
+@overflow_is_inf
+def theorem1(X: Any, target: Any, params: Any, *, iterations: int = ITERATIONS, tol: float = TOL) -> list[Bound]:
     """Thm 1 for the lone attention layer ``params`` (``BlockSpec(attention_only=True)``, paper
     sizes: W_V square) at X (L, d) or a batch (B, L, d) with the mse target of Z's shape: the six
     blocks, the appendix's H_o(Q,Q) bound and M. For a batch the loss is the batch mean, and every
-    bound is the mean of the per-sample bounds (the triangle inequality)."""
+    bound is the mean of the per-sample bounds (the triangle inequality). ``iterations``, ``tol``:
+    power iteration's, for the exact norms beyond block_norms's DENSE_LIMIT."""
     W = paper_params(params)
     if not params.spec.attention_only:
         raise ValueError("theorem1 is about the lone attention layer: pass BlockParams of BlockSpec(attention_only=True)")
-    Xs, targets = samples_of(X), samples_of(target)
-    samples = [attention_sample(x, t, W) for x, t in zip(Xs, targets)]
+    # The exact norms first: they check X, target (mse's, of X's shape) and params.
+    exact = block_norms(X, target, params, iterations=iterations, tol=tol)
+    outer = block_norms(X, target, params, part="outer", names=("W_Q",), iterations=iterations, tol=tol)
+    samples = [attention_sample(x, t, W) for x, t in zip(samples_of(X), samples_of(target, "target"))]
     corrected = _mean([corrected_blocks(s) for s in samples])
     stated = _mean([stated_blocks(s) for s in samples])
-    exact = block_norms(X, target, params)
-    outer = block_norms(X, target, params, part="outer", names=("W_Q",))
     bounds = []
     for a, b in PAIRS:
         bounds.append(Bound(f"Thm 1: ||H{pair_label(a, b)}||", exact[a, b], stated.get((a, b)), corrected[a, b],
@@ -168,4 +172,5 @@ def corrected_blocks_outer_QQ(s: Sample) -> float:
 
 
 def _mean(dicts: list[dict]) -> dict:
-    return {key: float(np.mean([d[key] for d in dicts])) for key in dicts[0]}
+    """The per-key mean of per-sample bounds (NaN, from an overflow, as inf: a max over them must see it)."""
+    return {key: as_bound(np.mean([d[key] for d in dicts])) for key in dicts[0]}

@@ -27,9 +27,11 @@ from typing import Any
 
 import numpy as np
 
+from ..block import _check_params, _eps
 from . import attention as attn
 from ._bound import Bound
-from ._norms import block_norms
+from ._float import overflow_is_inf
+from ._norms import ITERATIONS, TOL, block_norms
 from ._paper_block import Sample, block_sample, paper_params, samples_of
 from .layernorm import hessian_bound, stated_hessian_bound, stated_jacobian_bound
 
@@ -71,17 +73,21 @@ def stated_blocks(s: Sample) -> dict[tuple[str, str], float]:
     return {(i, j): c * J_Z * B[i] * J_Z * B[j] + R * (J_Z * xi[i, j] + B[i] * H_Z * B[j]) for i, j in PAIRS}
 
 
-def theorem6(X: Any, target: Any, params: Any, *, eps: float = 0.0) -> list[Bound]:
+@overflow_is_inf
+def theorem6(X: Any, target: Any, params: Any, *, eps: float | None = None, iterations: int = ITERATIONS,
+             tol: float = TOL) -> list[Bound]:
     """Thm 6 for the paper's block (``BlockSpec()``) at X (L, d) or a batch (B, L, d) with an mse
     target of Z's shape: the 15 parameter blocks and M_tr. For a batch the loss is the batch mean and
-    every bound the mean of the per-sample bounds."""
-    if not params.spec.is_paper_block:
+    every bound the mean of the per-sample bounds. ``eps``: the LayerNorms' (default: the spec's);
+    ``iterations``, ``tol``: power iteration's, for the exact norms beyond block_norms's DENSE_LIMIT."""
+    if not _check_params(params).spec.is_paper_block:
         raise ValueError(f"theorem6 is about the paper's block, BlockSpec(); got {params.spec}")
-    W = paper_params(params)
-    samples = [block_sample(x, t, W, eps) for x, t in zip(samples_of(X), samples_of(target))]
+    W, eps = paper_params(params), _eps(eps, params)
+    # The exact norms first: they check X, target (mse's, of X's shape) and params.
+    exact = block_norms(X, target, params, eps=eps, iterations=iterations, tol=tol)
+    samples = [block_sample(x, t, W, eps) for x, t in zip(samples_of(X), samples_of(target, "target"))]
     corrected = attn._mean([corrected_blocks(s) for s in samples])
     stated = attn._mean([stated_blocks(s) for s in samples])
-    exact = block_norms(X, target, params, eps=eps)
     bounds = [Bound(f"Thm 6: ||H{attn.pair_label(a, b)}||", exact[a, b], stated[a, b], corrected[a, b],
                     erratum="E11", source="Thm 6") for a, b in PAIRS]
     bounds.append(Bound("Thm 6: M_tr >= ||H||", exact["all", "all"], 5 * max(stated.values()),

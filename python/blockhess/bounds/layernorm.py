@@ -36,11 +36,14 @@ import numpy as np
 from .._validate import float_array, nonneg_scalar
 from ..layernorm import layernorm_hessian, layernorm_jacobian
 from ._bound import Bound
+from ._float import overflow_is_inf, power_of_two_scale
 
 
 def row_std(X: np.ndarray, eps: float = 0.0) -> np.ndarray:
-    """sigma_i = sqrt(var_i + eps) of each row (population variance)."""
-    return np.sqrt(X.var(axis=-1) + eps)
+    """sigma_i = sqrt(var_i + eps) of each row (population variance), at any finite scale of X: the
+    rows are scaled by a power of two first, so that their squares cannot overflow."""
+    scale = power_of_two_scale(X, axis=-1)
+    return np.hypot(scale[..., 0] * (X / scale).std(axis=-1), np.sqrt(eps))
 
 
 def hessian_constant(n: int) -> float:
@@ -53,23 +56,32 @@ def hessian_constant(n: int) -> float:
     return max(2.0, *p)
 
 
-def jacobian_bound(sigma_min: float) -> float:
+# The four bounds below are numpy float64 (inf past the float range, see _float.py), written in
+# r = ||X|| / sigma_min and 1 / sigma_min so that no intermediate leaves the range the bound is in.
+
+
+def jacobian_bound(sigma_min: float) -> np.float64:
     """The corrected Lemma 4 bound on ||J_LN||: 1 / sigma_min (exact for n >= 3)."""
-    return 1.0 / sigma_min
+    return 1 / np.float64(sigma_min)
 
 
-def hessian_bound(sigma_min: float, n: int) -> float:
+def hessian_bound(sigma_min: float, n: int) -> np.float64:
     """The corrected Lemma 4 bound on ||H_LN||: sqrt(G(n)/n) / sigma_min^2."""
-    return float(np.sqrt(hessian_constant(n) / n)) / sigma_min**2
+    return np.sqrt(hessian_constant(n) / n) * jacobian_bound(sigma_min) ** 2
 
 
-def stated_jacobian_bound(X_norm: float, sigma_min: float, n: int) -> float:
-    return 1.0 / sigma_min + X_norm**2 / (np.sqrt(n) * sigma_min**3)
+def stated_jacobian_bound(X_norm: float, sigma_min: float, n: int) -> np.float64:
+    """1/sigma_min + ||X||^2 / (sqrt(n) sigma_min^3)."""
+    inverse = jacobian_bound(sigma_min)
+    r = X_norm * inverse
+    return inverse + r**2 * inverse / np.sqrt(n)
 
 
-def stated_hessian_bound(X_norm: float, sigma_min: float, m: int, n: int) -> float:
-    return (X_norm / sigma_min**3 * (1 + np.sqrt(m / n)) + X_norm**2 / (np.sqrt(n) * sigma_min**3)
-            + 3 * X_norm**3 / (n * sigma_min**5))
+def stated_hessian_bound(X_norm: float, sigma_min: float, m: int, n: int) -> np.float64:
+    """||X||/sigma_min^3 (1 + sqrt(m/n)) + ||X||^2/(sqrt(n) sigma_min^3) + 3 ||X||^3/(n sigma_min^5)."""
+    inverse = jacobian_bound(sigma_min)
+    r = X_norm * inverse
+    return r * (1 + np.sqrt(m / n)) * inverse**2 + r**2 * inverse / np.sqrt(n) + 3 * r**3 * inverse**2 / n
 
 
 def exact_norms(X: np.ndarray, eps: float = 0.0) -> tuple[float, float]:
@@ -81,20 +93,22 @@ def exact_norms(X: np.ndarray, eps: float = 0.0) -> tuple[float, float]:
     return float(np.linalg.norm(J, 2, axis=(1, 2)).max()), float(np.linalg.norm(H, 2, axis=(1, 2)).max())
 
 
+@overflow_is_inf
 def lemma4(X: Any, *, eps: float = 0.0) -> list[Bound]:
     """Lemma 4 on the LayerNorm input ``X`` (m, n), float64: the Jacobian and Hessian norms, exact,
     as stated (with the printed row-norm sigma_min; ``extra["stated_row_std"]`` with the std) and
-    corrected (module docstring)."""
+    corrected (module docstring). A bound past the float64 range is inf; an exact norm past it, a
+    NonFiniteError."""
     X = np.asarray(float_array(X, "X", ndim=2), dtype=np.float64)
     eps = nonneg_scalar(eps, "eps")
     m, n = X.shape
     sigma = row_std(X, eps)
     if sigma.min() <= 0:
         raise ValueError("Lemma 4 needs every row of X to have positive variance (or eps > 0): Assumption 2")
-    row_norm = np.linalg.norm(X - X.mean(axis=1, keepdims=True), axis=1).min()  # the printed sigma_min
-    X_norm = float(np.linalg.norm(X, 2))
+    row_norm = np.sqrt(n) * row_std(X).min()  # the printed sigma_min: a centred row's norm is sqrt(n) std
+    X_norm = np.linalg.norm(X, 2)
     exact_J, exact_H = exact_norms(X, eps)
-    s_min = float(sigma.min())
+    s_min = sigma.min()
     return [
         Bound("Lemma 4: ||J_LN||", exact_J, stated_jacobian_bound(X_norm, row_norm, n), jacobian_bound(s_min),
               erratum="E14", source="Lemma 4",

@@ -16,16 +16,20 @@ from typing import Any
 import numpy as np
 
 from ..attention import attention
+from ..block import _eps
 from ..ffn import ffn
 from ..layernorm import layernorm
 from ._bound import Bound
+from ._float import frobenius, overflow_is_inf
 from ._paper_block import paper_params, samples_of
 
 
-def proposition10(X: Any, params: Any, *, eps: float = 0.0) -> list[Bound]:
+@overflow_is_inf
+def proposition10(X: Any, params: Any, *, eps: float | None = None) -> list[Bound]:
     """Prop 10 at X (L, d) (a batch (B, L, d): the worst sample of each quantity, exact and bounds
-    taken at that sample)."""
+    taken at that sample), with the LayerNorm's ``eps`` (default: the spec's)."""
     W_Q, W_K, W_V, W_1, W_2 = paper_params(params)
+    eps = _eps(eps, params)
     n1, n2 = np.linalg.norm(W_1, 2), np.linalg.norm(W_2, 2)
     rows = []
     for x in samples_of(X):
@@ -33,7 +37,7 @@ def proposition10(X: Any, params: Any, *, eps: float = 0.0) -> list[Bound]:
         d_ff = W_1.shape[1]
         Y = layernorm(x + attention(x, W_Q, W_K, W_V), eps)
         G = ffn(Y, W_1, W_2)
-        Y_norm, Y_frob = float(np.linalg.norm(Y, 2)), float(np.linalg.norm(Y))
+        Y_norm, Y_frob = np.linalg.norm(Y, 2), frobenius(Y)
         ffn_corrected = n1 * n2 * min(Y_frob, np.sqrt(min(L, d, d_ff)) * Y_norm)
         rows.append([
             ("Prop 10: ||Y||", Y_norm, np.sqrt(L * d), np.sqrt(L * d)),
