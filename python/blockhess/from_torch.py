@@ -1,125 +1,327 @@
 """Import a block from PyTorch: ``spec, params = blockhess.from_torch(module)``.
 
 Supported: ``torch.nn.TransformerEncoderLayer`` (any ``nhead``, ``norm_first`` either way,
-activation relu or gelu, ``batch_first`` either way) and Hugging Face ``transformers``' ``GPT2Block``
-(pre-LN, causal, gelu_tanh, Conv1D weights). The parameters are copied (float64 or float32, as the
-module holds them) into blockhess's canonical order; anything the family cannot represent is a
-ValueError that names it, never a silently different block.
+``batch_first`` either way) and Hugging Face ``transformers``' ``GPT2Block`` (pre-LN, causal,
+Conv1D weights; eager or sdpa attention), with ``torch.nn.LayerNorm`` or ``torch.nn.RMSNorm`` norms
+and the activations relu, gelu (erf), gelu (tanh) or silu, functions or modules.
 
-Layouts: torch's ``nn.Linear`` computes ``x W^T + b`` (weights stored (out, in)), blockhess ``x W + b``
-(W stored (in, out)); ``Conv1D`` of GPT-2 already stores (in, out). ``TransformerEncoderLayer`` with
-``batch_first=False`` takes (L, B, d); blockhess takes (B, L, d) (or (L, d) for one sample).
+The import reads what runs (the submodules the forward calls and their own attributes, never
+cached flags or the config they were built from), refuses what the family cannot represent with a
+ValueError or TypeError that names it, and then runs the module on a random input (float64 copies of
+its parameters, grad enabled so that torch's fused inference paths do not stand in for the forward)
+and compares with :func:`blockhess.block_forward`: a module that computes something else, e.g. a
+subclass, a patched forward or a forward hook, is a ValueError, never a silently different block.
+The caller's module is left as it was (its parameters, dtype, training flags and gradients).
+
+The parameters are copied (float64 or float32, as the module holds them) into blockhess's canonical
+order. Layouts: torch's ``nn.Linear`` computes ``x W^T + b`` (weights stored (out, in)), blockhess
+``x W + b`` (W stored (in, out)); ``Conv1D`` of GPT-2 already stores (in, out).
+``TransformerEncoderLayer`` with ``batch_first=False`` takes (L, B, d); blockhess takes (B, L, d) (or
+(L, d) for one sample).
 """
 
 from __future__ import annotations
 
+import sys
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
-from .block import BlockParams
+from .block import BlockParams, block_forward
 from .spec import BlockSpec
+
+# The float64 rerun and blockhess's forward differ by rounding only (about 1e-15 relative); a
+# different activation, a missing bias or a hook differs by far more (gelu against its tanh form,
+# the closest pair: about 4e-5 on a random layer).
+_VERIFY_RTOL = 1e-9
+_VERIFY_SHAPE = (2, 5)  # (B, L) of the random input
 
 
 def from_torch(module: Any) -> tuple[BlockSpec, BlockParams]:
-    """(spec, params) of a ``torch.nn.TransformerEncoderLayer`` or a ``transformers`` ``GPT2Block``."""
+    """(spec, params) of a ``torch.nn.TransformerEncoderLayer`` or a ``transformers`` ``GPT2Block``,
+    verified against the module's own forward before they are returned."""
     import torch
 
+    gpt2 = sys.modules.get("transformers.models.gpt2.modeling_gpt2")  # imported if module is a GPT2Block
     if isinstance(module, torch.nn.TransformerEncoderLayer):
-        return _encoder_layer(module)
-    if type(module).__name__ == "GPT2Block":
-        return _gpt2_block(module)
-    raise TypeError(f"from_torch takes a torch.nn.TransformerEncoderLayer or a transformers GPT2Block, "
-                    f"got {type(module).__name__}")
+        read, run = _encoder_layer, _run_encoder_layer
+    elif gpt2 is not None and isinstance(module, gpt2.GPT2Block):
+        read, run = _gpt2_block, _run_gpt2_block
+    else:
+        raise TypeError(f"from_torch takes a torch.nn.TransformerEncoderLayer or a transformers GPT2Block, "
+                        f"got {type(module).__name__}")
+    dtype = _parameter_dtype(module)
+    spec, arrays, norms = read(module, dtype)
+    params = BlockParams.from_arrays(spec, {k: np.ascontiguousarray(v) for k, v in arrays.items()})
+    _verify(module, run, params, norms)
+    return spec, params
+
+
+def _parameter_dtype(module: Any) -> Any:
+    """The one dtype of the module's parameters, float32 or float64, with values on a real device."""
+    import torch
+
+    parameters = list(module.parameters())
+    if any(p.device.type == "meta" for p in parameters):
+        raise ValueError("from_torch: the module's parameters are on the meta device and have no values; "
+                         "materialise them first (module.to_empty(device=...) and load_state_dict)")
+    dtypes = {p.dtype for p in parameters}
+    if len(dtypes) != 1:
+        raise TypeError(f"from_torch: the module's parameters mix dtypes {sorted(map(str, dtypes))}; "
+                        "they must all be torch.float32 or all torch.float64")
+    dtype = dtypes.pop()
+    if dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"from_torch: the module's parameters are {dtype}; blockhess computes in float32 or "
+                        "float64, and a module in lower precision rounds every step differently: import a "
+                        "copy converted with copy.deepcopy(module).float() if that is what you want")
+    return dtype
 
 
 def _array(t: Any) -> np.ndarray:
-    a = t.detach().cpu().numpy()
-    if a.dtype not in (np.float32, np.float64):
-        raise TypeError(f"from_torch: parameters must be float32 or float64, got {a.dtype}")
-    return np.array(a)  # a copy: blockhess never shares memory with the module
+    return np.array(t.detach().cpu().numpy())  # a copy: blockhess never shares memory with the module
 
 
-def _norm_eps(*norms: Any) -> float:
-    eps = {float(n.eps) for n in norms}
-    if len(eps) != 1:
-        raise ValueError(f"from_torch: both LayerNorms must share one eps, got {sorted(eps)}")
-    for n in norms:
-        if not n.elementwise_affine:
-            raise ValueError("from_torch: a LayerNorm without elementwise_affine is not supported (the family's "
-                             "norms are all affine or all plain)")
-        if n.bias is None:
-            raise ValueError("from_torch: a LayerNorm without bias (beta) is not representable yet: the family's "
+def _require_types(module: Any, expected: dict[str, Any]) -> None:
+    """Each submodule that runs (a dotted path; "" is the module) is exactly of its class: a subclass
+    may override forward, and then the import of its class would describe something else."""
+    for path, cls in expected.items():
+        try:
+            sub = module.get_submodule(path)
+        except AttributeError:
+            raise TypeError(f"from_torch: the {type(module).__name__} has no submodule {path}") from None
+        if type(sub) is not cls:
+            what = path or "the module"
+            raise TypeError(f"from_torch: {what} is a {type(sub).__qualname__}, not a {cls.__qualname__}: only "
+                            "that class itself is imported (a subclass may compute something else)")
+
+
+def _activation(act: Any, where: str) -> str:
+    """The family's name of the activation that runs: a torch function, or a module of exactly one of
+    torch's or transformers' activation classes."""
+    import torch
+
+    F = torch.nn.functional
+    for function, name in ((F.relu, "relu"), (torch.relu, "relu"), (F.gelu, "gelu"), (F.silu, "silu")):
+        if act is function:
+            return name
+    classes = {torch.nn.ReLU: "relu", torch.nn.SiLU: "silu"}
+    hf = sys.modules.get("transformers.activations")
+    if hf is not None:
+        classes.update({hf.GELUActivation: "gelu", hf.NewGELUActivation: "gelu_tanh", hf.GELUTanh: "gelu_tanh",
+                        hf.SiLUActivation: "silu"})
+    kind = type(act)
+    if kind is torch.nn.GELU:
+        return {"none": "gelu", "tanh": "gelu_tanh"}[act.approximate]  # torch accepts only these two
+    if kind in classes:
+        return classes[kind]
+    if isinstance(act, (torch.nn.GELU, *classes)):
+        raise TypeError(f"from_torch: {where} is a {kind.__qualname__}, a subclass of an activation class: only "
+                        "those classes themselves are imported (a subclass may compute something else)")
+    raise ValueError(f"from_torch: {where} is {act!r}, not an activation of the family (relu, gelu, gelu with "
+                     "the tanh approximation, silu)")
+
+
+def _norms(norms: dict[str, Any], d: int) -> tuple[str, bool]:
+    """(BlockSpec.norm, BlockSpec.norm_affine) of the block's two norms, which must agree."""
+    import torch
+
+    kinds = {torch.nn.LayerNorm: "layernorm", torch.nn.RMSNorm: "rmsnorm"}
+    affine = {}
+    for name, norm in norms.items():
+        if type(norm) not in kinds:
+            raise TypeError(f"from_torch: {name} is a {type(norm).__qualname__}; the family's norms are "
+                            "torch.nn.LayerNorm or torch.nn.RMSNorm (exactly those classes)")
+        if tuple(norm.normalized_shape) != (d,):
+            raise ValueError(f"from_torch: {name} normalises over the trailing shape {tuple(norm.normalized_shape)}; "
+                             f"the family's norms normalise each token's d = {d} features")
+        affine[name] = norm.weight is not None
+        if kinds[type(norm)] == "layernorm" and affine[name] != (norm.bias is not None):
+            has, lacks = ("gamma", "bias (beta)") if affine[name] else ("bias (beta)", "gamma")
+            raise ValueError(f"from_torch: {name} is a LayerNorm with {has} but without {lacks}; the family's "
                              "affine LayerNorm has both gamma and beta")
-    return eps.pop()
+    first, second = norms.values()
+    names = " and ".join(norms)
+    if type(first) is not type(second):
+        raise ValueError(f"from_torch: {names} are a {type(first).__name__} and a {type(second).__name__}; the "
+                         "family's two norms are of one kind")
+    if first.eps != second.eps:
+        raise ValueError(f"from_torch: {names} must share one eps, got {first.eps} and {second.eps}")
+    if len(set(affine.values())) != 1:
+        raise ValueError(f"from_torch: of {names}, only {[n for n, a in affine.items() if a][0]} has a gamma; "
+                         "the family's norms are all affine or all plain")
+    return kinds[type(first)], first.weight is not None
 
 
-def _encoder_layer(layer: Any) -> tuple[BlockSpec, BlockParams]:
-    import torch.nn.functional as F
+def _norm_eps(norms: dict[str, Any], dtype: Any) -> float:
+    """The eps the norms use on inputs of ``dtype``: nn.RMSNorm's eps=None is torch.finfo(dtype).eps."""
+    import torch
 
+    eps = next(iter(norms.values())).eps
+    return float(torch.finfo(dtype).eps if eps is None else eps)
+
+
+def _norm_arrays(norms: dict[str, Any]) -> dict[str, np.ndarray]:
+    arrays = {}
+    for k, norm in enumerate(norms.values(), start=1):
+        if norm.weight is not None:
+            arrays[f"gamma_{k}"] = _array(norm.weight)
+        if getattr(norm, "bias", None) is not None:
+            arrays[f"beta_{k}"] = _array(norm.bias)
+    return arrays
+
+
+def _has_biases(biases: dict[str, Any]) -> bool:
+    """Whether the linear maps have biases: all of them or none (BlockSpec.bias is one switch)."""
+    present = [name for name, b in biases.items() if b is not None]
+    missing = [name for name, b in biases.items() if b is None]
+    if present and missing:
+        raise ValueError(f"from_torch: {', '.join(present)} present but {', '.join(missing)} missing; the family "
+                         "has a bias on every linear map or on none (BlockSpec.bias)")
+    return bool(present)
+
+
+def _warn_if_dropout(module: Any, dropouts: list[tuple[bool, float]]) -> None:
+    """``dropouts``: (whether it applies now, probability) of each dropout the forward runs."""
+    if any(training and p > 0 for training, p in dropouts):
+        warnings.warn(f"from_torch: the {type(module).__name__} is in training mode with dropout; blockhess's block "
+                      "has no dropout (it equals the module in eval mode)", stacklevel=4)
+
+
+def _encoder_layer(layer: Any, dtype: Any) -> tuple[BlockSpec, dict[str, np.ndarray], dict[str, Any]]:
+    import torch
+
+    nn = torch.nn
+    _require_types(layer, {"": nn.TransformerEncoderLayer, "self_attn": nn.MultiheadAttention,
+                           "linear1": nn.Linear, "linear2": nn.Linear, "dropout": nn.Dropout,
+                           "dropout1": nn.Dropout, "dropout2": nn.Dropout})
     attention = layer.self_attn
     if not attention._qkv_same_embed_dim or attention.in_proj_weight is None:
         raise ValueError("from_torch: self-attention with separate key/value widths (kdim, vdim) is not supported")
     if attention.bias_k is not None or attention.add_zero_attn:
         raise ValueError("from_torch: add_bias_kv and add_zero_attn are not supported")
-    dropouts = [layer.dropout.p, layer.dropout1.p, layer.dropout2.p, attention.dropout]
-    if layer.training and any(p > 0 for p in dropouts):
-        warnings.warn("from_torch: the layer is in training mode with dropout; blockhess's block has no dropout "
-                      "(it equals the layer in eval mode)", stacklevel=3)
-    activation = getattr(layer, "activation_relu_or_gelu", 0)
-    if activation == 1 or layer.activation is F.relu:
-        name = "relu"
-    elif activation == 2 or layer.activation is F.gelu:
-        name = "gelu"
-    else:
-        raise ValueError(f"from_torch: activation {layer.activation!r} is not supported (relu or gelu)")
-    eps = _norm_eps(layer.norm1, layer.norm2)
-    bias = attention.in_proj_bias is not None
-    spec = BlockSpec(norm_position="pre" if layer.norm_first else "post", norm_affine=True, bias=bias,
-                     heads=int(attention.num_heads), out_proj=True, activation=name, eps=eps)
+    _warn_if_dropout(layer, [(layer.dropout.training, layer.dropout.p), (layer.dropout1.training, layer.dropout1.p),
+                             (layer.dropout2.training, layer.dropout2.p), (attention.training, attention.dropout)])
     d = attention.embed_dim
+    norms = {"norm1": layer.norm1, "norm2": layer.norm2}
+    norm, affine = _norms(norms, d)
+    biases = {"self_attn.in_proj_bias": attention.in_proj_bias, "self_attn.out_proj.bias": attention.out_proj.bias,
+              "linear1.bias": layer.linear1.bias, "linear2.bias": layer.linear2.bias}
+    bias = _has_biases(biases)
+    spec = BlockSpec(norm_position="pre" if layer.norm_first else "post", norm=norm, norm_affine=affine, bias=bias,
+                     heads=int(attention.num_heads), out_proj=True,
+                     activation=_activation(layer.activation, "the layer's activation"), eps=_norm_eps(norms, dtype))
     W = _array(attention.in_proj_weight)
     arrays = {"W_Q": W[:d].T, "W_K": W[d:2 * d].T, "W_V": W[2 * d:].T, "W_O": _array(attention.out_proj.weight).T,
-              "gamma_1": _array(layer.norm1.weight), "beta_1": _array(layer.norm1.bias),
-              "W_1": _array(layer.linear1.weight).T, "W_2": _array(layer.linear2.weight).T,
-              "gamma_2": _array(layer.norm2.weight), "beta_2": _array(layer.norm2.bias)}
+              "W_1": _array(layer.linear1.weight).T, "W_2": _array(layer.linear2.weight).T, **_norm_arrays(norms)}
     if bias:
         b = _array(attention.in_proj_bias)
         arrays.update(b_Q=b[:d], b_K=b[d:2 * d], b_V=b[2 * d:], b_O=_array(attention.out_proj.bias),
                       b_1=_array(layer.linear1.bias), b_2=_array(layer.linear2.bias))
-    elif layer.linear1.bias is not None or attention.out_proj.bias is not None:
-        raise ValueError("from_torch: biases on some linear maps but not on the attention's projections")
-    return spec, BlockParams.from_arrays(spec, {k: np.ascontiguousarray(v) for k, v in arrays.items()})
+    return spec, arrays, norms
 
 
-_GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu",
-                     "silu": "silu", "swish": "silu"}
+def _run_encoder_layer(call: Callable[..., Any], layer: Any, X: Any) -> Any:
+    if layer.self_attn.batch_first:  # what runs: the attention's layout (the layer passes its input on)
+        return call(X)
+    return call(X.transpose(0, 1)).transpose(0, 1)
 
 
-def _gpt2_block(block: Any) -> tuple[BlockSpec, BlockParams]:
+def _gpt2_block(block: Any, dtype: Any) -> tuple[BlockSpec, dict[str, np.ndarray], dict[str, Any]]:
+    import torch
+    from transformers.models.gpt2 import modeling_gpt2 as gpt2
+
+    Conv1D, Dropout = gpt2.Conv1D, torch.nn.Dropout
+    _require_types(block, {"": gpt2.GPT2Block, "attn": gpt2.GPT2Attention, "attn.c_attn": Conv1D,
+                           "attn.c_proj": Conv1D, "attn.attn_dropout": Dropout, "attn.resid_dropout": Dropout,
+                           "mlp": gpt2.GPT2MLP, "mlp.c_fc": Conv1D, "mlp.c_proj": Conv1D, "mlp.dropout": Dropout})
     attention, mlp = block.attn, block.mlp
-    config = getattr(attention, "config", None)
-    if getattr(block, "crossattention", None) is not None or getattr(attention, "is_cross_attention", False):
+    if getattr(block, "crossattention", None) is not None or attention.is_cross_attention:
         raise ValueError("from_torch: cross-attention is not supported")
-    if not getattr(attention, "scale_attn_weights", True) or getattr(attention, "scale_attn_by_inverse_layer_idx", False):
-        raise ValueError("from_torch: GPT-2 attention must scale by 1/sqrt(head_dim) only (scale_attn_weights=True, "
+    if not attention.is_causal:
+        raise ValueError("from_torch: GPT-2 attention with is_causal=False is not supported (the family's GPT-2 "
+                         "block is causal)")
+    d, head_dim = attention.embed_dim, attention.head_dim
+    if attention.split_size != d or d % head_dim:
+        raise ValueError(f"from_torch: GPT-2 attention splits width {attention.split_size} into heads of "
+                         f"{head_dim}; the family's heads split d = {d} evenly")
+    if attention.scaling != head_dim ** -0.5:
+        raise ValueError(f"from_torch: GPT-2 attention scales its scores by {attention.scaling}; the family's "
+                         f"attention scales by 1/sqrt(head_dim) = {head_dim ** -0.5} only (scale_attn_weights=True, "
                          "scale_attn_by_inverse_layer_idx=False)")
-    activation = getattr(config, "activation_function", None)
-    if activation not in _GPT2_ACTIVATIONS:
-        raise ValueError(f"from_torch: GPT-2 activation {activation!r} is not supported")
-    if block.training and config is not None and max(config.attn_pdrop, config.resid_pdrop) > 0:
-        warnings.warn("from_torch: the block is in training mode with dropout; blockhess's block has no dropout "
-                      "(it equals the block in eval mode)", stacklevel=3)
-    eps = _norm_eps(block.ln_1, block.ln_2)
-    spec = BlockSpec(norm_position="pre", norm_affine=True, bias=True, heads=int(attention.num_heads), out_proj=True,
-                     activation=_GPT2_ACTIVATIONS[activation], causal=True, eps=eps)
-    d = attention.embed_dim
-    W, b = _array(attention.c_attn.weight), _array(attention.c_attn.bias)  # Conv1D: (in, out)
-    arrays = {"W_Q": W[:, :d], "b_Q": b[:d], "W_K": W[:, d:2 * d], "b_K": b[d:2 * d], "W_V": W[:, 2 * d:],
-              "b_V": b[2 * d:], "W_O": _array(attention.c_proj.weight), "b_O": _array(attention.c_proj.bias),
-              "gamma_1": _array(block.ln_1.weight), "beta_1": _array(block.ln_1.bias),
-              "W_1": _array(mlp.c_fc.weight), "b_1": _array(mlp.c_fc.bias),
-              "W_2": _array(mlp.c_proj.weight), "b_2": _array(mlp.c_proj.bias),
-              "gamma_2": _array(block.ln_2.weight), "beta_2": _array(block.ln_2.bias)}
-    return spec, BlockParams.from_arrays(spec, {k: np.ascontiguousarray(v) for k, v in arrays.items()})
+    implementation = attention.config._attn_implementation
+    if implementation not in (None, "eager", "sdpa"):
+        raise ValueError(f"from_torch: GPT-2 attention implementation {implementation!r} is not supported "
+                         "('eager' or 'sdpa')")
+    if implementation != "sdpa" and attention.reorder_and_upcast_attn:
+        raise ValueError("from_torch: GPT-2 attention with reorder_and_upcast_attn computes its scores in float32 "
+                         "whatever the parameters' dtype, which blockhess's import cannot verify in float64; "
+                         "import a copy with attn.reorder_and_upcast_attn = False (the same function in exact "
+                         "arithmetic)")
+    _warn_if_dropout(block, [(attention.training, attention.attn_dropout.p),
+                             (attention.resid_dropout.training, attention.resid_dropout.p),
+                             (mlp.dropout.training, mlp.dropout.p)])
+    norms = {"ln_1": block.ln_1, "ln_2": block.ln_2}
+    norm, affine = _norms(norms, d)
+    bias = _has_biases({"attn.c_attn.bias": attention.c_attn.bias, "attn.c_proj.bias": attention.c_proj.bias,
+                        "mlp.c_fc.bias": mlp.c_fc.bias, "mlp.c_proj.bias": mlp.c_proj.bias})
+    spec = BlockSpec(norm_position="pre", norm=norm, norm_affine=affine, bias=bias, heads=d // head_dim,
+                     out_proj=True, activation=_activation(mlp.act, "mlp.act"), causal=True,
+                     eps=_norm_eps(norms, dtype))
+    W = _array(attention.c_attn.weight)  # Conv1D: (in, out)
+    arrays = {"W_Q": W[:, :d], "W_K": W[:, d:2 * d], "W_V": W[:, 2 * d:], "W_O": _array(attention.c_proj.weight),
+              "W_1": _array(mlp.c_fc.weight), "W_2": _array(mlp.c_proj.weight), **_norm_arrays(norms)}
+    if bias:
+        b = _array(attention.c_attn.bias)
+        arrays.update(b_Q=b[:d], b_K=b[d:2 * d], b_V=b[2 * d:], b_O=_array(attention.c_proj.bias),
+                      b_1=_array(mlp.c_fc.bias), b_2=_array(mlp.c_proj.bias))
+    return spec, arrays, norms
+
+
+def _run_gpt2_block(call: Callable[..., Any], block: Any, X: Any) -> Any:
+    import torch
+
+    # GPT-2's model hands each block its causal mask (additive, (B, 1, L, L)); the block alone
+    # would attend to every key under eager attention.
+    L = X.shape[1]
+    mask = torch.full((L, L), float("-inf"), dtype=X.dtype, device=X.device).triu(1)[None, None]
+    out = call(X, attention_mask=mask)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _verify(module: Any, run: Callable[..., Any], params: BlockParams, norms: dict[str, Any]) -> None:
+    """Raise ValueError unless the module's forward (eval mode, float64 copies of its parameters and
+    buffers, grad enabled) equals blockhess's forward of ``params`` on a random input."""
+    import torch
+
+    device = next(module.parameters()).device
+    X = np.random.default_rng(0).standard_normal((*_VERIFY_SHAPE, params.d))  # torch's RNG is the caller's
+    tensors = {name: p.detach().to(torch.float64).requires_grad_() for name, p in module.named_parameters()}
+    tensors.update({name: b.to(torch.float64) if b.is_floating_point() else b
+                    for name, b in module.named_buffers()})
+    training = {m: m.training for m in module.modules()}
+    fastpath = torch.backends.mha.get_fastpath_enabled()
+    module.eval()
+    # torch's fused inference path of TransformerEncoderLayer and MultiheadAttention is not the
+    # forward autograd differentiates (it reads cached flags, and fails on norms without beta):
+    # off, and grad enabled, which also keeps other fused paths out.
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        with torch.enable_grad():
+            def call(*args: Any, **kwargs: Any) -> Any:
+                return torch.func.functional_call(module, tensors, args, kwargs)
+
+            Z = run(call, module, torch.as_tensor(X, device=device)).detach().cpu().numpy()
+    except Exception as err:  # noqa: BLE001 - whatever the module raises, the import cannot be verified
+        raise ValueError(f"from_torch: the {type(module).__name__} could not be run on float64 copies of its "
+                         f"parameters to verify the import ({type(err).__name__}: {err})") from err
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fastpath)
+        for m, flag in training.items():
+            m.training = flag
+    expected = block_forward(X, params, eps=_norm_eps(norms, torch.float64))
+    difference = float(np.linalg.norm(Z - expected) / np.linalg.norm(expected)) if Z.shape == expected.shape else np.inf
+    if not difference <= _VERIFY_RTOL:
+        raise ValueError(f"from_torch: the {type(module).__name__} computes something that blockhess's import of it "
+                         f"({params.spec!r}) does not represent: on a random input their outputs differ by "
+                         f"{difference:.2g} (relative, in float64); a patched forward or a forward hook?")
