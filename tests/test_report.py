@@ -78,7 +78,9 @@ def test_missing_torch_is_a_clear_error(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(report, "random_configuration_summary", lambda n, progress: [])
     monkeypatch.setattr(report, "scaling", _tiny_scaling)
     monkeypatch.setattr(report.report_figures, "tightness", lambda summary, path: "t.png")
-    assert report.main([str(tmp_path / "out")]) == 2
+    with pytest.raises(SystemExit) as exit_info:  # refused before anything is computed
+        report.main([str(tmp_path / "out")])
+    assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("blockhess report: error:") and "blockhess[paper]" in err and "--no-experiments" in err
     assert len(err.strip().splitlines()) == 1

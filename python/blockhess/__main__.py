@@ -34,7 +34,9 @@ examples:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from .check import _ArgumentParser  # errors as one line, as every command's
+
+    parser = _ArgumentParser(
         prog="blockhess",
         description=DESCRIPTION,
         epilog=EPILOG,

@@ -13,16 +13,19 @@ tolerance, 0 that it passed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
+from . import _paths
 from ._config import format_bytes
 from .block import BlockParams, _parameter_table, loss_gradient, loss_hessian, loss_value
 from .hvp import hessian_operator
@@ -62,6 +65,10 @@ NOISE_MULTIPLE = 3.0
 
 # Steps of the finite-difference reference, by dtype.
 FD_STEP = {"float64": 1e-5, "float32": 1e-2}
+
+# The largest --seed: numpy's legacy seeding and scikit-learn's random_state (the report's experiments)
+# take seeds up to 2**32 - 1; every command takes the same range.
+MAX_SEED = 2**32 - 1
 
 _TORCH_OVERHEAD = 256 * 2**20  # the torch runtime itself, counted against the machine only (see _memory_needs)
 
@@ -698,13 +705,18 @@ def _largest_fitting_P(cfg: Config, reference: str, key: str, limit: int) -> int
     return lo
 
 
-def _check_memory(cfg: Config, reference: str) -> None:
+def memory_budget() -> int:
+    """The memory budget; UsageError for a bad BLOCKHESS_MEMORY_BUDGET."""
     from ._config import get_memory_budget
 
     try:
-        budget = get_memory_budget()
-    except (ValueError, TypeError) as err:  # a bad BLOCKHESS_MEMORY_BUDGET
+        return get_memory_budget()
+    except (ValueError, TypeError) as err:
         raise UsageError(str(err)) from None
+
+
+def _check_memory(cfg: Config, reference: str) -> None:
+    budget = memory_budget()
     available = _available_memory()
     P = _parameter_count(cfg)
     need = _memory_needs(cfg, P, reference)
@@ -750,52 +762,44 @@ def _check_memory(cfg: Config, reference: str) -> None:
                 f"{format_bytes(free)} is free there; {smaller('device', free)}, or use --device cpu")
 
 
-def _check_output_path(path: str, option: str) -> None:
-    """The file can be written: its folder exists and is writable, and the file, if it exists, is
-    writable too. Nothing is created here (the report is written after the computation)."""
-    if not path:
-        raise UsageError(f"{option} needs a file name")
-    if os.path.isdir(path):
-        raise UsageError(f"{option} {path}: is a directory")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.exists(parent):
-        raise UsageError(f"{option} {path}: the directory {parent} does not exist")
-    if not os.path.isdir(parent):
-        raise UsageError(f"{option} {path}: {parent} is not a directory")
-    if os.path.exists(path):
-        if not os.access(path, os.W_OK):
-            raise UsageError(f"{option} {path}: the file is not writable (permission denied)")
-    elif not os.access(parent, os.W_OK | os.X_OK):
-        raise UsageError(f"{option} {path}: cannot create a file in {parent} (permission denied)")
+def check_outputs(outputs: dict[str, str | None]) -> None:
+    """The output files asked for (option -> path, None where not asked for) can be written, each to a
+    path of its own (blockhess._paths); UsageError otherwise. Nothing is created."""
+    asked = {option: path for option, path in outputs.items() if path is not None}
     try:
-        read_only = bool(os.statvfs(parent).f_flag & os.ST_RDONLY)
-    except (OSError, AttributeError):
-        read_only = False
-    if read_only:
-        raise UsageError(f"{option} {path}: {parent} is on a read-only file system")
+        for option, path in asked.items():
+            _paths.check_output_file(path, option)
+        _paths.check_distinct(asked)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
 
 
-def _check_plot(path: str) -> None:
+def check_plot_format(path: str, option: str) -> None:
+    """matplotlib is installed and writes the format of ``path``'s extension."""
     try:
         from matplotlib.backend_bases import FigureCanvasBase
     except ImportError:
-        raise UsageError("--plot needs matplotlib: pip install 'blockhess[plot]'") from None
+        raise UsageError(f"{option} needs matplotlib: pip install 'blockhess[plot]'") from None
     extension = os.path.splitext(path)[1].lstrip(".").lower()
     formats = FigureCanvasBase.get_supported_filetypes()
     if extension and extension not in formats:
-        raise UsageError(f"--plot {path}: matplotlib cannot write .{extension} files "
+        raise UsageError(f"{option} {path}: matplotlib cannot write .{extension} files "
                          f"(it writes {', '.join('.' + f for f in sorted(formats))})")
 
 
-def validate(cfg: Config, args: Any) -> None:
-    """Refuse every bad option or combination before any computation: raises UsageError with a
-    one-line message (main() prints it as ``blockhess check: error: ...``, exit status 2)."""
+def check_seed(seed: int) -> None:
+    """--seed within 0 .. MAX_SEED: UsageError."""
+    if not 0 <= seed <= MAX_SEED:
+        raise UsageError(f"--seed must be >= 0 and <= {MAX_SEED} (2**32 - 1), got {seed}")
+
+
+def validate_block(cfg: Config) -> None:
+    """The sizes, seed, eps and block options (shared with ``blockhess spectrum``): UsageError."""
     for name in ("L", "d", "d_k", "d_ff", "batch", "heads", "classes"):
         value = getattr(cfg, name)
         if value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if cfg.seed < 0:
-        raise UsageError(f"--seed must be >= 0, got {cfg.seed}")
+    check_seed(cfg.seed)
     if not math.isfinite(cfg.eps) or cfg.eps < 0:
         raise UsageError(f"--eps must be a finite number >= 0, got {cfg.eps}")
     if cfg.d == 1 and cfg.eps == 0 and not cfg.attention_only:
@@ -809,6 +813,12 @@ def validate(cfg: Config, args: Any) -> None:
         cfg.parameters()  # the spec's own constraints (e.g. heads * d_v == d without --out-proj)
     except ValueError as err:
         raise UsageError(f"the block options do not fit the sizes: {err}") from None
+
+
+def validate(cfg: Config, args: Any) -> None:
+    """Refuse every bad option or combination before any computation: raises UsageError with a
+    one-line message (main() prints it as ``blockhess check: error: ...``, exit status 2)."""
+    validate_block(cfg)
     if cfg.device == "cuda" and (not cfg.spec.is_paper_block or cfg.pooled):
         raise UsageError("--device cuda runs the paper's block with --loss mse or cross_entropy only so far; "
                          "drop the block options and the pooled loss, or use --device cpu")
@@ -831,25 +841,25 @@ def validate(cfg: Config, args: Any) -> None:
                              "or use --reference finite-differences") from None
     _check_memory(cfg, reference)
     json_path, plot_path = getattr(args, "json", None), getattr(args, "plot", None)
-    if json_path is not None:
-        _check_output_path(json_path, "--json")
+    check_outputs({"--json": json_path, "--plot": plot_path})
     if plot_path is not None:
-        _check_output_path(plot_path, "--plot")
-        _check_plot(plot_path)
-    if json_path is not None and plot_path is not None and os.path.abspath(json_path) == os.path.abspath(plot_path):
-        raise UsageError(f"--json and --plot name the same file, {json_path}")
+        check_plot_format(plot_path, "--plot")
+
+
+# The command lines: an error raised in them is a bug of theirs, not one about the data.
+_COMMANDS = ("blockhess.__main__", "blockhess.check", "blockhess.spectrum_cli", "blockhess.report")
 
 
 def _raised_by_blockhess(err: BaseException) -> bool:
-    """True when the innermost frame of ``err`` is blockhess's own code outside this module (its
-    input validation, or the C++ core called from it): an error about the data, not a bug here."""
+    """True when the innermost frame of ``err`` is blockhess's own code outside the command lines (its
+    input validation, or the C++ core called from it): an error about the data, not a bug there."""
     tb = err.__traceback__
     if tb is None:
         return False
     while tb.tb_next is not None:
         tb = tb.tb_next
     module = tb.tb_frame.f_globals.get("__name__", "")
-    return module.startswith("blockhess.") and module != __name__
+    return module.startswith("blockhess.") and module not in _COMMANDS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -889,17 +899,49 @@ def _attach_negative_numbers(argv: list[str]) -> list[str]:
     return out
 
 
+def run_command(prog: str, command: Callable[[list[str]], int], argv: list[str]) -> int:
+    """``command(argv)`` with Ctrl-C (SystemExit(130), one line) and a reader that goes away
+    (SystemExit(141)) ended without a traceback."""
+    try:
+        return command(argv)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
+    except BrokenPipeError:  # e.g. blockhess check | head: nothing left to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        raise SystemExit(141) from None
+
+
+@contextlib.contextmanager
+def errors_in_the_data(parser: argparse.ArgumentParser, out_of_memory_hint: str = "") -> Iterator[None]:
+    """An error that blockhess raises about the data during a run (ValueError, TypeError, and their
+    subclasses OutputTooLargeError and NonFiniteError) as one line, parser.error (exit status 2); a bug
+    keeps its traceback. Running out of memory (the estimates are generous, but machines are shared)
+    is one line too."""
+    try:
+        yield
+    except (ValueError, TypeError) as err:
+        if not _raised_by_blockhess(err):
+            raise
+        parser.error(str(err))
+    except MemoryError as err:
+        parser.error(f"out of memory ({err or 'an allocation failed'}); use smaller sizes{out_of_memory_hint}")
+
+
+@contextlib.contextmanager
+def writing_outputs(parser: argparse.ArgumentParser) -> Iterator[None]:
+    """A write that fails although its path was checked (a full disk, a file system that lies about
+    permissions) as one line, parser.error (exit status 2)."""
+    try:
+        yield
+    except OSError as err:
+        parser.error(f"cannot write {err.filename or 'the output'}: {err.strerror or err}")
+
+
 def main(argv: list[str]) -> int:
     """``blockhess check [options]``: 0 verified, 1 an error above its tolerance; SystemExit(2) for a
     bad option or an error in the data (one line on stderr), SystemExit(130) when interrupted."""
-    try:
-        return _main(argv)
-    except KeyboardInterrupt:  # Ctrl-C: no traceback
-        print("blockhess check: interrupted", file=sys.stderr, flush=True)
-        raise SystemExit(130) from None
-    except BrokenPipeError:  # the reader went away (blockhess check | head): nothing left to say
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
-        raise SystemExit(141) from None
+    return run_command("blockhess check", _main, argv)
 
 
 def add_block_options(parser: argparse.ArgumentParser) -> None:
@@ -966,21 +1008,15 @@ def _main(argv: list[str]) -> int:
         parser.error(str(err))
 
     progress = _Progress(enabled=not args.quiet and sys.stderr.isatty())
-    try:
+    torch_hint = " or --reference finite-differences" if _resolve_reference(cfg.reference) == "torch" else ""
+    with errors_in_the_data(parser, torch_hint):
         try:
             report, arrays = run_check(cfg, progress)
         finally:
             progress.close()
-    except (ValueError, TypeError) as err:  # about the data (e.g. a LayerNorm row of zero variance)
-        if not _raised_by_blockhess(err):
-            raise  # a bug here: keep the traceback
-        parser.error(str(err))
-    except MemoryError as err:  # the estimate in validate() is generous, but the machine is shared
-        parser.error(f"out of memory during the check ({err or 'an allocation failed'}); use smaller sizes"
-                     + (" or --reference finite-differences" if _resolve_reference(cfg.reference) == "torch" else ""))
 
     print(format_report(report), flush=True)
-    try:
+    with writing_outputs(parser):
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump(asdict(report), fh, indent=2)
@@ -990,6 +1026,4 @@ def _main(argv: list[str]) -> int:
                          f"log|H| of the block loss Hessian ({c.describe()}, L={c.L}, d={c.d}, d_k={c.d_k}, "
                          f"d_ff={c.d_ff}, {c.loss})")
             progress.note(f"heat map written to {args.plot}")
-    except OSError as err:
-        parser.error(f"cannot write {err.filename or 'the output'}: {err.strerror or err}")
     return 0 if report.ok else 1

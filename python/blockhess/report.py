@@ -13,7 +13,6 @@ steps (what the tests run).
 
 from __future__ import annotations
 
-import argparse
 import base64
 import html
 import json
@@ -26,13 +25,17 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import analysis, bounds, report_figures
+from . import _paths, analysis, bounds, check, report_figures
 from .block import BlockParams
 from .bounds import counterexamples
 from .bounds.configurations import random_configuration
 from .spec import BlockSpec
 
 ATTENTION_LAYER = BlockSpec(attention_only=True)
+
+# What the report writes into OUTDIR besides the experiments' figures.
+FILES = {"results": "results.json", "markdown": "report.md", "html": "report.html",
+         "tightness": "bounds_tightness.png", "scaling_X": "scaling_X.png", "scaling_L": "scaling_L.png"}
 
 
 def attention_layer(params: BlockParams) -> BlockParams:
@@ -136,12 +139,18 @@ def scaling(quick: bool, progress: Callable[[], None], seed: int = 0) -> dict[st
     return out
 
 
+def require_experiment_packages() -> None:
+    """ImportError, saying what to install, unless PyTorch and scikit-learn can be imported."""
+    for module, does in (("torch", "train a small ViT with PyTorch"), ("sklearn", "use scikit-learn's digits")):
+        try:
+            __import__(module)
+        except ImportError as err:
+            raise ImportError(f'the experiments {does}, which is not installed: pip install "blockhess[paper]" '
+                              '(or run blockhess report --no-experiments)') from err
+
+
 def experiments(outdir: str, quick: bool, seed: int, progress: Callable[[str], None]) -> dict:
-    try:
-        import torch  # noqa: F401
-    except ImportError as err:
-        raise ImportError('the experiments train a small ViT with PyTorch, which is not installed: '
-                          'pip install "blockhess[paper]" (or run blockhess report --no-experiments)') from err
+    require_experiment_packages()
     from .experiments.paper import run_experiments
 
     return run_experiments(outdir, quick=quick, progress=progress, seed=seed)
@@ -168,10 +177,10 @@ def build(outdir: str, *, quick: bool = False, run_experiments: bool = True, see
                                     "functional_min": min(s.min_eigenvalue["functional"])}
                                 for m, s in sweeps["scale"].items()}
     figures = {
-        "tightness": report_figures.tightness(results["bounds_summary"], os.path.join(outdir, "bounds_tightness.png")),
-        "scaling_X": report_figures.sweep(sweeps["scale"], "c", os.path.join(outdir, "scaling_X.png"),
+        "tightness": report_figures.tightness(results["bounds_summary"], os.path.join(outdir, FILES["tightness"])),
+        "scaling_X": report_figures.sweep(sweeps["scale"], "c", os.path.join(outdir, FILES["scaling_X"]),
                                           "Exact block norms as X is scaled (X -> c X)"),
-        "scaling_L": report_figures.sweep(sweeps["L"], "L", os.path.join(outdir, "scaling_L.png"),
+        "scaling_L": report_figures.sweep(sweeps["L"], "L", os.path.join(outdir, FILES["scaling_L"]),
                                           "Exact block norms against the sequence length"),
     }
     if run_experiments:
@@ -181,12 +190,12 @@ def build(outdir: str, *, quick: bool = False, run_experiments: bool = True, see
         results.update(found)
     results["figures"] = figures
     results["seconds"] = time.perf_counter() - started
-    with open(os.path.join(outdir, "results.json"), "w") as f:
+    with open(os.path.join(outdir, FILES["results"]), "w") as f:
         json.dump(_jsonable(results), f, indent=1)
     markdown = render_markdown(results)
-    with open(os.path.join(outdir, "report.md"), "w") as f:
+    with open(os.path.join(outdir, FILES["markdown"]), "w") as f:
         f.write(markdown)
-    with open(os.path.join(outdir, "report.html"), "w") as f:
+    with open(os.path.join(outdir, FILES["html"]), "w") as f:
         f.write(render_html(markdown, outdir))
     return results
 
@@ -316,21 +325,45 @@ def _inline(text: str) -> str:
 # ---- the command line -----------------------------------------------------------------------------
 
 
+def validate(args: Any) -> None:
+    """Refuse every bad option before anything is computed (check.UsageError, one line): the seed,
+    an OUTDIR that cannot be created or written, the packages the report needs."""
+    check.check_seed(args.seed)
+    try:
+        _paths.check_output_folder(args.outdir, "OUTDIR", tuple(FILES.values()))
+    except ValueError as err:
+        raise check.UsageError(str(err)) from None
+    try:
+        report_figures.require_matplotlib()
+        if args.experiments:
+            require_experiment_packages()
+    except ImportError as err:
+        raise check.UsageError(str(err)) from None
+
+
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
+    """``blockhess report OUTDIR [options]``: 0 done, 1 a corrected bound failed; SystemExit(2) for a
+    bad option (one line on stderr, nothing computed), SystemExit(130) when interrupted."""
+    return check.run_command("blockhess report", _main, argv)
+
+
+def _main(argv: list[str]) -> int:
+    parser = check._ArgumentParser(
         prog="blockhess report",
         description="Run the paper's analysis (bounds as stated and corrected against exact norms, scaling "
         "sweeps, the experiments on scikit-learn's digits) and write OUTDIR/report.md, report.html, "
         "results.json and the figures.")
-    parser.add_argument("outdir", help="the folder to write the report into (created if missing)")
+    parser.add_argument("outdir", metavar="OUTDIR", help="the folder to write the report into (created if missing)")
     parser.add_argument("--quick", action="store_true", help="smaller sweeps, fewer training steps (under 2 minutes)")
     parser.add_argument("--no-experiments", dest="experiments", action="store_false",
                         help="skip the experiments (they need PyTorch and scikit-learn)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help=f"0 to {check.MAX_SEED} (default 0)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
-    if os.path.exists(args.outdir) and not os.path.isdir(args.outdir):
-        parser.error(f"OUTDIR {args.outdir!r} exists and is not a folder")
+    try:
+        validate(args)
+    except check.UsageError as err:
+        parser.error(str(err))
     bar = None
     if not args.quiet and sys.stderr.isatty():
         from tqdm import tqdm
@@ -343,11 +376,9 @@ def main(argv: list[str]) -> int:
             bar.update()
 
     try:
-        results = build(args.outdir, quick=args.quick, run_experiments=args.experiments, seed=args.seed,
-                        progress=progress)
-    except ImportError as err:
-        print(f"blockhess report: error: {err}", file=sys.stderr)
-        return 2
+        with check.writing_outputs(parser):  # a write that fails although OUTDIR was checked (a full disk)
+            results = build(args.outdir, quick=args.quick, run_experiments=args.experiments, seed=args.seed,
+                            progress=progress)
     finally:
         if bar is not None:
             bar.close()

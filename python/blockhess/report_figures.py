@@ -9,11 +9,18 @@ from typing import Any
 import numpy as np
 
 
-def _pyplot():
+def require_matplotlib() -> None:
+    """ImportError, saying what to install, unless matplotlib can be imported."""
     try:
-        import matplotlib
-    except ImportError as err:  # pragma: no cover - matplotlib is in the paper and test extras
+        import matplotlib  # noqa: F401
+    except ImportError as err:
         raise ImportError('the report draws its figures with matplotlib: pip install "blockhess[paper]"') from err
+
+
+def _pyplot():
+    require_matplotlib()
+    import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

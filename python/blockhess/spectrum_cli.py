@@ -20,8 +20,11 @@ from typing import Any
 
 import numpy as np
 
-from . import check
+from . import _paths, _working_memory, check
+from ._config import format_bytes
 from ._errors import OutputTooLargeError
+from ._threads import get_num_threads
+from .block import BlockParams
 from .hvp import hessian_operator
 
 # Blocks this small get their spectrum from the dense block (k < n is ARPACK's rule).
@@ -97,31 +100,31 @@ def _block_extremes(op, counter) -> tuple[float, float, float | None]:
     return float(bottom[0]), float(top[0]), frobenius
 
 
-def _problem(cfg: check.Config, module_path: str | None):
-    """(X, target, params, head) from the sizes and options, or from a saved module."""
-    X, target, weights, head = check.make_problem(cfg)
-    if module_path is None:
+def _module_config(cfg: check.Config, imported: BlockParams) -> check.Config:
+    """The configuration whose seeded input and target go with an imported block: its sizes, dtype and
+    eps, the command's tokens, samples, loss and seed."""
+    return check.Config(L=cfg.L, d=imported.d, d_k=max(imported.d_k, 1), d_ff=imported.d_ff, batch=cfg.batch,
+                        loss=cfg.loss, dtype=str(imported.dtype), seed=cfg.seed, eps=imported.spec.eps,
+                        classes=cfg.classes)
+
+
+def _problem(cfg: check.Config, imported: BlockParams | None):
+    """(X, target, params, head) from the sizes and options, or for a block imported with --module."""
+    if imported is None:
+        X, target, weights, head = check.make_problem(cfg)
         return X, target, check._params(weights, cfg), head
-    import torch
-
-    from .from_torch import from_torch
-
-    module = torch.load(module_path, weights_only=False)
-    spec, params = from_torch(module)
-    cfg_module = check.Config(L=cfg.L, d=params.d, d_k=max(params.d_k, 1), d_ff=params.d_ff, batch=cfg.batch,
-                              loss=cfg.loss, dtype=str(params.dtype), seed=cfg.seed, eps=spec.eps,
-                              classes=cfg.classes)
-    X, target, _, head = check.make_problem(cfg_module)
-    return X, target, params, head
+    X, target, _, head = check.make_problem(_module_config(cfg, imported))
+    return X, target, imported, head
 
 
-def run(cfg: check.Config, *, module: str | None = None, k: int = 5, probes: int = 10, steps: int = 60,
+def run(cfg: check.Config, *, imported: BlockParams | None = None, k: int = 5, probes: int = 10, steps: int = 60,
         density: bool = False, progress: bool = False) -> dict[str, Any]:
-    """Everything the command reports, as a dict (the --json output)."""
+    """Everything the command reports, as a dict (the --json output); ``imported``: the block of
+    --module (:func:`import_module`)."""
     counter = _Counter(progress)
     try:
-        X, target, params, head = _problem(cfg, module)
-        eps = cfg.eps if module is None else params.spec.eps
+        X, target, params, head = _problem(cfg, imported)
+        eps = cfg.eps if imported is None else params.spec.eps
         kw = dict(loss=cfg.loss, eps=eps, head=head)
         op = _counted(hessian_operator(X, target, params, **kw), counter)
         t0 = time.perf_counter()
@@ -141,7 +144,7 @@ def run(cfg: check.Config, *, module: str | None = None, k: int = 5, probes: int
         bottom = op.eigsh(k=kk, which="SA", tol=1e-6, return_eigenvectors=False) if kk >= 1 else np.array([])
         t_eig = time.perf_counter() - t0
         result = {
-            "block": cfg.describe() if module is None else repr(params.spec),
+            "block": cfg.describe() if imported is None else repr(params.spec),
             "P": P, "loss": cfg.loss, "dtype": str(op.dtype), "loss_value": op.loss_value,
             "trace": None if any(b["trace"] is None for b in blocks) else float(sum(b["trace"] for b in blocks)),
             "blocks": blocks,
@@ -203,7 +206,115 @@ def plot_density(r: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
+def import_module(path: str) -> BlockParams:
+    """The block of an ``nn.Module`` saved with torch.save, through blockhess.from_torch; UsageError
+    (one line) for a file that is missing or unreadable, that torch cannot load, or whose module
+    from_torch does not take."""
+    try:
+        _paths.check_input_file(path, "--module")
+    except ValueError as err:
+        raise check.UsageError(str(err)) from None
+    try:
+        import torch
+    except ImportError:
+        raise check.UsageError("--module needs PyTorch (pip install 'torch==2.13.0')") from None
+    from .from_torch import from_torch
+
+    try:
+        module = torch.load(path, weights_only=False, map_location="cpu")
+    except Exception as err:  # noqa: BLE001 - whatever torch.load makes of a file it cannot read
+        reason = (str(err).strip().splitlines() or [""])[0]
+        raise check.UsageError(f"--module {path}: not a module saved with torch.save (torch.load: "
+                               f"{type(err).__name__}{': ' + reason if reason else ''})") from None
+    try:
+        return from_torch(module)[1]
+    except (ValueError, TypeError) as err:
+        if not check._raised_by_blockhess(err):
+            raise
+        raise check.UsageError(f"--module {path}: {err}") from None
+
+
+def _block_sizes(cfg: check.Config, imported: BlockParams | None) -> tuple[list[int], int, int, int]:
+    """(each parameter block's size, d_k, d_ff, heads) of the block studied, known before it is made."""
+    if imported is None:
+        return [math.prod(shape) for _, shape in cfg.parameters()], cfg.d_k, cfg.d_ff, cfg.heads
+    return list(imported.sizes), imported.d_k, imported.d_ff, imported.spec.heads
+
+
+def _memory_need(cfg: check.Config, imported: BlockParams | None, k: int, steps: int, density: bool) -> int:
+    """Bytes that :func:`run` holds at its peak, over-counted on purpose: the seeded problem (drawn in
+    float64, cast to the dtype and copied into the block's parameters and the operator), the whole
+    block's operator and one parameter block's at once (blockhess._working_memory.hvp, a product in
+    flight per thread), and the largest of the eigenvalue solvers' and the density's Lanczos vectors.
+    The traces' diagonals are left out: one that does not fit is reported as n/a."""
+    drawn = cfg if imported is None else _module_config(cfg, imported)
+    itemsize = np.dtype(drawn.dtype).itemsize
+    B, L, d = drawn.batch, drawn.L, drawn.d
+    sizes, d_k, d_ff, heads = _block_sizes(cfg, imported)
+    P = sum(sizes)
+    problem = 3 * 8 * (2 * B * L * d + check._parameter_count(drawn) + (d + 1) * cfg.classes)
+    threads = get_num_threads()
+    operators = 2 * _working_memory.hvp(B, L, d, d_k, d_ff, itemsize, threads, threads, heads=heads, P=P)
+    kk = min(k, P - 1)
+    solvers = [8 * P * (min(P, max(2 * kk + 1, 20)) + 4)]  # ARPACK's Lanczos basis and work vectors
+    if density:
+        solvers.append(8 * P * (min(steps, P) + 4))  # blockhess.spectrum.lanczos keeps every step's vector
+    for n in sizes:
+        if n <= _DENSE_BLOCK:  # the identity, its products, their float64 and symmetrised copies
+            solvers.append(4 * 8 * n * n)
+        else:
+            solvers.append(8 * n * 24)  # ARPACK for one eigenvalue (20 Lanczos vectors)
+            if n <= _FROBENIUS_PRODUCTS:  # frobenius_norm: at most 32 MiB of identity columns, their products
+                solvers.append(min(n * n, (32 << 20) // itemsize) * (2 * itemsize + 8))
+    return problem + operators + max(solvers)
+
+
+def _check_memory(cfg: check.Config, imported: BlockParams | None, k: int, steps: int, density: bool) -> None:
+    """UsageError when the run would exceed the memory budget or what the machine has: before anything
+    is allocated."""
+    budget = check.memory_budget()
+    need = _memory_need(cfg, imported, k, steps, density)
+    if imported is None:
+        block = f"--L {cfg.L} --d {cfg.d} --d-k {cfg.d_k} --d-ff {cfg.d_ff}"
+    else:
+        block = f"--L {cfg.L} with the imported {imported!r}"
+    asked = (f"{block}{f' --batch {cfg.batch}' if cfg.batch > 1 else ''} gives "
+             f"P = {sum(_block_sizes(cfg, imported)[0])} parameters")
+    smaller = f"use smaller sizes{' or fewer --steps' if density else ''}"
+    if need > budget:
+        raise check.UsageError(
+            f"{asked}: the spectrum needs about {format_bytes(need)}, more than the memory budget of "
+            f"{format_bytes(budget)}; {smaller}, or raise BLOCKHESS_MEMORY_BUDGET "
+            f"(e.g. BLOCKHESS_MEMORY_BUDGET={math.ceil(need / 2**30)}GiB)")
+    available = check._available_memory()
+    if available is not None and need > available:
+        raise check.UsageError(
+            f"{asked}: the spectrum needs about {format_bytes(need)} of memory, but only "
+            f"{format_bytes(available)} is available on this machine; {smaller}")
+
+
+def validate(cfg: check.Config, args: Any) -> BlockParams | None:
+    """Refuse every bad option before anything is computed or allocated (UsageError, one line);
+    returns the block of --module (None without it)."""
+    check.validate_block(cfg)
+    for option, value in (("-k", args.k), ("--probes", args.probes), ("--steps", args.steps)):
+        if value < 1:
+            raise check.UsageError(f"{option} must be >= 1, got {value}")
+    check.check_outputs({"--json": args.json, "--density": args.density})
+    if args.density is not None:
+        check.check_plot_format(args.density, "--density")
+    imported = None if args.module is None else import_module(args.module)
+    _check_memory(cfg, imported, args.k, args.steps, args.density is not None)
+    return imported
+
+
 def main(argv: list[str]) -> int:
+    """``blockhess spectrum [options]``: 0 done; SystemExit(2) for a bad option or an error in the
+    data (one line on stderr), SystemExit(130) when interrupted."""
+    return check.run_command("blockhess spectrum", _main, argv)
+
+
+def _main(argv: list[str]) -> int:
     parser = check._ArgumentParser(
         prog="blockhess spectrum",
         description="Per-block exact traces and extreme eigenvalues, and the whole block's top and bottom "
@@ -221,45 +332,17 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(check._attach_negative_numbers(list(argv)))
     cfg = check.config_from_args(args)
     try:
-        for name in ("L", "d", "d_k", "d_ff", "batch", "heads", "classes"):
-            if getattr(cfg, name) < 1:
-                raise check.UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
-        for name in ("k", "probes", "steps"):
-            if getattr(args, name) < 1:
-                raise check.UsageError(f"-{'' if name == 'k' else '-'}{name} must be >= 1, got {getattr(args, name)}")
-        if not math.isfinite(cfg.eps) or cfg.eps < 0:
-            raise check.UsageError(f"--eps must be a finite number >= 0, got {cfg.eps}")
-        try:
-            cfg.parameters()
-        except ValueError as err:
-            raise check.UsageError(f"the block options do not fit the sizes: {err}") from None
-        if args.module is not None:
-            try:
-                import torch  # noqa: F401
-            except ImportError:
-                raise check.UsageError("--module needs PyTorch (pip install 'torch==2.13.0')") from None
-            import os
-
-            if not os.path.isfile(args.module):
-                raise check.UsageError(f"--module {args.module}: no such file")
-        if args.json is not None:
-            check._check_output_path(args.json, "--json")
-        if args.density is not None:
-            check._check_output_path(args.density, "--density")
-            check._check_plot(args.density)
+        imported = validate(cfg, args)
     except check.UsageError as err:
         parser.error(str(err))
-    try:
-        result = run(cfg, module=args.module, k=args.k, probes=args.probes, steps=args.steps,
+    with check.errors_in_the_data(parser):
+        result = run(cfg, imported=imported, k=args.k, probes=args.probes, steps=args.steps,
                      density=args.density is not None, progress=not args.quiet and sys.stderr.isatty())
-    except (ValueError, TypeError) as err:
-        if not check._raised_by_blockhess(err):
-            raise
-        parser.error(str(err))
     print(format_report(result), flush=True)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=2)
-    if args.density:
-        plot_density(result, args.density)
+    with check.writing_outputs(parser):
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(result, fh, indent=2)
+        if args.density:
+            plot_density(result, args.density)
     return 0
