@@ -222,6 +222,11 @@ def _encoder_layer(layer: Any, dtype: Any) -> tuple[BlockSpec, dict[str, np.ndar
 
 
 def _run_encoder_layer(call: Callable[..., Any], layer: Any, X: Any) -> Any:
+    # The layer's fused inference path (taken in eval mode) is not the forward autograd
+    # differentiates: it reads cached flags and fails on norms without a bias. The layer's own
+    # training flag keeps it out; its dropouts and attention stay in eval mode (_verify), so the
+    # forward is the deterministic one.
+    layer.training = True
     if layer.self_attn.batch_first:  # what runs: the attention's layout (the layer passes its input on)
         return call(X)
     return call(X.transpose(0, 1)).transpose(0, 1)
@@ -300,13 +305,8 @@ def _verify(module: Any, run: Callable[..., Any], params: BlockParams, norms: di
     tensors.update({name: b.to(torch.float64) if b.is_floating_point() else b
                     for name, b in module.named_buffers()})
     training = {m: m.training for m in module.modules()}
-    fastpath = torch.backends.mha.get_fastpath_enabled()
     module.eval()
-    # torch's fused inference path of TransformerEncoderLayer and MultiheadAttention is not the
-    # forward autograd differentiates (it reads cached flags, and fails on norms without beta):
-    # off, and grad enabled, which also keeps other fused paths out.
-    torch.backends.mha.set_fastpath_enabled(False)
-    try:
+    try:  # grad enabled (and parameters that require it) keeps torch's fused inference paths out
         with torch.enable_grad():
             def call(*args: Any, **kwargs: Any) -> Any:
                 return torch.func.functional_call(module, tensors, args, kwargs)
@@ -316,7 +316,6 @@ def _verify(module: Any, run: Callable[..., Any], params: BlockParams, norms: di
         raise ValueError(f"from_torch: the {type(module).__name__} could not be run on float64 copies of its "
                          f"parameters to verify the import ({type(err).__name__}: {err})") from err
     finally:
-        torch.backends.mha.set_fastpath_enabled(fastpath)
         for m, flag in training.items():
             m.training = flag
     expected = block_forward(X, params, eps=_norm_eps(norms, torch.float64))
