@@ -61,6 +61,6 @@ void bind_block(py::module_& m);
 void bind_checks(py::module_& m);
 void bind_threads(py::module_& m);
 void bind_memory(py::module_& m);
-void bind_engine(py::module_& m);
+void bind_engine(py::module_& m);  // the _engine_nodes test module only
 
 }  // namespace blockhess::bind

@@ -80,5 +80,4 @@ PYBIND11_MODULE(BLOCKHESS_MODULE_NAME, m, py::mod_gil_not_used()) {
   bind_checks(m);
   bind_threads(m);
   bind_memory(m);
-  bind_engine(m);
 }

@@ -1,9 +1,10 @@
 """Each node of the curvature engine (cpp/include/blockhess/engine/nodes/) against torch autograd.
 
-A short chain of nodes is run by the engine (the private _core.engine_chain) and differentiated for
-the scalar l = <G, out>: the gradient exercises every node's vjp; the dense Hessian exercises push
-(the factors) and curvature (its sites and bilinear terms) of every node the parameters pass;
-the Hessian-vector product exercises jvp and vjp_tangent. The same chain is written in torch from
+A short chain of nodes is run by the engine (engine_chain of the private test module _engine_nodes,
+built once beside the _core levels) and differentiated for the scalar l = <G, out>: the gradient
+exercises every node's vjp; the dense Hessian exercises push (the factors) and curvature (its
+sites and bilinear terms) of every node the parameters pass; the Hessian-vector product
+exercises jvp and vjp_tangent. The same chain is written in torch from
 the nodes' definitions; float64, relative error <= 1e-10.
 """
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 import reference as ref
-from blockhess import _core
+from blockhess import _engine_nodes
 
 
 ACTIVATIONS = {
@@ -133,7 +134,7 @@ def test_chain_matches_autograd(rng, name, B, pattern):
     sizes = [p.size for p in params]
     P = sum(s for s, w in zip(sizes, wrt) if w)
     V = rng.standard_normal((P, 3))
-    out, grad, H, HV = _core.engine_chain(kinds, X, params, eps, G, wrt, V)
+    out, grad, H, HV = _engine_nodes.engine_chain(kinds, X, params, eps, G, wrt, V)
 
     shapes = [p.shape for p in params]
     flat = ref.t(np.concatenate([p.ravel() for p in params]))
@@ -164,7 +165,7 @@ def test_smooth_activations_hold_their_accuracy_far_from_zero(rng, activation):
     params = [np.eye(5) + 0.01 * rng.standard_normal((5, 5)), rng.standard_normal((5, 3))]
     G = rng.standard_normal((2, 6, 3))
     V = rng.standard_normal((40, 2))
-    out, grad, H, HV = _core.engine_chain(kinds, X, params, 0.0, G, [True, True], V)
+    out, grad, H, HV = _engine_nodes.engine_chain(kinds, X, params, 0.0, G, [True, True], V)
     flat = ref.t(np.concatenate([p.ravel() for p in params]))
 
     def scalar(v):
@@ -182,7 +183,7 @@ def test_identity_and_diagonal_factor_forms_are_exercised(rng):
     """A linear map right after another (identity factor) and after relu (diagonal factor) reach the
     bilinear term through kron::accumulate_diagonal: both pieces are non-zero here and correct."""
     kinds, X, params, G = _chain_case(rng, "linear-relu-linear", 1, 0.0)
-    _, _, H, _ = _core.engine_chain(kinds, X, params, 0.0, G, [True, True], np.zeros((sum(p.size for p in params), 1)))
+    _, _, H, _ = _engine_nodes.engine_chain(kinds, X, params, 0.0, G, [True, True], np.zeros((sum(p.size for p in params), 1)))
     cross = H[: params[0].size, params[0].size:]
     assert np.abs(cross).max() > 1e-3
 
@@ -192,9 +193,9 @@ def test_float32_chain_is_close_to_float64(rng):
     P = sum(p.size for p in params)
     V = rng.standard_normal((P, 2))
     wrt = [True] * len(params)
-    _, g64, H64, HV64 = _core.engine_chain(kinds, X, params, 1e-3, G, wrt, V)
+    _, g64, H64, HV64 = _engine_nodes.engine_chain(kinds, X, params, 1e-3, G, wrt, V)
     f32 = [a.astype(np.float32) for a in (X, G, V)]
-    _, g32, H32, HV32 = _core.engine_chain(kinds, f32[0], [p.astype(np.float32) for p in params], np.float32(1e-3),
+    _, g32, H32, HV32 = _engine_nodes.engine_chain(kinds, f32[0], [p.astype(np.float32) for p in params], np.float32(1e-3),
                                            f32[1], wrt, f32[2])
     assert H32.dtype == np.float32
     for a, b in ((g32, g64), (H32, H64), (HV32, HV64)):
@@ -207,10 +208,10 @@ def test_bad_chains_are_refused(rng):
     G = np.zeros((1, 3, 4))
     V = np.zeros((16, 1))
     with pytest.raises(ValueError, match="unknown node"):
-        _core.engine_chain(["softplus"], X, [W], 0.0, G, [True], V)
+        _engine_nodes.engine_chain(["softplus"], X, [W], 0.0, G, [True], V)
     with pytest.raises(ValueError, match="too few parameters"):
-        _core.engine_chain(["linear", "linear"], X, [W], 0.0, G, [True], V)
+        _engine_nodes.engine_chain(["linear", "linear"], X, [W], 0.0, G, [True], V)
     with pytest.raises(ValueError, match="more parameters"):
-        _core.engine_chain([], X, [W], 0.0, np.zeros((1, 3, 4)), [True], V)
+        _engine_nodes.engine_chain([], X, [W], 0.0, np.zeros((1, 3, 4)), [True], V)
     with pytest.raises(ValueError, match="residual"):
-        _core.engine_chain(["residual"], X, [W], 0.0, G, [True], V)
+        _engine_nodes.engine_chain(["residual"], X, [W], 0.0, G, [True], V)
