@@ -1,5 +1,5 @@
 """Independent references for the tests: PyTorch autograd in float64 of the model written from its
-definition in spec §1 (blockhess._torch_reference, never blockhess's formulas), plus finite
+definition in docs/derivation.md §2 (blockhess._torch_reference, never blockhess's formulas), plus finite
 differences and generic helpers."""
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def commutation_from_definition(m, n):
     return K
 
 
-# ---- the post-LN Transformer block of spec §1.5, written from the model definition ----
+# ---- the post-LN Transformer block of docs/derivation.md §2.1, written from the model definition ----
 
 def random_block(rng, L, d, dk, dff, B=None, scale=0.6):
     """Random input, MSE target, class target and weights of a block (float64 numpy)."""

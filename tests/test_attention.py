@@ -61,7 +61,7 @@ def test_peaked_attention(rng):
 
 @pytest.mark.parametrize("L,d,dk", [(4, 3, 5), (3, 5, 2)])
 def test_paper_forms_of_G_Q_G_K_G_V(rng, L, d, dk):
-    # spec §3.2 with W_V square (the paper's setting), including erratum E10: K_{d_K, d_V} in G_K
+    # docs/derivation.md §3.3 with W_V square (the paper's setting), including erratum E10 (docs/errata.md): K_{d_K, d_V} in G_K
     X, WQ, WK, WV = _inputs(rng, L, d, dk, d)
     A = blockhess.softmax(X @ WQ @ WK.T @ X.T / math.sqrt(dk))
     D_A = blockhess.softmax_jacobian(X @ WQ @ WK.T @ X.T / math.sqrt(dk))

@@ -12,7 +12,7 @@ def test_commutation_matrix_matches_definition(m, n):
     K = blockhess.commutation_matrix(m, n)
     assert K.shape == (m * n, m * n) and K.dtype == np.float64
     np.testing.assert_array_equal(K, ref.commutation_from_definition(m, n))
-    # the explicit index form of spec §2.2
+    # the explicit index form of docs/derivation.md §1.2
     rows = [i * n + j for i in range(m) for j in range(n)]
     cols = [j * m + i for i in range(m) for j in range(n)]
     expected = np.zeros((m * n, m * n))
@@ -54,7 +54,7 @@ def test_kron_apply_matches_np_kron(rng, p, m, q, n):
     assert ref.rel_err(y, np.kron(A, B) @ X.reshape(-1)) <= 1e-13
     assert ref.rel_err(y, (A @ X @ B.T).reshape(-1)) <= 1e-13
     np.testing.assert_array_equal(blockhess.kron_apply(A, B, X.reshape(-1)), y)
-    # product vectorisation (spec §2.3): d vec_r(A X B^T) / d vec_r X = A (x) B, from autograd
+    # product vectorisation (docs/derivation.md §1.3): d vec_r(A X B^T) / d vec_r X = A (x) B, from autograd
     J = ref.jacobian(lambda x: ref.t(A) @ x @ ref.t(B).T, X)
     assert ref.rel_err(np.kron(A, B), J) <= 1e-15
 

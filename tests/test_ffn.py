@@ -86,7 +86,7 @@ def test_relu_derivative_at_zero_is_zero(rng):
 
 @pytest.mark.parametrize("L,d,f", [(3, 2, 4), (2, 4, 3)])
 def test_paper_forms_of_B_1_B_2_and_xi_12(rng, L, d, f):
-    # spec §3.5 and the corrected xi_12 = dB_1/dW_2 of §3.7 (erratum E4), with d_out = d
+    # docs/derivation.md §3.4 and the corrected xi_12 = dB_1/dW_2 (docs/errata.md E4), with d_out = d
     Y, W1, W2 = _inputs(rng, L, d, f, d)
     K = blockhess.commutation_matrix
     H = Y @ W1

@@ -42,7 +42,7 @@ def test_forward_jacobian_hessian_match_autograd(rng, m, n):
 
 
 def test_lemma_c1_block_form(rng):
-    # Ormaniec Lemma C.1 as printed in spec §3.2, written out with numpy
+    # Ormaniec Lemma C.1 (docs/derivation.md §3.2), written out with numpy
     T = _logits(rng, 3, 4)
     A = blockhess.softmax(T)
     Hb = blockhess.softmax_hessian(T, layout="blocks")

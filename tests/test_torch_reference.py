@@ -1,5 +1,5 @@
 """blockhess._torch_reference, the PyTorch block every other test trusts, checked against
-independent computations: the block and losses written again in NumPy from spec §1.5, finite
+independent computations: the block and losses written again in NumPy from docs/derivation.md §2, finite
 differences of its loss and gradient in float64, the Gauss-Newton identity, and the HVPs against
 torch.func.hessian @ v."""
 

@@ -1,5 +1,6 @@
-"""The paper's scaling claims, measured (paper.md §4.1, §4.6): exact block norms as the input is
-scaled and as the sequence grows, with fitted log-log exponents, and how negative the curvature gets.
+"""The paper's scaling claims, measured (its Thm 1 and its scaling-law discussion): exact block
+norms as the input is scaled and as the sequence grows, with fitted log-log exponents, and how
+negative the curvature gets.
 
 Thm 1 states the attention layer's curvature grows as ||X||^6 ("O(||X||^6)") and carries 1/L^3
 sequence-length terms; :func:`scale_sweep` and :func:`length_sweep` measure both on the exact Hessian of

@@ -1,4 +1,4 @@
-"""``blockhess report OUTDIR``: the paper's analysis, run end to end (paper.md §4, §5).
+"""``blockhess report OUTDIR``: the paper's analysis, run end to end (its bounds and experiments).
 
 1. every bound of blockhess.bounds at a reference configuration (exact, as stated, corrected), the
    known counterexamples, and the tightness over random configurations;

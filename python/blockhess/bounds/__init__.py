@@ -1,4 +1,4 @@
-"""The paper's spectral-norm bounds next to the exact norms blockhess computes (paper.md §4).
+"""The paper's spectral-norm bounds next to the exact norms blockhess computes.
 
 Each function returns :class:`Bound` records: the exact value, the bound as the paper states it, and
 a corrected bound that provably holds (the derivation is in each module's docstring and in

@@ -1,4 +1,4 @@
-"""Thm 1: the loss Hessian of a lone self-attention layer (paper.md §4.1, errata E11, E12).
+"""Thm 1: the loss Hessian of a lone self-attention layer (docs/errata.md E11, E12).
 
 F = A X W_V, A = softmax_rows(X W_Q W_K^T X^T / sqrt(d_k)), loss l = ||F - Target||_F^2 / (L d_V); the
 Hessian over (W_Q, W_K, W_V) is c [G_i^T G_j + <R, d2F/dW_i dW_j>], c = 2/(L d_V), R = F - Target.

@@ -1,4 +1,4 @@
-"""Thm 6: the loss Hessian of the paper's block, per parameter block and whole (paper.md §4.4).
+"""Thm 6: the loss Hessian of the paper's block, per parameter block and whole.
 
 Z = LN(S), S = relu(Y W_1) W_2 + Y, Y = LN(S0), S0 = X + F; loss l = ||Z - Target||_F^2 / (L d), so
 (§3.8) H(i, j)[D_i, D_j] = c [<J_Z dS_i, J_Z dS_j> + <r, H_Z[dS_i, dS_j]> + <u, d2S[D_i, D_j]>], c = 2/(L d),

@@ -1,4 +1,4 @@
-"""Lemma 4: the LayerNorm Jacobian and Hessian norms (paper.md §4.2, erratum E14).
+"""Lemma 4: the LayerNorm Jacobian and Hessian norms (docs/errata.md E14).
 
 LN acts on the rows of X (m, n): y_i = (x_i - mean_i) / sigma_i, sigma_i = sqrt(var_i + eps).
 

@@ -1,4 +1,4 @@
-"""Thm 7: how much the empirical risk moves when one sample is added (paper.md §4.5).
+"""Thm 7: how much the empirical risk moves when one sample is added.
 
 With l_i >= 0 the per-sample losses, L_k their running mean and H^(k) the mean of the per-sample
 Hessians, the paper bounds the quadratic model q_k(w) = L_k(w*) + 1/2 d^T H^(k)(w*) d, d = w - w*:

@@ -1,4 +1,4 @@
-"""Proposition 10: the norms of Y, FFN(Y) and S in the paper's block (paper.md §4.3).
+"""Proposition 10: the norms of Y, FFN(Y) and S in the paper's block.
 
 As stated: ||Y|| <= sqrt(L d); ||FFN(Y)|| <= sqrt(min(L, d_ff)) ||Y|| ||W_1|| ||W_2||;
 ||S|| <= sqrt(L d) (1 + sqrt(min(L, d_ff)) ||W_1|| ||W_2||). All three hold, also with eps > 0 (each

@@ -1,4 +1,4 @@
-"""The paper's experiments (spec §5) on the digits ViT of :mod:`.vit`, one function per experiment.
+"""The paper's experiments on the digits ViT of :mod:`.vit`, one function per experiment.
 
 Every Hessian is blockhess's exact closed form of the pooled cross-entropy with respect to all 14 of
 the block's parameter matrices and vectors (LayerNorm gamma/beta and biases included, as the paper's
