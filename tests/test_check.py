@@ -407,9 +407,9 @@ def test_auto_reference_without_torch_is_finite_differences(monkeypatch):
 
 
 def test_write_failure_after_the_run_is_one_line(monkeypatch, tmp_path, capsys):
-    from blockhess import _paths
+    from blockhess import _command_files
 
-    monkeypatch.setattr(_paths, "check_output_file", lambda path, option: None)  # as for root under /proc
+    monkeypatch.setattr(_command_files, "check_output_file", lambda path, option: None)  # as for root under /proc
     with pytest.raises(SystemExit) as exit_info:
         check.main([*SMALL, "--json", str(tmp_path / "missing" / "x.json")])
     captured = capsys.readouterr()

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _paths
+from . import _command_files
 from ._config import format_bytes
 from .block import BlockParams, _parameter_table, loss_gradient, loss_hessian, loss_value
 from .hvp import hessian_operator
@@ -764,12 +764,12 @@ def _check_memory(cfg: Config, reference: str) -> None:
 
 def check_outputs(outputs: dict[str, str | None]) -> None:
     """The output files asked for (option -> path, None where not asked for) can be written, each to a
-    path of its own (blockhess._paths); UsageError otherwise. Nothing is created."""
+    path of its own (blockhess._command_files); UsageError otherwise. Nothing is created."""
     asked = {option: path for option, path in outputs.items() if path is not None}
     try:
         for option, path in asked.items():
-            _paths.check_output_file(path, option)
-        _paths.check_distinct(asked)
+            _command_files.check_output_file(path, option)
+        _command_files.check_distinct(asked)
     except ValueError as err:
         raise UsageError(str(err)) from None
 

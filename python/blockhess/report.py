@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import _paths, analysis, bounds, check, report_figures
+from . import _command_files, analysis, bounds, check, report_figures
 from .block import BlockParams
 from .bounds import counterexamples
 from .bounds.configurations import random_configuration
@@ -330,7 +330,7 @@ def validate(args: Any) -> None:
     an OUTDIR that cannot be created or written, the packages the report needs."""
     check.check_seed(args.seed)
     try:
-        _paths.check_output_folder(args.outdir, "OUTDIR", tuple(FILES.values()))
+        _command_files.check_output_folder(args.outdir, "OUTDIR", tuple(FILES.values()))
     except ValueError as err:
         raise check.UsageError(str(err)) from None
     try:

@@ -197,6 +197,17 @@ def _dense_eigh(operator: Any, vectors: bool):
     return np.linalg.eigh(H) if vectors else (np.linalg.eigvalsh(H), None)
 
 
+def arpack_basis(P: int, k: int) -> int:
+    """The Krylov basis ARPACK keeps for k eigenvalues of a (P, P) operator (scipy's default ncv)."""
+    return min(P, max(2 * k + 1, 20))
+
+
+def arpack_memory(P: int, k: int) -> int:
+    """Bytes of ARPACK's float64 basis and work array for k eigenvalues of a (P, P) operator."""
+    ncv = arpack_basis(P, k)
+    return 8 * ncv * (P + ncv + 8)
+
+
 def _arpack(operator: Any, k: int, which: str, tol: float, vectors: bool):
     """ARPACK's k eigenvalues of ``which`` (and eigenvectors), its failures as blockhess's errors."""
     try:
@@ -205,9 +216,9 @@ def _arpack(operator: Any, k: int, which: str, tol: float, vectors: bool):
     except ImportError as err:  # pragma: no cover - scipy is in the test extra
         raise ImportError("eigsh() needs scipy: pip install scipy") from err
     P = operator.shape[0]
-    ncv = min(P, max(2 * k + 1, 20))  # ARPACK's Krylov basis (scipy's default), and its work array
+    ncv = arpack_basis(P, k)
     require_output_fits((P, k) if vectors else (k,), _FLOAT64, f"eigsh's {k} eigenvalues (P = {P})",
-                        "ask for fewer eigenvalues (a smaller k)", working=8 * ncv * (P + ncv + 8))
+                        "ask for fewer eigenvalues (a smaller k)", working=arpack_memory(P, k))
     A = operator.to_scipy()
     v0 = np.random.default_rng(0).standard_normal(P)  # ARPACK's random start, made reproducible
     try:

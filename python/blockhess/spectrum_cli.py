@@ -20,12 +20,13 @@ from typing import Any
 
 import numpy as np
 
-from . import _paths, _working_memory, check
+from . import _command_files, _working_memory, check
 from ._config import format_bytes
 from ._errors import OutputTooLargeError
 from ._threads import get_num_threads
 from .block import BlockParams
 from .hvp import hessian_operator
+from .spectrum import arpack_memory
 
 # Blocks this small get their spectrum from the dense block (k < n is ARPACK's rule).
 _DENSE_BLOCK = 256
@@ -211,7 +212,7 @@ def import_module(path: str) -> BlockParams:
     (one line) for a file that is missing or unreadable, that torch cannot load, or whose module
     from_torch does not take."""
     try:
-        _paths.check_input_file(path, "--module")
+        _command_files.check_input_file(path, "--module")
     except ValueError as err:
         raise check.UsageError(str(err)) from None
     try:
@@ -256,14 +257,14 @@ def _memory_need(cfg: check.Config, imported: BlockParams | None, k: int, steps:
     threads = get_num_threads()
     operators = 2 * _working_memory.hvp(B, L, d, d_k, d_ff, itemsize, threads, threads, heads=heads, P=P)
     kk = min(k, P - 1)
-    solvers = [8 * P * (min(P, max(2 * kk + 1, 20)) + 4)]  # ARPACK's Lanczos basis and work vectors
+    solvers = [arpack_memory(P, kk)]
     if density:
         solvers.append(8 * P * (min(steps, P) + 4))  # blockhess.spectrum.lanczos keeps every step's vector
     for n in sizes:
         if n <= _DENSE_BLOCK:  # the identity, its products, their float64 and symmetrised copies
             solvers.append(4 * 8 * n * n)
         else:
-            solvers.append(8 * n * 24)  # ARPACK for one eigenvalue (20 Lanczos vectors)
+            solvers.append(arpack_memory(n, 1))
             if n <= _FROBENIUS_PRODUCTS:  # frobenius_norm: at most 32 MiB of identity columns, their products
                 solvers.append(min(n * n, (32 << 20) // itemsize) * (2 * itemsize + 8))
     return problem + operators + max(solvers)
