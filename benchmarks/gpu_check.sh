@@ -51,13 +51,14 @@ stage_limit() {  # min(cap, time left - reserve), at least 10 s
 }
 banner() { echo; echo "==== [$(($(date +%s) - START)) s] $* ===="; }
 
-BUILD=skipped TESTS=skipped BENCH=skipped REST=skipped TESTLINE="" RESTLINE=""
+BUILD=skipped TESTS=skipped BENCH=skipped REST=skipped SAN_memcheck=skipped SAN_racecheck=skipped TESTLINE="" RESTLINE=""
 
 banner "environment"
 date -u
 uname -a
 nvidia-smi || echo "nvidia-smi failed"
 command -v nvcc && nvcc --version | tail -2
+command -v compute-sanitizer && compute-sanitizer --version | tail -1
 "$PY" --version
 "$PY" -m pip --version
 "$PY" - <<'EOF'
@@ -78,7 +79,9 @@ command -v cmake && cmake --version | head -1
 command -v ninja && ninja --version
 
 banner "build and install (BLOCKHESS_CUDA=ON)"
-CMAKE_ARGS=(-Ccmake.define.BLOCKHESS_CUDA=ON)
+# One CPU level (the baseline) is enough to check the GPU against: the AVX2/AVX-512 builds would only
+# lengthen the build on a machine whose time is counted.
+CMAKE_ARGS=(-Ccmake.define.BLOCKHESS_CUDA=ON -Ccmake.define.BLOCKHESS_CPU_DISPATCH=OFF)
 # Eigen: prefer the carried cmeel-eigen wheel, unpacked (a wheel is a zip) into a scratch folder.
 EIGEN_WHEEL="$(ls "$ROOT"/benchmarks/wheels/cmeel_eigen-*.whl 2>/dev/null | head -1)"
 if [ -n "$EIGEN_WHEEL" ]; then
@@ -165,6 +168,31 @@ if [[ "$BUILD" == ok* ]]; then
     *) BENCH="exit $rc" ;;
   esac
 
+  # compute-sanitizer over the GPU tests: memcheck (out-of-bounds and misaligned accesses, leaks of
+  # device memory the kernels own) and racecheck (shared-memory hazards). Slow under the tool, so each
+  # gets what time is left; the summary says how far each got.
+  if command -v compute-sanitizer >/dev/null && [ "$(left)" -gt 60 ]; then
+    for tool in memcheck racecheck; do
+      banner "compute-sanitizer --tool $tool over the GPU tests"
+      T=$(stage_limit 150 30)
+      echo "time limit ${T}s"
+      timeout "$T" compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 86 \
+        "$PY" -m pytest -m cuda -q -x -p no:cacheprovider tests/test_cuda.py >"$OUT/sanitizer-$tool.txt" 2>&1
+      rc=$?
+      tail -8 "$OUT/sanitizer-$tool.txt"
+      line="$(grep -E "ERROR SUMMARY|========= [0-9]+ (errors|hazards)|RACECHECK SUMMARY" "$OUT/sanitizer-$tool.txt" | tail -1)"
+      case $rc in
+        0) res="clean ${line}" ;;
+        86) res="ERRORS ${line}" ;;
+        124) res="TIMEOUT after ${T}s (partial: ${line:-no summary})" ;;
+        *) res="exit $rc ${line}" ;;
+      esac
+      eval "SAN_${tool}=\"\$res\""
+      echo "$tool: $res"
+      [ "$(left)" -gt 60 ] || break
+    done
+  fi
+
   if [ "$(left)" -gt 45 ]; then
     banner "rest of the test suite (informational; torch here may differ from the pinned test version)"
     T=$(stage_limit 200 10)
@@ -187,6 +215,8 @@ banner "summary"
   echo "| build + install (BLOCKHESS_CUDA=ON) | $BUILD |"
   echo "| GPU tests (pytest -m cuda) | $TESTS ${TESTLINE:+($TESTLINE)} |"
   echo "| GPU benchmark | $BENCH |"
+  echo "| compute-sanitizer memcheck | $SAN_memcheck |"
+  echo "| compute-sanitizer racecheck | $SAN_racecheck |"
   echo "| rest of the suite | $REST ${RESTLINE:+($RESTLINE)} |"
   echo
   if [ -f "$OUT/pytest-cuda.txt" ] && grep -q -E "^(FAILED|ERROR)" "$OUT/pytest-cuda.txt"; then
