@@ -3,6 +3,7 @@
 // functions); spec is the block (params.hpp's Spec as a tuple); weights holds one array per
 // parameter, in the registry's canonical order (vectors 1-D).
 #include "binding.hpp"
+#include "block_problem.hpp"
 
 #include <array>
 #include <cstdint>
@@ -16,141 +17,6 @@
 
 namespace blockhess::bind {
 namespace {
-
-// The spec as Python passes it (spec.py's BlockSpec._core): (pre_ln, rmsnorm, norm_affine, bias,
-// heads, out_proj, activation, causal, attention_only).
-using SpecTuple = std::tuple<bool, bool, bool, bool, index_t, bool, int, bool, bool>;
-
-block::Spec spec_of(const SpecTuple& t) {
-  block::Spec s;
-  std::tie(s.pre_ln, s.rmsnorm, s.norm_affine, s.bias, s.heads, s.out_proj, std::ignore, s.causal, s.attention_only) = t;
-  const int act = std::get<6>(t);
-  if (act < 0 || act > 3) throw std::invalid_argument("block: unknown activation code");
-  s.activation = static_cast<activation::Kind>(act);
-  return s;
-}
-
-template <class T>
-struct Problem {
-  block::Spec spec;
-  block::Dims dims;
-  index_t B = 0;
-  std::vector<const T*> weights;
-
-  // The block at X, for one call: the weights are the caller's arrays, alive until it returns.
-  block::Evaluation<T> evaluate(const T* X, T eps) const {
-    return block::forward(spec, dims, B, X, weights, eps, engine::Storage::borrow);
-  }
-  // For an object that outlives the call (the Hessian operator): a copy of the weights.
-  block::Evaluation<T> evaluate_kept(const T* X, T eps) const { return block::forward(spec, dims, B, X, weights, eps); }
-  std::vector<block::ParamShape> shapes() const { return block::parameters(spec, dims); }
-};
-
-// The sizes from X and the weights (d_k from W_Q, d_v from W_V, d_ff from W_1; 0 for an
-// attention-only block, which has none), then every shape checked against the registry.
-template <class T>
-Problem<T> problem(const carray<T>& X, const SpecTuple& spec, const std::vector<carray<T>>& weights) {
-  if (X.ndim() != 3) throw std::invalid_argument("block: X must be (B, L, d)");
-  Problem<T> p;
-  p.spec = spec_of(spec);
-  p.B = X.shape(0);
-  p.dims.L = X.shape(1);
-  p.dims.d = X.shape(2);
-  const auto names = block::parameters(p.spec, block::Dims{1, 1, 1, 1, 1});
-  if (weights.size() != names.size())
-    throw std::invalid_argument("block: " + std::to_string(names.size()) + " parameters expected, got " +
-                                std::to_string(weights.size()));
-  auto cols_of = [&](const char* name) {
-    for (size_t k = 0; k < names.size(); ++k)
-      if (names[k].name == name) {
-        if (weights[k].ndim() != 2) throw std::invalid_argument(std::string("block: ") + name + " must be 2-D");
-        return static_cast<index_t>(weights[k].shape(1));
-      }
-    throw std::logic_error("block: no parameter named " + std::string(name));
-  };
-  if (p.spec.heads < 1) throw std::invalid_argument("block: heads must be >= 1");
-  p.dims.dk = cols_of("W_Q") / p.spec.heads;
-  p.dims.dv = cols_of("W_V") / p.spec.heads;
-  p.dims.dff = p.spec.attention_only ? 0 : cols_of("W_1");
-  block::check(p.spec, p.dims);
-  const auto shapes = p.shapes();
-  for (size_t k = 0; k < shapes.size(); ++k) {
-    const auto& s = shapes[k];
-    if (s.vector) require_shape(weights[k], {s.cols}, s.name.c_str());
-    else require_shape(weights[k], {s.rows, s.cols}, s.name.c_str());
-    p.weights.push_back(weights[k].data());
-  }
-  return p;
-}
-
-block::Selection selection(const std::vector<bool>& wrt, size_t count) {
-  if (wrt.size() != count)
-    throw std::invalid_argument("block: wrt needs one flag per parameter (" + std::to_string(count) + ")");
-  return wrt;
-}
-
-template <class T>
-block::Target<T> target(const Problem<T>& p, int kind, const optional_carray<T>& values,
-                        const optional_carray<std::int64_t>& classes, const optional_carray<T>& head_weight,
-                        const optional_carray<T>& head_bias) {
-  if (kind < 0 || kind > 2) throw std::invalid_argument("block: unknown loss kind");
-  const bool pooled = kind == 2;
-  if ((kind == 0) != static_cast<bool>(values) || (kind != 0) != static_cast<bool>(classes))
-    throw std::invalid_argument("block: mse needs values, cross_entropy and pooled_cross_entropy need classes");
-  if (pooled != (head_weight && head_bias))
-    throw std::invalid_argument("block: pooled_cross_entropy, and only it, needs a head (W_C, b_C)");
-  block::Target<T> t;
-  t.kind = static_cast<loss::Kind>(kind);
-  index_t classes_range = p.dims.d;
-  if (pooled) {
-    if (head_weight->ndim() != 2) throw std::invalid_argument("block: W_C must be 2-D (d, classes)");
-    t.head.classes = static_cast<index_t>(head_weight->shape(1));
-    require_shape(*head_weight, {p.dims.d, t.head.classes}, "W_C");
-    require_shape(*head_bias, {t.head.classes}, "b_C");
-    t.head.weight = head_weight->data();
-    t.head.bias = head_bias->data();
-    classes_range = t.head.classes;
-  }
-  if (values) require_shape(*values, {p.B, p.dims.L, p.dims.d}, "target");
-  if (classes) {
-    if (pooled) require_shape(*classes, {p.B}, "target");
-    else require_shape(*classes, {p.B, p.dims.L}, "target");
-    const std::int64_t* c = classes->data();
-    for (index_t k = 0; k < static_cast<index_t>(classes->size()); ++k)
-      if (c[k] < 0 || c[k] >= classes_range) throw std::invalid_argument("block: class index out of range");
-  }
-  t.values = data_or_null(values);
-  t.classes = data_or_null(classes);
-  return t;
-}
-
-// Everything a curvature call checks before it computes: the problem, the selection and its size
-// P, the loss target and the part.
-template <class T>
-struct CurvatureCall {
-  Problem<T> problem;
-  block::Selection wrt;
-  index_t P = 0;
-  block::Target<T> target;
-  block::Part part = block::Part::full;
-};
-
-template <class T>
-CurvatureCall<T> curvature_call(const carray<T>& X, const SpecTuple& spec, const std::vector<carray<T>>& W, int kind,
-                                const optional_carray<T>& values, const optional_carray<std::int64_t>& classes,
-                                int part, const std::vector<bool>& wrt, const optional_carray<T>& head_weight,
-                                const optional_carray<T>& head_bias) {
-  CurvatureCall<T> c;
-  c.problem = problem(X, spec, W);
-  const auto shapes = c.problem.shapes();
-  c.wrt = selection(wrt, shapes.size());
-  std::vector<index_t> off;
-  c.P = block::offsets(shapes, c.wrt, off);
-  if (part < 0 || part > 2) throw std::invalid_argument("block: bad part");
-  c.part = static_cast<block::Part>(part);
-  c.target = target<T>(c.problem, kind, values, classes, head_weight, head_bias);
-  return c;
-}
 
 template <class T>
 void bind_for(py::module_& m) {

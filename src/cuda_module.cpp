@@ -196,4 +196,5 @@ PYBIND11_MODULE(_cuda, m, py::mod_gil_not_used()) {
         py::call_guard<py::gil_scoped_release>());
   bind_for<float>(m, "_f32");
   bind_for<double>(m, "_f64");
+  blockhess::bind::bind_block_device(m);
 }

@@ -3,8 +3,8 @@
 ``DevArray`` is a NumPy array that presents the CUDA Array Interface, so blockhess dispatches it to
 the GPU path; ``NumpyCupy`` is the ``cupy`` module as the tests use it (array creation returns
 DevArrays, ``cuda.Stream`` is a no-op context). ``install`` makes blockhess believe a GPU is
-there; the kernel launches are routed separately (tests/gpu_emulation.py's NumPy model or
-tests/kernel_emulation.py's real kernels compiled for the CPU).
+there; the kernel launches are routed separately, to tests/kernel_emulation.py's real kernels
+compiled for the CPU.
 """
 
 from __future__ import annotations

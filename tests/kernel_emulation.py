@@ -25,7 +25,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIM = Path(__file__).resolve().parent / "cuda_emulator"
-FLAGS = ["-std=c++17", "-O2", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wno-unused-function",
+FLAGS = ["-std=c++17", "-O2", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wno-unused-function", "-DEIGEN_DONT_PARALLELIZE",
          "-U_FORTIFY_SOURCE"]  # fortified longjmp refuses to switch stacks
 
 _LAUNCH = re.compile(r"([A-Za-z_][\w:]*(?:<[^<>;()]*>)?)<<<(.*?)>>>\(", re.S)
@@ -91,10 +91,21 @@ def _build(name: str, cuda_dir: Path, cuda_files: list[Path], cpp_files: list[Pa
 
     def compile_unit(unit: Path) -> Path:
         obj = work / (unit.stem + ".o")
+        shared = None
+        if unit in cpp_files:  # untranslated: the same object serves every variant (edits touch cuda/src only)
+            key = _inputs_hash(compiler + " ".join(include_flags), [unit], {})
+            shared = ROOT / "build" / "cuda-emulator" / "objects" / f"{unit.stem}-{key}.o"
+            if shared.exists():
+                return shared
         done = subprocess.run([compiler, *FLAGS, *include_flags, "-c", str(unit), "-o", str(obj)],
                               capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"compiling {unit.name} for the CPU kernel emulator failed:\n{done.stderr}")
+        if shared is not None:
+            shared.parent.mkdir(parents=True, exist_ok=True)
+            partial = shared.with_suffix(f".{os.getpid()}.partial")
+            shutil.copyfile(obj, partial)
+            partial.replace(shared)  # atomic: a concurrent build never links half an object
         return obj
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
@@ -118,8 +129,18 @@ def build(max_grid_x: int | None = None) -> Path:
     cuda_dir = ROOT / "cuda" / "src"
     edits = {"kMaxGridX = 1u << 20;": f"kMaxGridX = {int(max_grid_x)}u;"} if max_grid_x else None
     return _build("_cuda" + sysconfig.get_config_var("EXT_SUFFIX"), cuda_dir, sorted(cuda_dir.glob("*.cu")),
-                  [ROOT / "src" / "cuda_module.cpp"],
-                  [ROOT / "src", Path(pybind11.get_include()), Path(sysconfig.get_paths()["include"])], edits)
+                  [ROOT / "src" / "cuda_module.cpp", ROOT / "src" / "cuda_block.cpp"],
+                  [ROOT / "src", Path(pybind11.get_include()), Path(sysconfig.get_paths()["include"]), eigen_include()],
+                  edits)
+
+
+def eigen_include() -> Path:
+    """Eigen 3.4's headers (cmeel-eigen, part of the test extra): the engine in src/cuda_block.cpp needs them."""
+    for base in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}:
+        path = Path(base) / "cmeel.prefix" / "include" / "eigen3"
+        if (path / "Eigen" / "Core").is_file():
+            return path
+    raise RuntimeError("Eigen 3.4 headers not found for the CPU kernel emulator (pip install cmeel-eigen)")
 
 
 def build_selftest() -> Path:

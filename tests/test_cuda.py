@@ -22,6 +22,8 @@ import reference as ref
 
 import blockhess
 from blockhess import _backend
+from test_family import SPECS as FAMILY
+from test_family import _case as family_case
 
 try:
     import cupy as _cupy
@@ -406,6 +408,60 @@ def test_block_gpu_matches_cpu(cp, rng, B, L, d, dk, dff, loss):
         _compare(blockhess.block_jacobian(Xd[0], dparams, name), blockhess.block_jacobian(X[0], params, name), f64)
 
 
+@pytest.mark.parametrize("name", sorted(FAMILY))
+@pytest.mark.parametrize("loss", ["mse", "cross_entropy", "pooled_cross_entropy"])
+def test_family_loss_hessian_gpu_matches_cpu(cp, rng, name, loss):
+    """Every block of the family x loss x part x batch: the engine's assembly on the GPU against the
+    CPU core (float64 <= 1e-12; exactly symmetric), a wrt subset, and float32 (close)."""
+    spec = FAMILY[name]
+    for B in (None, 3):
+        X, target, params = family_case(rng, spec, B, "mse" if loss == "mse" else "cross_entropy")
+        head = None
+        if loss == "pooled_cross_entropy":
+            head = (rng.standard_normal((X.shape[-1], 3)), rng.standard_normal(3))
+            target = rng.integers(0, 3, () if B is None else (B,))
+        dparams = blockhess.BlockParams.from_arrays(spec, {n: cp.asarray(a) for n, a in zip(params.names, params.arrays)})
+        dhead = None if head is None else tuple(cp.asarray(h) for h in head)
+        Xd, Td = cp.asarray(X), cp.asarray(target)
+        for part in ("full", "outer", "functional"):
+            H = blockhess.loss_hessian(Xd, Td, dparams, loss=loss, part=part, head=dhead)
+            _compare(H, blockhess.loss_hessian(X, target, params, loss=loss, part=part, head=head), np.float64)
+            assert bool((H == H.T).all())  # symmetric bit for bit
+        wrt = params.names[1::2]
+        blocks = blockhess.loss_hessian(Xd, Td, dparams, loss=loss, layout="blocks", wrt=wrt, head=dhead)
+        want = blockhess.loss_hessian(X, target, params, loss=loss, layout="blocks", wrt=wrt, head=head)
+        for key in want:
+            _compare(blocks[key], want[key], np.float64)
+    p32 = blockhess.BlockParams.from_arrays(spec, {n: cp.asarray(a.astype(np.float32)) for n, a in zip(params.names, params.arrays)})
+    h32 = None if head is None else tuple(cp.asarray(h.astype(np.float32)) for h in head)
+    T32 = cp.asarray(target.astype(np.float32) if loss == "mse" else target)
+    _compare(blockhess.loss_hessian(cp.asarray(X.astype(np.float32)), T32, p32, loss=loss, head=h32),
+             blockhess.loss_hessian(X, target, params, loss=loss, head=head), np.float32)
+
+
+@pytest.mark.parametrize("name", ["pre-everything-heads2", "post-everything", "rmsnorm"])
+def test_family_block_output_hessian_gpu_matches_cpu(cp, rng, name):
+    spec = FAMILY[name]
+    X, _, params = family_case(rng, spec, None, "mse")
+    dparams = blockhess.BlockParams.from_arrays(spec, {n: cp.asarray(a) for n, a in zip(params.names, params.arrays)})
+    names = params.names
+    for a, b in ((names[0], names[1]), (names[-1], names[2]), (names[3], names[3])):
+        _compare(blockhess.block_output_hessian(cp.asarray(X), dparams, a, b),
+                 blockhess.block_output_hessian(X, params, a, b), np.float64)
+
+
+def test_gpu_hessian_non_finite_is_refused(cp):
+    """The finiteness flag the GPU assembly reads back: an overflowing Hessian raises, as on the CPU."""
+    X = np.full((1, 2, 3), 1e300) * np.array([1.0, -1.0, 0.5])
+    W = [np.full(s, 1e200) for s in ((3, 2), (3, 2), (3, 3), (3, 4), (4, 3))]
+    params = blockhess.BlockParams(*W)
+    with pytest.raises(ValueError) as cpu_error:
+        blockhess.loss_hessian(X, np.zeros_like(X), params)
+    with pytest.raises(ValueError) as gpu_error:
+        blockhess.loss_hessian(cp.asarray(X), cp.zeros(X.shape), blockhess.BlockParams(*(cp.asarray(w) for w in W)))
+    assert type(gpu_error.value) is type(cpu_error.value)
+
+
 def test_block_output_hessian_and_float32_gpu(cp, rng):
     X, W, target, _ = ref.random_block(rng, 3, 4, 2, 5)
     params = blockhess.BlockParams(*W)
@@ -509,10 +565,20 @@ def test_torch_cuda_tensors_are_accepted_without_copies(torch_cuda, real_cp, rng
     X = rng.standard_normal((4, 6))
     Xt = torch.as_tensor(X, device="cuda")
     out = blockhess.layernorm_jacobian(Xt, layout="blocks")
-    assert _is_device_result(out)
-    _compare(out, blockhess.layernorm_jacobian(X, layout="blocks"), np.float64)
+    # torch in, torch out: a CUDA tensor on the input's device (DLPack both ways, no host round trip)
+    assert isinstance(out, torch.Tensor) and out.device == Xt.device and out.dtype == torch.float64
+    assert rel(out.cpu().numpy(), blockhess.layernorm_jacobian(X, layout="blocks")) <= 1e-12
     with pytest.raises(TypeError, match="mix host"):
         blockhess.layernorm(Xt, gamma=np.ones(6))
+    # the engine's GPU assembly on torch CUDA tensors: a block of the family, torch CUDA out
+    spec = FAMILY["pre-everything-heads2"]
+    Xb, target, params = family_case(rng, spec, 2, "cross_entropy")
+    tparams = blockhess.BlockParams.from_arrays(
+        spec, {n: torch.as_tensor(a, device="cuda") for n, a in zip(params.names, params.arrays)})
+    H = blockhess.loss_hessian(torch.as_tensor(Xb, device="cuda"), torch.as_tensor(target, device="cuda"), tparams,
+                               loss="cross_entropy")
+    assert isinstance(H, torch.Tensor) and H.is_cuda
+    assert rel(H.cpu().numpy(), blockhess.loss_hessian(Xb, target, params, loss="cross_entropy")) <= 1e-12
 
 
 def test_speed_sanity_block_hessian_at_benchmark_size(cp, rng):

@@ -1,21 +1,18 @@
 """The GPU code path (blockhess._gpu + blockhess._gpu_launch) run on NumPy arrays, against the CPU core.
 
-Each test runs four times, with the kernel launches going to
-- ``numpy-model``: tests/gpu_emulation.py, NumPy written from the launcher contracts, which checks
-  the orchestration (cuBLAS-side products, per-token factors, which kernel gets which array), the
-  launcher contracts (shapes, dtypes, layouts, pointer offsets) and the error paths;
-- ``cpu-kernels``: the real kernels of cuda/src compiled for the CPU (tests/kernel_emulation.py),
-  every CUDA thread a fiber, barriers and warp shuffles emulated and checked, launch geometry as
-  on the GPU;
-- ``cpu-kernels-reverse`` and ``cpu-kernels-warp-ahead``: the same kernels with at most 3 blocks
-  per grid row (every grid-stride loop goes round) and threads run in other orders between
-  barriers, so that a missing barrier or a race changes the result (tests/test_kernel_emulator.py
-  shows each mode catching a planted defect).
+Each test runs three times, with the kernel launches going to the real kernels of cuda/src and the
+real bindings (src/cuda_module.cpp, src/cuda_block.cpp: the engine with its GPU assembly target)
+compiled for the CPU (tests/kernel_emulation.py), every CUDA thread a fiber, barriers and warp
+shuffles emulated and checked, launch geometry as on the GPU:
+- ``cpu-kernels``: as they are;
+- ``cpu-kernels-reverse`` and ``cpu-kernels-warp-ahead``: at most 3 blocks per grid row (every
+  grid-stride loop goes round) and threads run in other orders between barriers, so that a missing
+  barrier or a race changes the result (tests/test_kernel_emulator.py shows each mode catching a
+  planted defect).
 What only a GPU can show (the compiled device code, timings, streams) is left to tests/test_cuda.py.
 """
 
 import cupy_emulation
-import gpu_emulation
 import kernel_emulation
 import numpy as np
 import pytest
@@ -24,10 +21,8 @@ import blockhess
 from blockhess import _gpu
 
 
-@pytest.fixture(params=["numpy-model", "cpu-kernels", "cpu-kernels-reverse", "cpu-kernels-warp-ahead"])
+@pytest.fixture(params=["cpu-kernels", "cpu-kernels-reverse", "cpu-kernels-warp-ahead"])
 def kernels(request, monkeypatch):
-    if request.param == "numpy-model":
-        return gpu_emulation.install(monkeypatch)
     if request.param == "cpu-kernels":
         return kernel_emulation.install(monkeypatch, request.getfixturevalue("cpu_kernels"))  # tests/conftest.py
     monkeypatch.setenv("BLOCKHESS_EMULATOR_SCHEDULE", request.param.removeprefix("cpu-kernels-"))
@@ -168,6 +163,13 @@ def _block(rng, B, L, d, dk, dff, dtype=np.float64):
 BLOCK_SHAPES = [(1, 3, 4, 2, 5), (2, 4, 3, 3, 6), (1, 5, 6, 4, 3)]
 
 
+def _hessian(X, params, eps, kind, values, classes, part, selected):
+    """_gpu.loss_hessian (the engine with its GPU assembly target) on the paper's block."""
+    P = sum(n for n, s in zip(params.sizes, selected) if s)
+    return _gpu.loss_hessian(X, params.spec._core(), params.arrays, eps, kind, values, classes, part, selected, P,
+                             None, (None, None))
+
+
 @pytest.mark.parametrize("B,L,d,dk,dff", BLOCK_SHAPES)
 @pytest.mark.parametrize("eps", [0.0, 1e-3])
 def test_block_forward_jacobian_gradient(kernels, rng, B, L, d, dk, dff, eps):
@@ -194,7 +196,7 @@ def test_block_loss_hessian(kernels, rng, B, L, d, dk, dff, loss, part):
     kind = 0 if loss == "mse" else 1
     values, classes = (target, None) if loss == "mse" else (None, target)
     code = ("full", "outer", "functional").index(part)
-    H = _gpu.loss_hessian(X, params.arrays, 1e-3, kind, values, classes, code, [True] * 5)
+    H = _hessian(X, params, 1e-3, kind, values, classes, code, [True] * 5)
     want = blockhess.loss_hessian(X, target, params, loss=loss, part=part, eps=1e-3)
     assert rel(H, want) <= TOL
     np.testing.assert_array_equal(H, H.T)
@@ -204,7 +206,7 @@ def test_block_loss_hessian_with_blocks_wider_than_a_thread_block(kernels, rng):
     """W_1 and W_2 of 8 x 40 = 320 entries: the assembly kernels tile their columns over gridDim.y."""
     X, params = _block(rng, 2, 4, 8, 8, 40)
     T = rng.standard_normal(X.shape)
-    H = _gpu.loss_hessian(X, params.arrays, 1e-3, 0, T, None, 0, [True] * 5)
+    H = _hessian(X, params, 1e-3, 0, T, None, 0, [True] * 5)
     assert rel(H, blockhess.loss_hessian(X, T, params, eps=1e-3)) <= TOL
     np.testing.assert_array_equal(H, H.T)
 
@@ -214,14 +216,15 @@ def test_block_loss_hessian_subsets(kernels, rng, wrt):
     X, params = _block(rng, 2, 4, 3, 2, 5)
     T = rng.standard_normal(X.shape)
     selected = [n in wrt for n in params.names]
-    H = _gpu.loss_hessian(X, params.arrays, 0.0, 0, T, None, 0, selected)
+    H = _hessian(X, params, 0.0, 0, T, None, 0, selected)
     assert rel(H, blockhess.loss_hessian(X, T, params, wrt=wrt)) <= TOL
 
 
 def test_block_output_hessian(kernels, rng):
     X, params = _block(rng, 1, 3, 4, 2, 3)
     for i, j in ((0, 0), (0, 1), (4, 0), (3, 4), (2, 2), (1, 3)):
-        got = _gpu.block_output_hessian(X, params.arrays, 1e-3, i, j)
+        shape = (X.shape[1] * X.shape[2] * params.sizes[i], params.sizes[j])
+        got = _gpu.block_output_hessian(X, params.spec._core(), params.arrays, 1e-3, i, j, shape)
         want = blockhess.block_output_hessian(X[0], params, params.names[i], params.names[j], eps=1e-3)
         assert rel(got, want) <= TOL, (i, j)
 
@@ -229,18 +232,9 @@ def test_block_output_hessian(kernels, rng):
 def test_block_float32(kernels, rng):
     X, params = _block(rng, 2, 4, 3, 3, 4, dtype=np.float32)
     T = rng.standard_normal(X.shape).astype(np.float32)
-    H = _gpu.loss_hessian(X, params.arrays, 1e-3, 0, T, None, 0, [True] * 5)
+    H = _hessian(X, params, 1e-3, 0, T, None, 0, [True] * 5)
     assert H.dtype == np.float32
     assert rel(H, blockhess.loss_hessian(X, T, params, eps=1e-3)) <= 1e-4
-
-
-def test_gamma_chunking_matches(kernels, rng, monkeypatch):
-    """Gamma formed one sample at a time gives the same Hessian."""
-    X, params = _block(rng, 3, 4, 3, 2, 4)
-    T = rng.standard_normal(X.shape)
-    whole = _gpu.loss_hessian(X, params.arrays, 0.0, 0, T, None, 0, [True] * 5)
-    monkeypatch.setattr(_gpu, "_GAMMA_BUDGET", 1)
-    assert rel(_gpu.loss_hessian(X, params.arrays, 0.0, 0, T, None, 0, [True] * 5), whole) <= 1e-14
 
 
 # ---- the public functions, dispatched to the GPU path with "device" arrays ----------------------
@@ -319,7 +313,7 @@ def test_block_functions_dispatch_to_the_gpu_path(device, kernels, rng):
         blocks = blockhess.loss_hessian(Xd, tgt_d, dparams, loss=loss, layout="blocks", wrt=("W_V", "W_2"))
         want = blockhess.loss_hessian(X, tgt, params, loss=loss, layout="blocks", wrt=("W_V", "W_2"))
         assert all(rel(blocks[k], want[k]) <= TOL for k in want)
-    assert "kron_accumulate" in kernels.calls
+    assert "loss_hessian" in kernels.calls  # the engine's binding, with its GPU assembly target
     with pytest.raises(TypeError, match="mix host"):
         blockhess.loss_hessian(Xd, target, dparams)
     with pytest.raises(ValueError, match="out of range"):

@@ -63,28 +63,83 @@ __global__ void token_kron_kernel(index_t rows, index_t R, std::uint32_t n_secon
   }
 }
 
+// A Split as the kernels use it: 32-bit sizes (the launchers check them) and the flat index.
+struct SplitArgs {
+  std::uint32_t size, n_second, n_vec, n_mat;
+  bool vec_on_first;
+  index_t stride, offset;
+
+  // Row-major index in the parameter (or the block of its columns) of (vector index o, matrix index r).
+  __device__ __forceinline__ index_t flat(std::uint32_t o, std::uint32_t r) const {
+    return (vec_on_first ? static_cast<index_t>(o) * stride + r : static_cast<index_t>(r) * stride + o) + offset;
+  }
+};
+
+// The iteration runs over the piece's own entries (k = its row-major index, decoded by
+// split_index); flat() places each in H, so a head's block of columns lands at its stride.
 template <class T>
-__global__ void kron_accumulate_kernel(index_t tokens, std::uint32_t ni, std::uint32_t nsi, bool vfi,
-                                       std::uint32_t noi, std::uint32_t nri, const T* u, std::uint32_t nj,
-                                       std::uint32_t nsj, bool vfj, std::uint32_t noj, std::uint32_t nrj,
-                                       const T* w, const T* G, T alpha, T* H, index_t ldH, bool upper_only) {
-  const index_t gstride = static_cast<index_t>(nri) * nrj;
-  for (std::uint32_t row = blockIdx.x; row < ni; row += gridDim.x) {
+__global__ void kron_accumulate_kernel(index_t tokens, SplitArgs si, const T* u, SplitArgs sj, const T* w,
+                                       const T* G, T alpha, T* H, index_t ldH, bool upper_only) {
+  const index_t gstride = static_cast<index_t>(si.n_mat) * sj.n_mat;
+  for (std::uint32_t ki = blockIdx.x; ki < si.size; ki += gridDim.x) {
     std::uint32_t oi, ri;
-    split_index(row, nsi, vfi, oi, ri);
-    T* h = H + static_cast<index_t>(row) * ldH;
-    const std::uint32_t c0 = upper_only ? row : 0u;
-    for (std::uint32_t col = c0 + blockIdx.y * blockDim.x + threadIdx.x; col < nj; col += gridDim.y * blockDim.x) {
+    split_index(ki, si.n_second, si.vec_on_first, oi, ri);
+    T* h = H + si.flat(oi, ri) * ldH;
+    const std::uint32_t c0 = upper_only ? ki : 0u;
+    for (std::uint32_t kj = c0 + blockIdx.y * blockDim.x + threadIdx.x; kj < sj.size; kj += gridDim.y * blockDim.x) {
       std::uint32_t oj, rj;
-      split_index(col, nsj, vfj, oj, rj);
+      split_index(kj, sj.n_second, sj.vec_on_first, oj, rj);
       const T* up = u + oi;
       const T* wp = w + oj;
-      const T* gp = G + static_cast<index_t>(ri) * nrj + rj;
+      const T* gp = G + static_cast<index_t>(ri) * sj.n_mat + rj;
       T acc = 0;
-      for (index_t t = 0; t < tokens; ++t) acc += up[t * noi] * wp[t * noj] * gp[t * gstride];
-      h[col] += alpha * acc;
+      for (index_t t = 0; t < tokens; ++t) acc += up[t * si.n_vec] * wp[t * sj.n_vec] * gp[t * gstride];
+      h[sj.flat(oj, rj)] += alpha * acc;
     }
   }
+}
+
+// One thread block per (oi, r) row of the piece i; threads over oj.
+template <class T>
+__global__ void kron_accumulate_diagonal_kernel(index_t tokens, SplitArgs si, const T* u, SplitArgs sj, const T* w,
+                                                const T* D, T alpha, T* H, index_t ldH) {
+  const std::uint32_t r_count = si.n_mat;
+  const index_t rows = static_cast<index_t>(si.n_vec) * r_count;
+  for (index_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const std::uint32_t oi = static_cast<std::uint32_t>(row / r_count), r = static_cast<std::uint32_t>(row % r_count);
+    T* h = H + si.flat(oi, r) * ldH;
+    for (std::uint32_t oj = blockIdx.y * blockDim.x + threadIdx.x; oj < sj.n_vec; oj += gridDim.y * blockDim.x) {
+      T acc = 0;
+      for (index_t t = 0; t < tokens; ++t)
+        acc += u[t * si.n_vec + oi] * w[t * sj.n_vec + oj] * (D ? D[t * r_count + r] : T(1));
+      h[sj.flat(oj, r)] += alpha * acc;
+    }
+  }
+}
+
+// One thread block per row i; threads over the columns j >= i.
+template <class T>
+__global__ void gram_upper_kernel(index_t rows, index_t n, const T* J, const T* K, T* H, index_t ld) {
+  for (index_t i = blockIdx.x; i < n; i += gridDim.x) {
+    for (index_t j = i + blockIdx.y * static_cast<index_t>(blockDim.x) + threadIdx.x; j < n;
+         j += static_cast<index_t>(gridDim.y) * blockDim.x) {
+      T acc = 0;
+      for (index_t k = 0; k < rows; ++k) acc += J[k * n + i] * K[k * n + j];
+      H[i * ld + j] += acc;
+    }
+  }
+}
+
+template <class T>
+__global__ void flag_nonfinite_kernel(const T* H, index_t n, index_t ld, unsigned* flag) {
+  const index_t total = n * n;
+  bool bad = false;
+  for (index_t e = blockIdx.x * static_cast<index_t>(blockDim.x) + threadIdx.x; e < total;
+       e += static_cast<index_t>(gridDim.x) * blockDim.x) {
+    const T v = H[(e / n) * ld + e % n];
+    bad |= !(v - v == T(0));  // Inf - Inf and NaN - NaN are NaN
+  }
+  if (bad) atomicOr(flag, 1u);
 }
 
 constexpr int kTile = 32;
@@ -210,22 +265,65 @@ void token_kron(index_t tokens, index_t R, Split s, const T* u, const T* M, T sc
   detail::check_launch("token_kron");
 }
 
+SplitArgs split_args(const Split& s, const char* what) {
+  check_split(s, what);
+  const index_t stride = s.stride > 0 ? s.stride : s.n_second;
+  detail::require(stride >= s.n_second && s.offset >= 0, std::string(what) + ": bad column block of a parameter");
+  return {static_cast<std::uint32_t>(split_size(s)), static_cast<std::uint32_t>(s.n_second),
+          static_cast<std::uint32_t>(n_vec(s)), static_cast<std::uint32_t>(n_mat(s)), s.vec_on_first, stride, s.offset};
+}
+
+// The largest flat index of a split plus one: the width its block needs in H.
+index_t split_extent(const Split& s) {
+  const index_t stride = s.stride > 0 ? s.stride : s.n_second;
+  return (s.n_first - 1) * stride + s.n_second + s.offset;
+}
+
 template <class T>
 void kron_accumulate(index_t tokens, Split si, const T* u, Split sj, const T* w, const T* Gamma, T alpha, T* H,
                      index_t ldH, bool upper_only, std::uintptr_t stream) {
-  check_split(si, "kron_accumulate");
-  check_split(sj, "kron_accumulate");
+  const SplitArgs ai = split_args(si, "kron_accumulate"), aj = split_args(sj, "kron_accumulate");
   detail::require(tokens >= 0, "kron_accumulate: tokens must be >= 0");
-  detail::require(ldH >= split_size(sj), "kron_accumulate: ldH is smaller than the block width");
+  detail::require(ldH >= split_extent(sj), "kron_accumulate: ldH is smaller than the block width");
   if (tokens == 0) return;
-  const index_t ni = split_size(si), nj = split_size(sj);
+  const index_t ni = ai.size, nj = aj.size;
   const dim3 grid(detail::grid_x(ni), col_tiles(nj, ni));
-  kron_accumulate_kernel<T><<<grid, kMaxThreads, 0, detail::as_stream(stream)>>>(
-      tokens, static_cast<std::uint32_t>(ni), static_cast<std::uint32_t>(si.n_second), si.vec_on_first,
-      static_cast<std::uint32_t>(n_vec(si)), static_cast<std::uint32_t>(n_mat(si)), u, static_cast<std::uint32_t>(nj),
-      static_cast<std::uint32_t>(sj.n_second), sj.vec_on_first, static_cast<std::uint32_t>(n_vec(sj)),
-      static_cast<std::uint32_t>(n_mat(sj)), w, Gamma, alpha, H, ldH, upper_only);
+  kron_accumulate_kernel<T><<<grid, kMaxThreads, 0, detail::as_stream(stream)>>>(tokens, ai, u, aj, w, Gamma, alpha,
+                                                                                 H, ldH, upper_only);
   detail::check_launch("kron_accumulate");
+}
+
+template <class T>
+void kron_accumulate_diagonal(index_t tokens, Split si, const T* u, Split sj, const T* w, const T* D, T alpha, T* H,
+                              index_t ldH, std::uintptr_t stream) {
+  const SplitArgs ai = split_args(si, "kron_accumulate_diagonal"), aj = split_args(sj, "kron_accumulate_diagonal");
+  detail::require(ai.n_mat == aj.n_mat, "kron_accumulate_diagonal: the matrix indices must have one size");
+  detail::require(tokens >= 0, "kron_accumulate_diagonal: tokens must be >= 0");
+  detail::require(ldH >= split_extent(sj), "kron_accumulate_diagonal: ldH is smaller than the block width");
+  if (tokens == 0) return;
+  const index_t rows = static_cast<index_t>(ai.n_vec) * ai.n_mat;
+  const dim3 grid(detail::grid_x(rows), col_tiles(aj.n_vec, rows));
+  kron_accumulate_diagonal_kernel<T><<<grid, kMaxThreads, 0, detail::as_stream(stream)>>>(tokens, ai, u, aj, w, D,
+                                                                                          alpha, H, ldH);
+  detail::check_launch("kron_accumulate_diagonal");
+}
+
+template <class T>
+void gram_upper_accumulate(index_t rows, index_t n, const T* J, const T* K, T* H, index_t ld, std::uintptr_t stream) {
+  detail::require(rows >= 0 && n >= 0 && ld >= n, "gram_upper_accumulate: need rows, n >= 0 and ld >= n");
+  if (rows == 0 || n == 0) return;
+  const dim3 grid(detail::grid_x(n), col_tiles(n, n));
+  gram_upper_kernel<T><<<grid, kMaxThreads, 0, detail::as_stream(stream)>>>(rows, n, J, K, H, ld);
+  detail::check_launch("gram_upper_accumulate");
+}
+
+template <class T>
+void flag_nonfinite(const T* H, index_t n, index_t ld, unsigned* flag, std::uintptr_t stream) {
+  detail::require(n >= 0 && ld >= n, "flag_nonfinite: need 0 <= n <= ld");
+  if (n == 0) return;
+  flag_nonfinite_kernel<T><<<detail::elementwise_blocks(n * n), kMaxThreads, 0, detail::as_stream(stream)>>>(H, n, ld,
+                                                                                                            flag);
+  detail::check_launch("flag_nonfinite");
 }
 
 template <class T>
@@ -276,6 +374,10 @@ void ffn_cross_dense(const T* C, index_t L, index_t d, index_t f, index_t e, T* 
   template void token_kron<T>(index_t, index_t, Split, const T*, const T*, T, T*, std::uintptr_t);                 \
   template void kron_accumulate<T>(index_t, Split, const T*, Split, const T*, const T*, T, T*, index_t, bool,      \
                                    std::uintptr_t);                                                                \
+  template void kron_accumulate_diagonal<T>(index_t, Split, const T*, Split, const T*, const T*, T, T*, index_t,   \
+                                            std::uintptr_t);                                                       \
+  template void gram_upper_accumulate<T>(index_t, index_t, const T*, const T*, T*, index_t, std::uintptr_t);       \
+  template void flag_nonfinite<T>(const T*, index_t, index_t, unsigned*, std::uintptr_t);                          \
   template void mirror_upper<T>(T*, index_t, index_t, std::uintptr_t);                                             \
   template void blockdiag_dense<T>(const T*, index_t, index_t, index_t, T*, std::uintptr_t);                       \
   template void attention_dx<T>(const T*, const T*, const T*, const T*, const T*, const T*, index_t, index_t,      \

@@ -2,21 +2,27 @@
 
 The public functions validate and normalise their inputs (float32/float64, C-contiguous, one
 dtype, all on the GPU), then call the function of the same name here. Each one runs on the device
-of its first array argument and on CuPy's current stream, allocates its outputs with CuPy, and
-enqueues the blockhess kernels (through :mod:`blockhess._gpu_launch`) for every per-token,
-structured step; dense matrix products go to cuBLAS through CuPy. Like CuPy itself, nothing here
-synchronises, except the few checks that must raise in Python: the zero-variance test of LayerNorm
-rows (one reduction) and, for cross-entropy, the class-index range (done by the caller).
+of its first array argument and on CuPy's current stream, and allocates its outputs with CuPy.
 
-The code only uses array operations that NumPy and CuPy share, so the tests can run it on NumPy
-arrays with an emulation of the launchers (tests/gpu_emulation.py) on machines without a GPU.
+The block's Hessians (loss_hessian, block_output_hessian) are the engine's, for every block of the
+family: its per-token work runs on the host from copies of the (small) inputs and the (P, P)
+assembly on the GPU (_cuda's bindings, cuda/'s DeviceHessian). The component functions and the
+block's forward, Jacobians, loss and gradient are still written here, over CuPy, for the paper's
+block: per-token, structured steps go to the blockhess kernels (through :mod:`blockhess._gpu_launch`),
+dense matrix products to cuBLAS through CuPy. Nothing here synchronises, except the few checks that
+must raise in Python: the zero-variance test of LayerNorm rows (one reduction), the class-index
+range (done by the caller) and the Hessians' finiteness.
+
+The code only uses array operations that NumPy and CuPy share, so the tests run it on NumPy arrays
+with the real kernels and bindings compiled for the CPU (tests/kernel_emulation.py) on machines
+without a GPU.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -39,6 +45,11 @@ def _same_device(*arrays: Any) -> None:
     ids = {a.device.id for a in arrays if a is not None and not isinstance(a, np.ndarray)}
     if len(ids) > 1:
         raise ValueError(f"inputs live on different GPUs (devices {sorted(ids)}); move them to one device first")
+
+
+def _host(a: Any) -> Any:
+    """A host (NumPy) copy of a device array for the engine's host-side work (None stays None)."""
+    return a if a is None or isinstance(a, np.ndarray) else a.get()
 
 
 def _c(a: Any) -> Any:
@@ -299,9 +310,6 @@ def ffn_cross_hessian(Y: Any, W_1: Any, W_2: Any, layout: str) -> Any:
 
 # ---- the Transformer block ----------------------------------------------------------------------
 
-W_Q, W_K, W_V, W_1, W_2 = range(5)
-_ATTN = (W_Q, W_K, W_V)
-_GAMMA_BUDGET = 256 * 2**20  # bytes of per-token Gamma matrices formed at once
 
 
 def _ln_vjp(y: Any, sigma: Any, g: Any) -> Any:
@@ -357,39 +365,24 @@ class _Block:
         _k.ln_slab(S, self.eps, None, 0, J, None)
         return J
 
-    def _ln_contract(self, S: Any, G: Any) -> Any:
-        C = self.xp.empty((self.n, self.d, self.d), dtype=self.dtype)
-        _k.ln_hessian_contract(S, self.eps, None, _c(G), C, None)
-        return C
-
     # -- losses and the reverse pass --
 
-    def loss(self, kind: int, values: Any, classes: Any, with_hessian: bool):
-        """(value, gZ (n, d), omega) with omega = J_Z^T H_l J_Z per token when with_hessian."""
+    def loss(self, kind: int, values: Any, classes: Any):
+        """(value, gZ (n, d))."""
         xp, n, d = self.xp, self.n, self.d
         if kind == 0:
             c = 1.0 / (n * d)
             r = self.Z - values.reshape(n, d)
-            value = c * (r * r).sum()
-            gZ = (2 * c) * r
-            hess = None
-        else:
-            c = 1.0 / n
-            p = _softmax_rows(self.Z)
-            onehot = xp.zeros_like(p)
-            onehot[xp.arange(n), classes.reshape(n)] = 1
-            # log-sum-exp minus the class's logit: -log p[class] is -log 0 = Inf once p[class] underflows.
-            top = self.Z.max(axis=1)
-            gap = top - (self.Z * onehot).sum(axis=1)
-            value = c * (gap + xp.log(xp.exp(self.Z - top[:, None]).sum(axis=1))).sum()
-            gZ = c * (p - onehot)
-            hess = c * (xp.eye(d, dtype=self.dtype)[None, :, :] * p[:, None, :] - _outer(p, p)) if with_hessian else None
-        omega = None
-        if with_hessian:
-            JZ = self._ln_jacobian(self.S)
-            JZt = JZ.transpose(0, 2, 1)
-            omega = (2 * c) * (JZt @ JZ) if hess is None else JZt @ hess @ JZ
-        return value, _c(gZ), omega
+            return c * (r * r).sum(), _c((2 * c) * r)
+        c = 1.0 / n
+        p = _softmax_rows(self.Z)
+        onehot = xp.zeros_like(p)
+        onehot[xp.arange(n), classes.reshape(n)] = 1
+        # log-sum-exp minus the class's logit: -log p[class] is -log 0 = Inf once p[class] underflows.
+        top = self.Z.max(axis=1)
+        gap = top - (self.Z * onehot).sum(axis=1)
+        value = c * (gap + xp.log(xp.exp(self.Z - top[:, None]).sum(axis=1))).sum()
+        return value, _c(c * (p - onehot))
 
     def reverse(self, gZ: Any) -> dict[str, Any]:
         W1, W2 = self.weights[3], self.weights[4]
@@ -443,136 +436,6 @@ class _Block:
         self._factors = (vec, UF, UY, US)
         return self._factors
 
-    # -- assembly --
-
-    def _accumulate(self, H: Any, off: list[int], i: int, j: int, u: Any, si, w: Any, sj, gamma: Callable,
-                    upper: bool = False) -> None:
-        """H[block(i, j)] += sum_t u_t (x) w_t (x) Gamma_t, Gamma formed a few samples at a time."""
-        ri = si[1] if si[2] else si[0]
-        rj = sj[1] if sj[2] else sj[0]
-        per_sample = self.L * ri * rj * np.dtype(self.dtype).itemsize
-        step = max(1, min(self.B, _GAMMA_BUDGET // max(per_sample, 1)))
-        for b0 in range(0, self.B, step):
-            b1 = min(self.B, b0 + step)
-            t0, t1 = b0 * self.L, b1 * self.L
-            G = _c(gamma(b0, b1))
-            _k.kron_accumulate(_c(u[t0:t1]), si, _c(w[t0:t1]), sj, G, 1.0, H, off[i], off[j], upper)
-
-    @staticmethod
-    def _sandwich(U: Any, OmV: Any) -> Any:
-        """U^T (Om V) per token, given Om V; U None stands for the identity."""
-        return OmV if U is None else U.transpose(0, 2, 1) @ OmV
-
-    def assemble(self, r: dict[str, Any], gZ: Any, omega: Any, part: str, selected: list[bool], H: Any,
-                 off: list[int]) -> None:
-        xp = self.xp
-        B, L, d, dk, dff, n = self.B, self.L, self.d, self.dk, self.dff, self.n
-        vec, UF, UY, US = self.factors()
-        sp = self.splits
-        sel = [p for p in range(5) if selected[p]]
-        outer = part != "functional" and omega is not None
-        functional = part != "outer"
-        T = lambda a, t0, t1: None if a is None else a[t0:t1]  # noqa: E731
-
-        # Curvature at S: J_Z^T H_l J_Z (outer) + the second LayerNorm contracted with gZ (functional).
-        OmS = omega if outer else xp.zeros((n, d, d), dtype=self.dtype)
-        if functional:
-            OmS = OmS + self._ln_contract(self.S, gZ)
-        OmUS = {j: OmS if US[j] is None else OmS @ US[j] for j in sel}  # shared by every pair (i, j)
-        for i in sel:
-            for j in sel:
-                if j >= i:
-                    self._accumulate(
-                        H, off, i, j, vec[i], sp[i], vec[j], sp[j],
-                        lambda b0, b1, i=i, j=j: self._sandwich(T(US[i], b0 * L, b1 * L), OmUS[j][b0 * L:b1 * L]),
-                        upper=i == j,
-                    )
-        if not functional:
-            return
-
-        W1 = self.weights[3]
-        gS, gH1, gY, gF, gA, gT = r["gS"], r["gH1"], r["gY"], r["gF"], r["gA"], r["gT"]
-        # <gY, LN1''[dF, dF]> over the attention weights.
-        OmF = self._ln_contract(self.S0, gY)
-        OmUF = {j: OmF if UF[j] is None else OmF @ UF[j] for j in _ATTN if selected[j]}
-        for i in (p for p in _ATTN if selected[p]):
-            for j in (p for p in _ATTN if selected[p] and p >= i):
-                self._accumulate(
-                    H, off, i, j, vec[i], sp[i], vec[j], sp[j],
-                    lambda b0, b1, i=i, j=j: self._sandwich(T(UF[i], b0 * L, b1 * L), OmUF[j][b0 * L:b1 * L]),
-                    upper=i == j,
-                )
-        for i in (p for p in _ATTN if selected[p]):
-            UYi = UY[i]
-            # 2<gH1, dY dW_1>: W_1 split by columns, vector gH1_t, Gamma_t = UY_i,t^T.
-            if selected[W_1]:
-                self._accumulate(
-                    H, off, i, W_1, vec[i], sp[i], gH1, (d, dff, False),
-                    lambda b0, b1, U=UYi: U[b0 * L:b1 * L].transpose(0, 2, 1),
-                )
-            # 2<gS, dR dW_2>: W_2 split by columns, vector gS_t, Gamma_t = mask_t * (UY_i,t^T W_1).
-            if selected[W_2]:
-                self._accumulate(
-                    H, off, i, W_2, vec[i], sp[i], gS, (dff, d, False),
-                    lambda b0, b1, U=UYi: (U[b0 * L:b1 * L].transpose(0, 2, 1) @ W1)
-                    * self.mask[b0 * L:b1 * L][:, None, :],
-                )
-        # 2<gS, dR dW_2> with dR = mask * (Y dW_1): (W_1, W_2), diagonal in the hidden unit k.
-        if selected[W_1] and selected[W_2]:
-            M = (_outer(self.mask, self.Y).reshape(n, dff * d).T @ gS).reshape(dff, d, d)  # [k, b, c]
-            view = _strided(H, off[W_1], off[W_2], shape=(d, dff, d), steps=((dff, 0), (1, d), (0, 1)))
-            view += M.transpose(1, 0, 2)  # H[(b dff + k), k d + c] += M[k, b, c]
-        # Attention: <gA, softmax''[dT, dT]> with logit factors U_Q = s K (vector x_t), U_K = X (vector s q_t).
-        U = {W_Q: self.s * self.K.reshape(B, L, dk), W_K: self.X3}
-        qk = [p for p in (W_Q, W_K) if selected[p]]
-        if qk:
-            Hs = xp.empty((n, L, L), dtype=self.dtype)
-            _k.softmax_hessian_contract(self.A, gA, Hs)
-            Hs4 = Hs.reshape(B, L, L, L)
-            for i in qk:
-                for j in (p for p in qk if p >= i):
-                    self._accumulate(
-                        H, off, i, j, vec[i], sp[i], vec[j], sp[j],
-                        lambda b0, b1, i=i, j=j: (
-                            U[i][b0:b1, None].transpose(0, 1, 3, 2) @ Hs4[b0:b1] @ U[j][b0:b1, None]
-                        ).reshape((b1 - b0) * L, U[i].shape[2], U[j].shape[2]),
-                        upper=i == j,
-                    )
-        # 2<gF, dA dV> with dV = X dW_V: (W_Q or W_K, W_V), W_V split by columns, vector gF_t,
-        # Gamma_t = U^T Jsm_t X = U^T diag(a_t) X - (a_t^T U)^T (a_t^T X).
-        if selected[W_V]:
-            for i in qk:
-                def gamma_v(b0: int, b1: int, i: int = i) -> Any:
-                    Ui, A3, X3 = U[i][b0:b1], self.A3[b0:b1], self.X3[b0:b1]
-                    first = (Ui.transpose(0, 2, 1)[:, None, :, :] * A3[:, :, None, :]) @ X3[:, None, :, :]
-                    Ubar, Xbar = (A3 @ Ui).reshape(-1, Ui.shape[2]), (A3 @ X3).reshape(-1, d)
-                    return first.reshape(-1, Ui.shape[2], d) - _outer(Ubar, Xbar)
-
-                self._accumulate(H, off, i, W_V, vec[i], sp[i], gF, (d, d, False), gamma_v)
-        # 2<gT, dQ dK^T>/sqrt(dk): (W_Q, W_K), diagonal in the key index k.
-        if selected[W_Q] and selected[W_K]:
-            X3t = self.X3.transpose(0, 2, 1)
-            M = self.s * (X3t @ gT.reshape(B, L, L) @ self.X3).sum(axis=0)  # (d, d): [bq, bk]
-            view = _strided(H, off[W_Q], off[W_K], shape=(d, dk, d), steps=((dk, 0), (1, 1), (0, dk)))
-            view += M[:, None, :]  # H[(bq dk + k), bk dk + k] += M[bq, bk]
-
-
-def _strided(H: Any, row0: int, col0: int, shape: tuple[int, ...], steps: tuple[tuple[int, int], ...]) -> Any:
-    """A writable view of H starting at (row0, col0); axis k advances steps[k] = (rows, cols)."""
-    xp = _xp(H)
-    ld, item = H.shape[1], H.itemsize
-    strides = tuple((r * ld + c) * item for r, c in steps)
-    base = H.reshape(-1)[row0 * ld + col0:]
-    return xp.lib.stride_tricks.as_strided(base, shape=shape, strides=strides)
-
-
-def _offsets(sizes: tuple[int, ...], selected: list[bool]) -> tuple[list[int], int]:
-    off, total = [], 0
-    for size, keep in zip(sizes, selected):
-        off.append(total)
-        total += size if keep else 0
-    return off, total
-
 
 def _sizes(blk: _Block) -> tuple[int, ...]:
     d, dk, dff = blk.d, blk.dk, blk.dff
@@ -596,57 +459,38 @@ def block_jacobian(X3: Any, weights: tuple[Any, ...], eps: float, p: int) -> Any
     return out
 
 
-def block_output_hessian(X3: Any, weights: tuple[Any, ...], eps: float, i: int, j: int) -> Any:
-    """For each output entry o: the (i, j) block of the Hessian of Z_o (cotangent e_o)."""
+def block_output_hessian(X3: Any, spec: tuple, weights: tuple[Any, ...], eps: float, i: int, j: int,
+                         shape: tuple[int, int]) -> Any:
+    """For each output entry o: the (i, j) block of the Hessian of Z_o (cotangent e_o), by the engine
+    (its per-token work on the host from copies of the inputs, each assembly on the GPU)."""
     xp = _xp(X3)
     with _device(X3):
-        blk = _Block(X3, weights, eps)
-        sizes = _sizes(blk)
-        selected = [p in (i, j) for p in range(5)]
-        off, P = _offsets(sizes, selected)
-        ni, nj = sizes[i], sizes[j]
-        m = blk.n * blk.d
-        out = xp.empty((m * ni, nj), dtype=blk.dtype)
-        gZ = xp.zeros((blk.n, blk.d), dtype=blk.dtype)
-        flat = gZ.reshape(-1)
-        for o in range(m):
-            flat[o] = 1
-            H = xp.zeros((P, P), dtype=blk.dtype)
-            blk.assemble(blk.reverse(gZ), gZ, None, "functional", selected, H, off)
-            _k.mirror_upper(H)  # the (i, j) block may lie below the diagonal
-            out[o * ni:(o + 1) * ni] = H[off[i]:off[i] + ni, off[j]:off[j] + nj]
-            flat[o] = 0
+        out = xp.empty(shape, dtype=X3.dtype)
+        _k.block_output_hessian(_host(X3), spec, [_host(w) for w in weights], eps, i, j, out)
     return out
 
 
 def loss_value(X3: Any, weights: tuple[Any, ...], eps: float, kind: int, values: Any, classes: Any) -> float:
     with _device(X3):
-        return float(_Block(X3, weights, eps).loss(kind, values, classes, False)[0])
+        return float(_Block(X3, weights, eps).loss(kind, values, classes)[0])
 
 
 def loss_gradient(X3: Any, weights: tuple[Any, ...], eps: float, kind: int, values: Any, classes: Any) -> Any:
     with _device(X3):
         blk = _Block(X3, weights, eps)
-        _, gZ, _ = blk.loss(kind, values, classes, False)
+        _, gZ = blk.loss(kind, values, classes)
         return blk.weight_gradient(blk.reverse(gZ))
 
 
-def loss_hessian(X3: Any, weights: tuple[Any, ...], eps: float, kind: int, values: Any, classes: Any, part: int,
-                 selected: list[bool], out: Any = None) -> Any:
-    """The (P, P) symmetric loss Hessian over the selected parameters; part 0 full, 1 outer, 2 functional.
-    Written into ``out`` (checked by the caller) when given."""
+def loss_hessian(X3: Any, spec: tuple, weights: tuple[Any, ...], eps: float, kind: int, values: Any, classes: Any,
+                 part: int, selected: list[bool], P: int, out: Any, head: tuple[Any, Any]) -> Any:
+    """The (P, P) symmetric loss Hessian of any block of the family (``spec``: BlockSpec._core()),
+    part 0 full, 1 outer, 2 functional, by the engine: its per-token work runs on the host from
+    copies of the (small) inputs, the assembly on the GPU into ``out`` (checked by the caller) or a
+    new array. Complete, and checked finite, when this returns."""
     xp = _xp(X3)
-    part_name = ("full", "outer", "functional")[part]
     with _device(X3):
-        blk = _Block(X3, weights, eps)
-        _, gZ, omega = blk.loss(kind, values, classes, part_name != "functional")
-        off, P = _offsets(_sizes(blk), selected)
-        if out is None:
-            H = xp.zeros((P, P), dtype=blk.dtype)
-        else:
-            H = out
-            H.fill(0)  # the assembly accumulates
-        r = blk.reverse(gZ) if part_name != "outer" else {}
-        blk.assemble(r, gZ, omega, part_name, selected, H, off)
-        _k.mirror_upper(H)
+        H = xp.empty((P, P), dtype=X3.dtype) if out is None else out
+        _k.loss_hessian(_host(X3), spec, [_host(w) for w in weights], eps, kind, _host(values), _host(classes), part,
+                        selected, H, tuple(_host(h) for h in head))
     return H

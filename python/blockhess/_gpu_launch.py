@@ -216,3 +216,20 @@ def ffn_cross_dense(C, e: int, out) -> None:
 
 def synchronize() -> None:
     _backend._cuda.synchronize(_stream())
+
+
+# ---- the engine -----------------------------------------------------------------------------------
+
+def loss_hessian(X3, spec, weights, eps, kind, values, classes, part, selected, H, head) -> None:
+    """The engine's loss Hessian of a block into the device array H (P, P); the other arguments are
+    host arrays, as _core.loss_hessian takes them. Synchronises (it reads the finiteness flag back)."""
+    P = H.shape[0]
+    _check(H.dtype, (H, (P, P)))
+    _fn("loss_hessian", H.dtype)(X3, spec, list(weights), float(eps), kind, values, classes, part, list(selected),
+                                 _ptr(H), P, _stream(), *head)
+
+
+def block_output_hessian(X3, spec, weights, eps, i, j, out) -> None:
+    """The engine's d2 Z / dW_i dW_j of one sample into the device array out; host inputs."""
+    _check(out.dtype, (out, None))
+    _fn("block_output_hessian", out.dtype)(X3, spec, list(weights), float(eps), i, j, _ptr(out), _stream())

@@ -255,13 +255,17 @@ def _selected_sizes(params: BlockParams, names: tuple[str, ...]) -> tuple[int, .
     return tuple(params.sizes[params.names.index(n)] for n in names)
 
 
-def _on_gpu(X3: Any, params: BlockParams) -> bool:
-    """Whether to run on the GPU; the GPU backend runs the paper's block only so far."""
+def _on_gpu(X3: Any, params: BlockParams, head: Any = (None, None)) -> bool:
+    """Whether to run on the GPU, for the functions the engine does not run there yet: the paper's
+    block only, no pooled head (loss_hessian runs every block on the GPU through the engine)."""
     if not _backend.on_device(X3):
         return False
     if not params.spec.is_paper_block:
-        raise TypeError(f"the GPU backend runs the paper's block only so far, not {params.spec!r}; pass NumPy "
-                        "arrays (cupy.asnumpy) to compute it on the CPU")
+        raise TypeError(f"on the GPU this function runs the paper's block only so far, not {params.spec!r}; "
+                        "pass NumPy arrays (cupy.asnumpy) to compute it on the CPU")
+    if head[0] is not None:
+        raise TypeError("on the GPU this function runs without a pooled head so far (loss='pooled_cross_entropy' "
+                        "runs on the CPU); pass NumPy arrays (cupy.asnumpy) to compute it there")
     return True
 
 
@@ -398,8 +402,8 @@ def block_output_hessian(X: Any, params: BlockParams, wrt_i: str, wrt_j: str, *,
     working = _working_memory.block(1, L, d, params.d_k, params.d_ff, dtype.itemsize, hessian=True, **_family_size(params)) + pair**2 * dtype.itemsize
     require_output_fits(shape, dtype, f"d2Z/d{wrt_i}d{wrt_j}", "use loss_hessian, which contracts it with the loss",
                         working=working)
-    if _on_gpu(X3, params):
-        return require_finite(_gpu.block_output_hessian(X3, W, eps, i, j), f"d2Z/d{wrt_i}d{wrt_j}")
+    if _backend.on_device(X3):
+        return _gpu.block_output_hessian(X3, params.spec._core(), W, eps, i, j, shape)
     out = np.empty(shape, dtype=dtype)
     _core.block_output_hessian(X3, params.spec._core(), list(W), eps, i, j, out)
     return out
@@ -417,9 +421,6 @@ def _loss_inputs(X, target, params, loss, eps, promote_with=(), head=None):
     floats = (target,) if loss == "mse" else (W_C, b_C) if W_C is not None else ()
     X3, W, dtype, shape = _batch(X, params, promote_with=(*floats, *promote_with))
     _backend.on_device(X3, target, W_C, b_C)  # TypeError for a target or head on the other side of X
-    if W_C is not None and _backend.on_device(X3):
-        raise TypeError("loss='pooled_cross_entropy' runs on the CPU only so far; pass NumPy arrays "
-                        "(cupy.asnumpy) to compute it there")
     values, classes = _target(target, loss, X3, len(shape) == 3, dtype, None if W_C is None else W_C.shape[1])
     head = (contiguous(W_C, dtype), contiguous(b_C, dtype))
     return params, X3, W, dtype, eps, _LOSSES[loss], values, classes, head
@@ -433,7 +434,7 @@ def loss_value(X: Any, target: Any, params: BlockParams, *, loss: str = "mse", e
     B, L, d = X3.shape
     require_output_fits((1,), dtype, "the loss", "pass fewer samples at a time",
                         working=_working_memory.block(B, L, d, params.d_k, params.d_ff, dtype.itemsize, hessian=False, **_family_size(params)))
-    if _on_gpu(X3, params):
+    if _on_gpu(X3, params, head):
         value = float(_gpu.loss_value(X3, W, eps, kind, values, classes))
         return float(require_finite(np.asarray(value), "the loss value"))
     return float(_core.loss_gradient(X3, params.spec._core(), list(W), eps, kind, values, classes, None, *head))
@@ -454,7 +455,7 @@ def loss_gradient(X: Any, target: Any, params: BlockParams, *, loss: str = "mse"
     B, L, d = X3.shape
     require_output_fits((params.size,), dtype, "the loss gradient", "pass fewer samples at a time",
                         working=_working_memory.block(B, L, d, params.d_k, params.d_ff, dtype.itemsize, hessian=False, **_family_size(params)))
-    if _on_gpu(X3, params):
+    if _on_gpu(X3, params, head):
         return require_finite(_gpu.loss_gradient(X3, W, eps, kind, values, classes), "the loss gradient")
     out = np.empty(params.size, dtype=dtype)
     _core.loss_gradient(X3, params.spec._core(), list(W), eps, kind, values, classes, out, *head)
@@ -510,9 +511,9 @@ def loss_hessian(
         callers = (("X", X), *zip(params.names, params._sources), ("target", target),
                    *(zip(("W_C", "b_C"), head) if head[0] is not None else ()))
         out = output_array(out, (P, P), dtype, callers)
-    if _on_gpu(X3, params):
-        H = require_finite(_gpu.loss_hessian(X3, W, eps, kind, values, classes, part_code, selected, out),
-                           "the loss Hessian")
+    if _backend.on_device(X3):
+        H = _gpu.loss_hessian(X3, params.spec._core(), W, eps, kind, values, classes, part_code, selected, P, out,
+                              head)
     else:
         H = np.empty((P, P), dtype=dtype) if out is None else out
         _core.loss_hessian(X3, params.spec._core(), list(W), eps, kind, values, classes, part_code, selected, H, *head)

@@ -53,7 +53,13 @@ struct uint3 {
 
 struct CUstream_st;
 using cudaStream_t = CUstream_st*;
-enum cudaError_t { cudaSuccess = 0, cudaErrorInvalidConfiguration = 9, cudaErrorLaunchFailure = 719 };
+enum cudaError_t {
+  cudaSuccess = 0,
+  cudaErrorMemoryAllocation = 2,
+  cudaErrorInvalidConfiguration = 9,
+  cudaErrorLaunchFailure = 719
+};
+enum cudaMemcpyKind { cudaMemcpyHostToDevice = 1, cudaMemcpyDeviceToHost = 2, cudaMemcpyDeviceToDevice = 3 };
 
 // Device code calls sqrt/exp unqualified; give float its own overloads as on the GPU.
 using std::exp;
@@ -333,4 +339,30 @@ inline cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
 inline cudaError_t cudaMemsetAsync(void* p, int value, std::size_t bytes, cudaStream_t) {
   std::memset(p, value, bytes);
   return cudaSuccess;
+}
+// Host memory stands in for device memory, and the emulated stream runs each launch to the end
+// before it returns, so copies are plain memcpy in call order.
+inline cudaError_t cudaMallocAsync(void** p, std::size_t bytes, cudaStream_t) {
+  *p = std::malloc(bytes ? bytes : 1);
+  return *p ? cudaSuccess : cudaErrorMemoryAllocation;
+}
+inline cudaError_t cudaFreeAsync(void* p, cudaStream_t) {
+  std::free(p);
+  return cudaSuccess;
+}
+inline cudaError_t cudaMemcpyAsync(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind, cudaStream_t) {
+  std::memcpy(dst, src, bytes);
+  return cudaSuccess;
+}
+inline cudaError_t cudaMemcpy2DAsync(void* dst, std::size_t dpitch, const void* src, std::size_t spitch,
+                                     std::size_t width, std::size_t height, cudaMemcpyKind, cudaStream_t) {
+  for (std::size_t r = 0; r < height; ++r)
+    std::memcpy(static_cast<char*>(dst) + r * dpitch, static_cast<const char*>(src) + r * spitch, width);
+  return cudaSuccess;
+}
+// One fiber runs at a time: a read-modify-write is atomic.
+inline unsigned atomicOr(unsigned* address, unsigned value) {
+  const unsigned old = *address;
+  *address = old | value;
+  return old;
 }

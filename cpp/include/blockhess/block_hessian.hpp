@@ -56,11 +56,18 @@ engine::Terms<T> hessian_terms(const Evaluation<T>& e, const OuterCurvature<T>& 
 
 // Writes that symmetric (P, P) Hessian, restricted to the parameters whose factors `e` holds
 // (push_factors).
+// `out` is where: engine::HostHessian (host memory) or the GPU's DeviceHessian.
+template <class T, class Out>
+void assemble_hessian_into(const Evaluation<T>& e, const OuterCurvature<T>& outer, Part part, const Selection& wrt,
+                      Out& out) {
+  engine::assemble(e.graph(), hessian_terms(e, outer, part), selected_offsets(e, wrt, nullptr), out);
+}
 template <class T>
 void assemble_hessian(const Evaluation<T>& e, const OuterCurvature<T>& outer, Part part, const Selection& wrt, T* H) {
   index_t P = 0;
-  const std::vector<index_t> offset = selected_offsets(e, wrt, &P);
-  engine::assemble(e.graph(), hessian_terms(e, outer, part), offset, P, H);
+  selected_offsets(e, wrt, &P);
+  engine::HostHessian<T> out{H, P};
+  assemble_hessian_into(e, outer, part, wrt, out);
 }
 
 // diag (P entries, laid out as `wrt` selects) += the diagonal of the same Hessian on the
@@ -99,26 +106,41 @@ void jacobian(Evaluation<T>& e, int p, T* J) {
   }
 }
 
-// d2 Z / dW_i dW_j for one sample, in the paper's layout (L d n_i, n_j): for each output entry o,
-// the (i, j) block of the Hessian of Z_o, whose cotangent is the unit vector e_o.
-template <class T>
-void output_hessian(Evaluation<T>& e, int i, int j, T* out) {
+// d2 Z / dW_i dW_j for one sample: for each output entry o, the Hessian of Z_o (whose cotangent
+// is the unit vector e_o) over W_i and W_j, assembled through `out` (a (P, P) target: HostHessian,
+// or the GPU's DeviceHessian); then take(o, row, col, n_i, n_j) reads its (i, j) block, which
+// starts at (row, col).
+template <class T, class Out, class Take>
+void output_hessians(Evaluation<T>& e, int i, int j, Out& out, Take&& take) {
   Selection wrt(e.shapes().size(), false);
   wrt.at(static_cast<size_t>(i)) = wrt.at(static_cast<size_t>(j)) = true;
   e.graph().select(wrt);
   e.graph().push_factors(/*to_output=*/false);
-  index_t P = 0;
-  const std::vector<index_t> off = selected_offsets(e, wrt, &P);
+  const std::vector<index_t> off = selected_offsets(e, wrt, nullptr);
   const index_t ni = e.shapes()[static_cast<size_t>(i)].size(), nj = e.shapes()[static_cast<size_t>(j)].size();
   const index_t m = e.tokens() * e.dims().d;
-  Buffer<T> gZ(m, T(0)), H(P * P);
+  Buffer<T> gZ(m, T(0));
   for (index_t o = 0; o < m; ++o) {
     gZ[o] = T(1);
     e.reverse(gZ.data());
-    assemble_hessian(e, OuterCurvature<T>{}, Part::functional, wrt, H.data());
-    for (index_t a = 0; a < ni; ++a) std::copy_n(H.data() + (off[i] + a) * P + off[j], nj, out + (o * ni + a) * nj);
+    assemble_hessian_into(e, OuterCurvature<T>{}, Part::functional, wrt, out);
+    take(o, off[static_cast<size_t>(i)], off[static_cast<size_t>(j)], ni, nj);
     gZ[o] = T(0);
   }
+}
+
+// The same in host memory, in the paper's layout (L d n_i, n_j).
+template <class T>
+void output_hessian(Evaluation<T>& e, int i, int j, T* out) {
+  Selection wrt(e.shapes().size(), false);
+  wrt.at(static_cast<size_t>(i)) = wrt.at(static_cast<size_t>(j)) = true;
+  index_t P = 0;
+  selected_offsets(e, wrt, &P);
+  Buffer<T> H(P * P);
+  engine::HostHessian<T> target{H.data(), P};
+  output_hessians(e, i, j, target, [&](index_t o, index_t row, index_t col, index_t ni, index_t nj) {
+    for (index_t a = 0; a < ni; ++a) std::copy_n(H.data() + (row + a) * P + col, nj, out + (o * ni + a) * nj);
+  });
 }
 
 // The paper's block (the default spec).

@@ -76,14 +76,23 @@ void push_curvature_factors(Evaluation<T>& e, const OuterCurvature<T>& outer, co
   e.graph().push_factors(/*to_output=*/outer.pooledZ != nullptr);
 }
 
-// The (P, P) loss Hessian (or its outer / functional part) over the selected parameters.
-template <class T>
-T loss_hessian(Evaluation<T>& e, const Target<T>& target, Part part, const Selection& wrt, T* H) {
+// The (P, P) loss Hessian (or its outer / functional part) over the selected parameters, written
+// through `out` (engine::HostHessian, or the GPU's DeviceHessian).
+template <class T, class Out>
+T loss_hessian_into(Evaluation<T>& e, const Target<T>& target, Part part, const Selection& wrt, Out& out) {
   OuterCurvature<T> outer;
   const T value = prepare_curvature(e, target, part, outer);
   push_curvature_factors(e, outer, wrt);
-  assemble_hessian(e, outer, part, wrt, H);
+  assemble_hessian_into(e, outer, part, wrt, out);
   return value;
+}
+// Into host memory H (P x P).
+template <class T>
+T loss_hessian(Evaluation<T>& e, const Target<T>& target, Part part, const Selection& wrt, T* H) {
+  index_t P = 0;
+  selected_offsets(e, wrt, &P);
+  engine::HostHessian<T> out{H, P};
+  return loss_hessian_into(e, target, part, wrt, out);
 }
 
 // The diagonal of that Hessian (P entries), exact, with no block of it formed: its trace and

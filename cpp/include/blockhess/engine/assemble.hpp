@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <functional>
 #include <map>
+#include <utility>
 #include <vector>
 
 #include "blockhess/eigen.hpp"
@@ -117,17 +118,17 @@ auto sandwich(const Factor<T>& fi, const Factor<T>& fj, const Site<T>& site) {
   };
 }
 
-// H (upper triangle) += sum_b Jbar_b^T Omega_b Jbar_b for a pooled site, Jbar_b = sum_t J_b,t the
-// Jacobian of sample b's tokens at the site's value summed over tokens: (width, P), built from the
-// factors (J_t[a, flat(o, r)] = vec_t[o] U_t[a, r]) a few samples at a time, so that the products
-// have an inner dimension of about 128 and the scratch stays O(width P).
-template <class T>
-void accumulate_pooled(const Graph<T>& g, const PooledSite<T>& site, const std::vector<int>& pieces,
-                       const std::vector<index_t>& offset, index_t P, T* H) {
+// The products a pooled site adds, H (upper triangle) += sum_b Jbar_b^T Omega_b Jbar_b, with
+// Jbar_b = sum_t J_b,t the Jacobian of sample b's tokens at the site's value summed over tokens:
+// (width, P), built from the factors (J_t[a, flat(o, r)] = vec_t[o] U_t[a, r]) a few samples at a
+// time, so that the products have an inner dimension of about 128 and the scratch stays O(width P).
+// rows(J, K, n) receives each chunk: H's upper triangle += J[:n]^T K[:n] (K = Omega J per sample).
+template <class T, class RowsFn>
+void pooled_rows(const Graph<T>& g, const PooledSite<T>& site, const std::vector<int>& pieces,
+                 const std::vector<index_t>& offset, index_t P, RowsFn&& rows_fn) {
   const index_t w = g.width(site.value), L = g.tokens_per_sample(), B = g.samples();
   const index_t chunk = std::max<index_t>(1, std::min<index_t>(B, 128 / std::max<index_t>(1, w)));
   Mat<T> J(chunk * w, P), K(chunk * w, P);
-  MapM<T> Hm(H, P, P);
   for (index_t b0 = 0; b0 < B; b0 += chunk) {
     const index_t nb = std::min(chunk, B - b0), rows = nb * w;
     J.topRows(rows).setZero();
@@ -150,14 +151,24 @@ void accumulate_pooled(const Graph<T>& g, const PooledSite<T>& site, const std::
     }
     for (index_t k = 0; k < nb; ++k)
       K.middleRows(k * w, w).noalias() = MapC<T>(site.omega->data() + (b0 + k) * w * w, w, w) * J.middleRows(k * w, w);
-    // Blocks of rows of the upper triangle (the lower one is mirrored from it at the end).
+    rows_fn(J, K, rows);
+  }
+}
+
+// pooled_rows into host memory: blocks of rows of the upper triangle (the lower one is mirrored
+// from it at the end).
+template <class T>
+void accumulate_pooled(const Graph<T>& g, const PooledSite<T>& site, const std::vector<int>& pieces,
+                       const std::vector<index_t>& offset, index_t P, T* H) {
+  MapM<T> Hm(H, P, P);
+  pooled_rows(g, site, pieces, offset, P, [&](const Mat<T>& J, const Mat<T>& K, index_t rows) {
     const index_t band = 64, bands = (P + band - 1) / band;
     blockhess::detail::parallel_for(bands, rows * band * P / 2, [&](index_t q) {
       const index_t r0 = q * band, nr = std::min(band, P - r0);
       Hm.block(r0, r0, nr, P - r0).noalias() +=
           J.topRows(rows).middleCols(r0, nr).transpose() * K.topRows(rows).rightCols(P - r0);
     });
-  }
+  });
 }
 
 // The block of H that one ordered pair of pieces owns (assemble: the upper block triangle, and one
@@ -178,14 +189,21 @@ struct HessianBlock {
 // they run at once on the thread pool, each on one thread, largest first; only a block too large
 // to balance (over 1/(2 threads) of the work) runs alone on every thread. Each entry's terms are
 // summed in the same order either way: the bits do not depend on the schedule.
+// A target that cannot write blocks at once (one GPU stream) runs them in order, each with the
+// thread pool for its per-token work.
 template <class T>
-void run_blocks(std::vector<HessianBlock<T>>& blocks, bool early, const std::function<void(const HessianBlock<T>&)>& zero) {
+void run_blocks(std::vector<HessianBlock<T>>& blocks, bool early, bool concurrent,
+                const std::function<void(const HessianBlock<T>&)>& zero) {
   auto run = [&](HessianBlock<T>& b, bool threads) {
     auto& steps = early ? b.early : b.late;
     bool overwrite = early && !steps.empty() && steps.front().covers;
     if (early && !overwrite) zero(b);
     for (auto& step : steps) step.run(overwrite, threads), overwrite = false;
   };
+  if (!concurrent) {
+    for (auto& b : blocks) run(b, true);
+    return;
+  }
   std::vector<HessianBlock<T>*> order;
   double total = 0;
   for (auto& b : blocks) order.push_back(&b), total += b.cost;
@@ -200,12 +218,50 @@ void run_blocks(std::vector<HessianBlock<T>>& blocks, bool early, const std::fun
 
 }  // namespace detail
 
-// H (P x P, the selected parameters at `offset`) = the sum of the terms. Terms name pieces (a
+// Where assemble() writes: the (P, P) matrix and the five things it does to it. This one is host
+// memory (kron_sum.hpp's primitives, on the thread pool); the GPU's (cuda/'s DeviceHessian) has the
+// same members over device memory. Blocks are addressed by their first row and column.
+template <class T>
+struct HostHessian {
+  T* H = nullptr;
+  index_t P = 0;
+  static constexpr bool concurrent_blocks = true;  // blocks own disjoint entries: the pool runs them at once
+
+  void begin() {}
+  // Block (row, col) += sum_t u_t (x) w_t (x) Gamma_t (kron::accumulate).
+  template <class GammaFn>
+  void kron(index_t row, index_t col, index_t tokens, const kron::Split& si, const T* u, const kron::Split& sj,
+            const T* w, GammaFn&& gamma, bool upper_only, bool overwrite, bool threads) {
+    kron::accumulate(tokens, si, u, sj, w, std::forward<GammaFn>(gamma), T(1), H + row * P + col, P, upper_only,
+                     overwrite, threads);
+  }
+  // Block (row, col) += the same sum with Gamma_t = diag(D_t) (kron::accumulate_diagonal).
+  void kron_diagonal(index_t row, index_t col, index_t tokens, const kron::Split& si, const T* u,
+                     const kron::Split& sj, const T* w, const T* D, bool threads) {
+    kron::accumulate_diagonal(tokens, si, u, sj, w, D, T(1), H + row * P + col, P, threads);
+  }
+  // Block (row, col), of pieces split as si and sj, = 0.
+  void zero(index_t row, index_t col, const kron::Split& si, const kron::Split& sj) {
+    T* base = H + row * P + col;
+    for (index_t o = 0; o < si.n_vec(); ++o)
+      for (index_t r = 0; r < si.n_mat(); ++r)
+        for (index_t oj = 0; oj < sj.n_vec(); ++oj) std::fill_n(base + si.flat(o, r) * P + sj.flat(oj, 0), sj.n_mat(), T(0));
+  }
+  void pooled(const Graph<T>& g, const PooledSite<T>& site, const std::vector<int>& pieces,
+              const std::vector<index_t>& offset) {
+    detail::accumulate_pooled(g, site, pieces, offset, P, H);
+  }
+  // The upper triangle onto the lower; whether every entry is finite.
+  bool mirror() { return kron::mirror_upper(H, P); }
+};
+
+// The Hessian (P x P, the selected parameters at `offset`) = the sum of the terms, written through
+// `out` (HostHessian, or the GPU's DeviceHessian). Terms name pieces (a
 // parameter, or one head's block of its columns: Graph::split_columns); each pair of parameters is
 // written into the upper block triangle, and the pieces of one parameter in both orders (their
 // columns interleave). Every term becomes steps of the blocks it writes (detail::HessianBlock).
-template <class T>
-void assemble(const Graph<T>& g, Terms<T> terms, const std::vector<index_t>& offset, index_t P, T* H) {
+template <class T, class Out>
+void assemble(const Graph<T>& g, Terms<T> terms, const std::vector<index_t>& offset, Out& out) {
   const index_t n = g.tokens();
   std::vector<Site<T>> sites = detail::settle_sites(g, std::move(terms.sites));
   auto param = [&](int f) { return g.piece(f).param; };
@@ -225,9 +281,7 @@ void assemble(const Graph<T>& g, Terms<T> terms, const std::vector<index_t>& off
   };
   auto first = std::find_if(sites.begin(), sites.end(), reaches_all);
   if (first != sites.end()) std::rotate(sites.begin(), first, first + 1);
-  auto block_at = [&](int fi, int fj) {
-    return H + offset[static_cast<size_t>(param(fi))] * P + offset[static_cast<size_t>(param(fj))];
-  };
+  auto row_of = [&](int f) { return offset[static_cast<size_t>(param(f))]; };
   // Whether the pair (fi, fj) is assembled as it stands: upper block triangle, or one parameter's
   // pieces in both orders.
   auto assembled = [&](int fi, int fj) {
@@ -258,8 +312,8 @@ void assemble(const Graph<T>& g, Terms<T> terms, const std::vector<index_t>& off
         const Factor<T>&fi = g.factor(s.value, i), &fj = g.factor(s.value, j);
         if (!fi.present || !fj.present) continue;
         add_step(i, j, true, n * size_of(i) * size_of(j), [&, i, j, &fi = fi, &fj = fj](bool overwrite, bool threads) {
-          kron::accumulate(n, fi.split, fi.vec->data(), fj.split, fj.vec->data(), detail::sandwich(fi, fj, s), T(1),
-                           block_at(i, j), P, i == j, overwrite, threads);
+          out.kron(row_of(i), row_of(j), n, fi.split, fi.vec->data(), fj.split, fj.vec->data(),
+                   detail::sandwich(fi, fj, s), i == j, overwrite, threads);
         });
       }
   for (const KronTerm<T>& k : terms.kron) {
@@ -267,17 +321,17 @@ void assemble(const Graph<T>& g, Terms<T> terms, const std::vector<index_t>& off
     const double work = n * size_of(k.i) * size_of(k.j);
     if (assembled(k.i, k.j) || k.i == k.j)
       add_step(k.i, k.j, true, work, [&](bool overwrite, bool threads) {
-        kron::accumulate(n, k.si, k.u, k.sj, k.w, k.gamma, T(1), block_at(k.i, k.j), P, k.symmetric, overwrite, threads);
+        out.kron(row_of(k.i), row_of(k.j), n, k.si, k.u, k.sj, k.w, k.gamma, k.symmetric, overwrite, threads);
       });
     if (k.i != k.j && (assembled(k.j, k.i) || param(k.i) == param(k.j)))  // the pair's upper block is (j, i)
       add_step(k.j, k.i, true, work, [&](bool overwrite, bool threads) {
         const index_t ri = k.si.n_mat(), rj = k.sj.n_mat();
-        auto transposed = [&k, ri, rj](index_t t, T* out) {
+        auto transposed = [&k, ri, rj](index_t t, T* G_t) {
           Mat<T> G(ri, rj);
           k.gamma(t, G.data());
-          MapM<T>(out, rj, ri) = G.transpose();
+          MapM<T>(G_t, rj, ri) = G.transpose();
         };
-        kron::accumulate(n, k.sj, k.w, k.si, k.u, transposed, T(1), block_at(k.j, k.i), P, false, overwrite, threads);
+        out.kron(row_of(k.j), row_of(k.i), n, k.sj, k.w, k.si, k.u, transposed, false, overwrite, threads);
       });
   }
   for (const DiagonalTerm<T>& k : terms.diagonal) {
@@ -285,30 +339,34 @@ void assemble(const Graph<T>& g, Terms<T> terms, const std::vector<index_t>& off
     const double work = n * size_of(k.i) * size_of(k.j) / static_cast<double>(std::max<index_t>(1, k.si.n_mat()));
     if (assembled(k.i, k.j) || k.i == k.j)
       add_step(k.i, k.j, false, work, [&](bool, bool threads) {
-        kron::accumulate_diagonal(n, k.si, k.u, k.sj, k.w, k.D, T(1), block_at(k.i, k.j), P, threads);
+        out.kron_diagonal(row_of(k.i), row_of(k.j), n, k.si, k.u, k.sj, k.w, k.D, threads);
       });
     if (k.i != k.j && (assembled(k.j, k.i) || param(k.i) == param(k.j)))
       add_step(k.j, k.i, false, work, [&](bool, bool threads) {
-        kron::accumulate_diagonal(n, k.sj, k.w, k.si, k.u, k.D, T(1), block_at(k.j, k.i), P, threads);
+        out.kron_diagonal(row_of(k.j), row_of(k.i), n, k.sj, k.w, k.si, k.u, k.D, threads);
       });
   }
 
   auto zero = [&](const detail::HessianBlock<T>& b) {
-    const kron::Split si = g.split_of(b.i, true), sj = g.split_of(b.j, true);
-    T* base = block_at(b.i, b.j);
-    for (index_t o = 0; o < si.n_vec(); ++o)
-      for (index_t r = 0; r < si.n_mat(); ++r)
-        for (index_t oj = 0; oj < sj.n_vec(); ++oj) std::fill_n(base + si.flat(o, r) * P + sj.flat(oj, 0), sj.n_mat(), T(0));
+    out.zero(row_of(b.i), row_of(b.j), g.split_of(b.i, true), g.split_of(b.j, true));
   };
-  detail::run_blocks<T>(blocks, true, zero);
+  out.begin();
+  detail::run_blocks<T>(blocks, true, Out::concurrent_blocks, zero);
   if (pooled) {
-    for (const PooledSite<T>& s : terms.pooled) detail::accumulate_pooled(g, s, selected, offset, P, H);
-    detail::run_blocks<T>(blocks, false, zero);
+    for (const PooledSite<T>& s : terms.pooled) out.pooled(g, s, selected, offset);
+    detail::run_blocks<T>(blocks, false, Out::concurrent_blocks, zero);
   }
-  if (!kron::mirror_upper(H, P))  // checks every entry as it mirrors: no extra pass over H
+  if (!out.mirror())  // checks every entry as it mirrors: no extra pass over H
     throw non_finite_error("block: the assembled Hessian (a sum of products of finite factors) is not finite "
                            "(Inf or NaN) although every input is: the inputs drive it past the float range; "
                            "rescale them (weights or inputs of smaller magnitude)");
+}
+
+// Into host memory H (P x P).
+template <class T>
+void assemble(const Graph<T>& g, Terms<T> terms, const std::vector<index_t>& offset, index_t P, T* H) {
+  HostHessian<T> out{H, P};
+  assemble(g, std::move(terms), offset, out);
 }
 
 }  // namespace blockhess::engine
