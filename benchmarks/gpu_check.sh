@@ -143,7 +143,7 @@ done
 
 if [[ "$BUILD" == ok* ]]; then
   banner "GPU tests: pytest -m cuda"
-  T=$(stage_limit 180 140)
+  T=$(stage_limit 180 100)
   echo "time limit ${T}s"
   # Synchronous launches: a kernel fault is reported by the launch that caused it (tests only).
   CUDA_LAUNCH_BLOCKING=1 timeout "$T" "$PY" -m pytest -m cuda -q -rfEs -W default -p no:cacheprovider \
