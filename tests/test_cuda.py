@@ -462,6 +462,29 @@ def test_gpu_hessian_non_finite_is_refused(cp):
     assert type(gpu_error.value) is type(cpu_error.value)
 
 
+class _ForeignDeviceInts:
+    """What matters of a torch CUDA integer tensor here: a GPU array (CUDA Array Interface) whose
+    dtype NumPy cannot read (torch.int64). The GPU run found class targets like it refused."""
+
+    def __init__(self, a):
+        self._a = a
+        self.shape, self.dtype = a.shape, "torch.int64"
+        self.__cuda_array_interface__ = a.__cuda_array_interface__
+
+    def __array__(self, dtype=None, copy=None):  # the emulated cupy.asarray reads it through this
+        return np.asarray(self._a, dtype=dtype)
+
+
+def test_class_target_of_a_foreign_gpu_array_is_accepted(cp, rng):
+    if not emulated(cp):
+        pytest.skip("real torch CUDA tensors: test_torch_cuda_tensors_are_accepted_without_copies")
+    X, W, _, classes = ref.random_block(rng, 3, 4, 2, 5, B=2)
+    params = blockhess.BlockParams(*W)
+    dparams = blockhess.BlockParams(*(cp.asarray(w) for w in W))
+    H = blockhess.loss_hessian(cp.asarray(X), _ForeignDeviceInts(cp.asarray(classes)), dparams, loss="cross_entropy")
+    _compare(H, blockhess.loss_hessian(X, classes, params, loss="cross_entropy"), np.float64)
+
+
 def test_block_output_hessian_and_float32_gpu(cp, rng):
     X, W, target, _ = ref.random_block(rng, 3, 4, 2, 5)
     params = blockhess.BlockParams(*W)

@@ -313,6 +313,9 @@ def _target(target: Any, loss: str, X3: np.ndarray, batched: bool, dtype: np.dty
     target = as_array(target, "target")
     if target is None or not hasattr(target, "dtype"):
         target = np.asarray(target)
+    elif _backend.on_device(target):
+        # a torch CUDA tensor (its dtype is torch's, not NumPy's) as a CuPy array: zero copy
+        target = _backend.device_module().asarray(target)
     kind = np.dtype(target.dtype).kind
     if kind not in "iu":
         raise TypeError(f"target must hold integer class indices for loss={loss!r}, got dtype {target.dtype}")
