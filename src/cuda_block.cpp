@@ -3,13 +3,12 @@
 // the target), and writes the (P, P) Hessian into device memory through cuda::DeviceHessian. The
 // same checks as _core's bindings (block_problem.hpp), the same engine, another assembly target.
 #include <cstdint>
-#include <exception>
 #include <vector>
 
 #include "binding.hpp"
 #include "block_problem.hpp"
 #include "blockhess/cuda/device_hessian.hpp"
-#include "blockhess/finite.hpp"
+#include "non_finite_error.hpp"
 
 namespace blockhess::bind {
 namespace {
@@ -73,14 +72,7 @@ void bind_for(py::module_& m, const char* suffix) {
 
 void bind_block_device(py::module_& m) {
   // This module's non_finite_error is its own type: it becomes blockhess.NonFiniteError here too.
-  py::register_local_exception_translator([](std::exception_ptr thrown) {
-    try {
-      if (thrown) std::rethrow_exception(thrown);
-    } catch (const blockhess::non_finite_error& e) {
-      const py::object error = py::module_::import("blockhess._errors").attr("NonFiniteError");
-      PyErr_SetString(error.ptr(), e.what());
-    }
-  });
+  py::register_local_exception_translator(translate_non_finite_error);
   bind_for<float>(m, "_f32");
   bind_for<double>(m, "_f64");
 }
