@@ -5,19 +5,19 @@
 #
 #  1. builds and installs blockhess with the CUDA kernels:
 #       python3 -m pip install --no-build-isolation --no-deps .   (BLOCKHESS_CUDA=ON)
-#     The C++ core needs Eigen 3.4 headers at build time. The GPU machine has no network and no
-#     cmeel-eigen, so a session prepares the wheel beforehand, on a machine with network:
+#     The C++ core needs Eigen 3.4 headers at build time. A GPU machine without network has no
+#     cmeel-eigen, so prepare the wheel beforehand, on a machine with network:
 #         bash benchmarks/prepare_gpu_wheels.sh
-#     (pip download --no-deps -d benchmarks/wheels cmeel-eigen cmeel). benchmarks/wheels/ is ignored
-#     by git, so the device tool must be told to carry it (carry: ["benchmarks/wheels"]). The
-#     cmeel-eigen wheel found there is unpacked (it is a zip; nothing is installed) and handed to
-#     CMake as Eigen3_DIR. Without it, an installed cmeel-eigen or a system Eigen 3.4 is used if
-#     CMake finds one.
+#     (pip download --no-deps -d benchmarks/wheels cmeel-eigen cmeel), and copy benchmarks/wheels/
+#     (ignored by git) to the GPU machine with the checkout. The cmeel-eigen wheel found there is
+#     unpacked (it is a zip; nothing is installed) and handed to CMake as Eigen3_DIR. Without it, an
+#     installed cmeel-eigen or a system Eigen 3.4 is used if CMake finds one.
 #  2. runs the GPU tests: pytest -m cuda (tests/test_cuda.py: every GPU result against the CPU
 #     core and torch CUDA autograd, the bad-input tests on device arrays);
 #  3. runs the GPU benchmark (benchmarks/gpu_bench.py): LayerNorm Jacobian-blocks bandwidth vs a
 #     device-to-device copy, full block loss Hessian vs torch.func.hessian on the same GPU;
-#  4. if time is left, the rest of the test suite (informational).
+#  4. compute-sanitizer memcheck and racecheck over a selection of the GPU tests (SANITIZE_TESTS);
+#  5. if time is left, the rest of the test suite (informational).
 # Everything goes to OUTDIR/log.txt; OUTDIR/results.md has the summary and the results table.
 # The whole run stays under 8 minutes (each stage has a time limit; override the total with
 # GPU_CHECK_BUDGET=seconds). Exit status: 0 when the build and the GPU tests pass.

@@ -5,9 +5,9 @@
 #
 # The C++ core needs the Eigen 3.4 headers at build time and the GPU machine has neither network nor
 # cmeel-eigen, so the cmeel-eigen wheel (and cmeel, to pip install it the usual way if wanted) goes
-# into benchmarks/wheels/. That folder is ignored by git: tell the device tool to carry it with the
-# working tree (carry: ["benchmarks/wheels"]). gpu_check.sh unpacks the Eigen wheel from there (a
-# wheel is a zip; nothing is installed); without it, it relies on an installed Eigen.
+# into benchmarks/wheels/. That folder is ignored by git: copy it to the GPU machine with the
+# checkout. gpu_check.sh unpacks the Eigen wheel from there (a wheel is a zip; nothing is
+# installed); without it, it relies on an installed Eigen.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
