@@ -149,22 +149,6 @@ void bind_for(py::module_& m, const std::string& suffix) {
       arg("tokens"), arg("R"), arg("n_first"), arg("n_second"), arg("vec_on_first"), arg("u"), arg("M"),
       arg("scale"), arg("out"), arg("stream"), nogil);
   m.def(
-      name("kron_accumulate").c_str(),
-      [](index_t tokens, index_t i_first, index_t i_second, bool i_vec_on_first, ptr u, index_t j_first,
-         index_t j_second, bool j_vec_on_first, ptr w, ptr Gamma, double alpha, ptr H, index_t ldH, bool upper_only,
-         ptr stream) {
-        bc::assembly::kron_accumulate<T>(tokens, bc::Split{i_first, i_second, i_vec_on_first}, C<T>(u),
-                                         bc::Split{j_first, j_second, j_vec_on_first}, C<T>(w), C<T>(Gamma),
-                                         static_cast<T>(alpha), P<T>(H), ldH, upper_only, stream);
-      },
-      arg("tokens"), arg("i_first"), arg("i_second"), arg("i_vec_on_first"), arg("u"), arg("j_first"),
-      arg("j_second"), arg("j_vec_on_first"), arg("w"), arg("Gamma"), arg("alpha"), arg("H"), arg("ldH"),
-      arg("upper_only"), arg("stream"), nogil);
-  m.def(
-      name("mirror_upper").c_str(),
-      [](ptr H, index_t n, index_t ld, ptr stream) { bc::assembly::mirror_upper<T>(P<T>(H), n, ld, stream); },
-      arg("H"), arg("n"), arg("ld"), arg("stream"), nogil);
-  m.def(
       name("blockdiag_dense").c_str(),
       [](ptr blocks, index_t tokens, index_t r, index_t c, ptr out, ptr stream) {
         bc::assembly::blockdiag_dense<T>(C<T>(blocks), tokens, r, c, P<T>(out), stream);

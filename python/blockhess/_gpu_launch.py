@@ -167,31 +167,6 @@ def token_kron(u, M, split: Split, scale: float, out) -> None:
     _fn("token_kron", u.dtype)(tokens, R, split[0], split[1], bool(split[2]), _ptr(u), _ptr(M), float(scale), _ptr(out), _stream())
 
 
-def kron_accumulate(u, si: Split, w, sj: Split, Gamma, alpha: float, H, row0: int, col0: int, upper_only: bool) -> None:
-    """H[row0 + flat_i(oi, ri), col0 + flat_j(oj, rj)] += alpha sum_t u[t,oi] w[t,oj] Gamma[t,ri,rj]."""
-    tokens = int(u.shape[0])
-    ni, nj = si[0] * si[1], sj[0] * sj[1]
-    _check(
-        H.dtype, (u, (tokens, _n_vec(si))), (w, (tokens, _n_vec(sj))), (Gamma, (tokens, _n_mat(si), _n_mat(sj))), (H, None)
-    )
-    if H.ndim != 2:
-        raise RuntimeError(f"blockhess internal error: H must be 2-D, got shape {tuple(H.shape)}")
-    rows, ld = H.shape
-    if row0 < 0 or col0 < 0 or row0 + ni > rows or col0 + nj > ld:
-        raise RuntimeError(f"blockhess internal error: block ({row0}+{ni}, {col0}+{nj}) outside H {tuple(H.shape)}")
-    block = _ptr(H) + (row0 * ld + col0) * H.itemsize
-    _fn("kron_accumulate", H.dtype)(
-        tokens, si[0], si[1], bool(si[2]), _ptr(u), sj[0], sj[1], bool(sj[2]), _ptr(w), _ptr(Gamma), float(alpha),
-        block, ld, bool(upper_only), _stream(),
-    )
-
-
-def mirror_upper(H) -> None:
-    n = int(H.shape[0])
-    _check(H.dtype, (H, (n, n)))
-    _fn("mirror_upper", H.dtype)(_ptr(H), n, n, _stream())
-
-
 def blockdiag_dense(blocks, out) -> None:
     tokens, r, c = blocks.shape
     _check(blocks.dtype, (blocks, None), (out, (tokens * r, tokens * c)))
