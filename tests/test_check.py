@@ -12,7 +12,7 @@ import types
 import numpy as np
 import pytest
 
-from blockhess import check
+from blockhess import _check_config, _check_memory, _check_references, check
 
 SMALL = ["--L", "5", "--d", "4", "--d-k", "3", "--d-ff", "6", "--quiet"]
 
@@ -54,7 +54,7 @@ def test_check_block_options_and_the_pooled_loss(name, tmp_path, capsys):
     out = tmp_path / "report.json"
     assert check.main([*SMALL, *BLOCK_OPTIONS[name], "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    cfg = check.Config(**{k: v for k, v in report["config"].items()})
+    cfg = _check_config.Config(**{k: v for k, v in report["config"].items()})
     names = [n for n, _ in cfg.parameters()]
     assert report["ok"] and report["reference"] == "torch"
     assert len(report["blocks"]) == len(names) * (len(names) + 1) // 2
@@ -64,7 +64,7 @@ def test_check_block_options_and_the_pooled_loss(name, tmp_path, capsys):
 
 
 def test_check_block_options_fail_when_the_reference_disagrees(monkeypatch, capsys):
-    real = check._torch_reference
+    real = _check_references.torch_reference
 
     def perturbed(*args):
         H, t = real(*args)
@@ -72,7 +72,7 @@ def test_check_block_options_fail_when_the_reference_disagrees(monkeypatch, caps
         H[-1, -1] *= 1 + 1e-6
         return H, t
 
-    monkeypatch.setattr(check, "_torch_reference", perturbed)
+    monkeypatch.setattr(_check_references, "torch_reference", perturbed)
     assert check.main([*SMALL, *BLOCK_OPTIONS["pooled"]]) == 1
     assert "FAILED" in capsys.readouterr().out
 
@@ -84,8 +84,8 @@ def test_check_block_options_with_finite_differences(capsys):
 
 
 def test_the_paper_block_is_described_as_before(capsys):
-    assert check.Config().describe() == "post-LN Transformer block"
-    assert check.Config(norm_position="pre", heads=4, causal=True).describe() == \
+    assert _check_config.Config().describe() == "post-LN Transformer block"
+    assert _check_config.Config(norm_position="pre", heads=4, causal=True).describe() == \
         "pre-LN Transformer block (4 heads, causal)"
 
 
@@ -119,7 +119,7 @@ def test_check_float32(capsys):
 
 
 def test_check_fails_when_the_reference_disagrees(monkeypatch, capsys):
-    real = check._torch_reference
+    real = _check_references.torch_reference
 
     def perturbed(*args):
         H, t = real(*args)
@@ -127,7 +127,7 @@ def test_check_fails_when_the_reference_disagrees(monkeypatch, capsys):
         H[0, 0] *= 1 + 1e-6
         return H, t
 
-    monkeypatch.setattr(check, "_torch_reference", perturbed)
+    monkeypatch.setattr(_check_references, "torch_reference", perturbed)
     assert check.main(SMALL) == 1
     assert "FAILED" in capsys.readouterr().out
 
@@ -169,12 +169,12 @@ def test_check_on_the_emulated_gpu(monkeypatch, tmp_path, emulated_gpu, loss):
     report = json.loads(out.read_text())
     assert report["ok"] and report["config"]["device"] == "cuda"
     assert report["rel_error"] <= 1e-10 and report["max_asymmetry"] == 0.0
-    assert {"kron_accumulate", "mirror_upper", "layernorm_forward"} <= set(kernels.calls)
+    assert {"loss_hessian", "layernorm_forward"} <= set(kernels.calls)  # the engine, with its GPU assembly target
 
 
 def test_problem_is_seeded():
-    cfg = check.Config(L=3, d=4, d_k=2, d_ff=5)
-    a, b = check.make_problem(cfg), check.make_problem(cfg)
+    cfg = _check_config.Config(L=3, d=4, d_k=2, d_ff=5)
+    a, b = _check_config.make_problem(cfg), _check_config.make_problem(cfg)
     np.testing.assert_array_equal(a[0], b[0])
 
 
@@ -235,16 +235,17 @@ def test_a_corrupted_result_still_fails(monkeypatch, capsys, argv, relative, abs
 
 def test_noise_floor_is_far_below_a_normal_hessian():
     """On a normal problem the floor never replaces the relative tolerance in float64."""
-    report, _ = check.run_check(check.Config(L=5, d=4, d_k=3, d_ff=6))
+    report, _ = check.run_check(_check_config.Config(L=5, d=4, d_k=3, d_ff=6))
     assert report.ok and report.rel_error is not None
     assert report.error_floor < 1e-2 * report.reference_norm
 
 
 def test_zero_time_gives_a_finite_speedup(monkeypatch):
     clock = iter(float(i // 2) for i in range(10**6))  # every timed interval is 0
-    monkeypatch.setattr(check, "time", types.SimpleNamespace(perf_counter=lambda: next(clock),
-                                                              get_clock_info=time.get_clock_info))
-    report, _ = check.run_check(check.Config(L=3, d=2, d_k=2, d_ff=3))
+    frozen = types.SimpleNamespace(perf_counter=lambda: next(clock), get_clock_info=time.get_clock_info)
+    for module in (check, _check_references):  # the closed form's clock and the reference's
+        monkeypatch.setattr(module, "time", frozen)
+    report, _ = check.run_check(_check_config.Config(L=3, d=2, d_k=2, d_ff=3))
     assert report.time_closed_form_s == 0.0 and math.isfinite(report.speedup)
 
 
@@ -257,8 +258,11 @@ def no_computation(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("computed although the options were bad")
 
-    for name in ("make_problem", "loss_hessian", "loss_value", "_torch_reference", "_finite_difference_reference"):
+    monkeypatch.setattr(_check_config, "make_problem", refuse)
+    for name in ("loss_hessian", "loss_value"):
         monkeypatch.setattr(check, name, refuse)
+    for name in ("torch_reference", "finite_difference_reference"):
+        monkeypatch.setattr(_check_references, name, refuse)
 
 
 def _usage_error(argv, capsys) -> str:
@@ -321,14 +325,14 @@ def test_torch_reference_is_not_counted_against_blockhess_budget(capsys):
 
 
 def test_more_than_the_machine_has(monkeypatch, capsys, no_computation):
-    monkeypatch.setattr(check, "_available_memory", lambda: 400 * 2**20)  # the MNIST block: FD fits, torch not
+    monkeypatch.setattr(_check_memory, "available_memory", lambda: 400 * 2**20)  # the MNIST block: FD fits, torch not
     line = _usage_error(["--reference", "torch"], capsys)
     assert "available on this machine" in line and "--reference finite-differences" in line
 
 
 def test_unknown_available_memory_checks_the_budget_only(monkeypatch):
-    monkeypatch.setattr(check, "_available_memory", lambda: None)
-    check.validate(check.Config(L=5, d=4, d_k=3, d_ff=6), None)
+    monkeypatch.setattr(_check_memory, "available_memory", lambda: None)
+    check.validate(_check_config.Config(L=5, d=4, d_k=3, d_ff=6), None)
 
 
 def test_bad_memory_budget_variable(monkeypatch, capsys, no_computation):
@@ -403,7 +407,7 @@ def test_torch_reference_without_torch(monkeypatch, capsys, no_computation):
 
 def test_auto_reference_without_torch_is_finite_differences(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)
-    assert check._resolve_reference("auto") == "finite-differences"
+    assert _check_references.resolve_reference("auto") == "finite-differences"
 
 
 def test_write_failure_after_the_run_is_one_line(monkeypatch, tmp_path, capsys):
@@ -432,7 +436,7 @@ def test_a_bug_in_the_check_keeps_its_traceback(monkeypatch):
     def broken(*args, **kwargs):
         raise ValueError("a bug in check.py")
 
-    monkeypatch.setattr(check, "make_problem", broken)
+    monkeypatch.setattr(_check_config, "make_problem", broken)
     with pytest.raises(ValueError, match="a bug in check.py"):
         check.main(SMALL)
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from blockhess import check, report, spectrum_cli
+from blockhess import _check_config, check, report, spectrum_cli
 from blockhess.__main__ import main
 
 SMALL = ["--L", "5", "--d", "4", "--d-k", "3", "--d-ff", "6", "--quiet"]
@@ -37,7 +37,8 @@ def nothing_computed(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("computed although an option was bad")
 
-    for name in ("make_problem", "run_check", "loss_hessian"):
+    monkeypatch.setattr(_check_config, "make_problem", refuse)
+    for name in ("run_check", "loss_hessian"):
         monkeypatch.setattr(check, name, refuse)
     monkeypatch.setattr(spectrum_cli, "run", refuse)
     monkeypatch.setattr(report, "build", refuse)

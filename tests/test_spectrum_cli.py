@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import blockhess
-from blockhess import check, spectrum_cli
+from blockhess import _check_config, spectrum_cli
 
 SMALL = ["--L", "5", "--d", "4", "--d-k", "3", "--d-ff", "6", "--quiet"]
 
@@ -20,11 +20,11 @@ SMALL = ["--L", "5", "--d", "4", "--d-k", "3", "--d-ff", "6", "--quiet"]
 def _dense(argv):
     """The dense Hessian of the problem the command builds for these options (its own parser)."""
     parser = argparse.ArgumentParser()
-    check.add_block_options(parser)
+    _check_config.add_block_options(parser)
     parser.add_argument("--quiet", action="store_true")
-    cfg = check.config_from_args(parser.parse_args([*SMALL, *argv]))
-    X, target, weights, head = check.make_problem(cfg)
-    params = check._params(weights, cfg)
+    cfg = _check_config.config_from_args(parser.parse_args([*SMALL, *argv]))
+    X, target, weights, head = _check_config.make_problem(cfg)
+    params = _check_config.block_params(weights, cfg)
     return blockhess.loss_hessian(X, target, params, loss=cfg.loss, head=head), params
 
 

@@ -34,9 +34,9 @@ examples:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .check import _ArgumentParser  # errors as one line, as every command's
+    from ._command_line import ArgumentParser  # errors as one line, as every command's
 
-    parser = _ArgumentParser(
+    parser = ArgumentParser(
         prog="blockhess",
         description=DESCRIPTION,
         epilog=EPILOG,

@@ -25,7 +25,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import _command_files, analysis, bounds, check, report_figures
+from . import _command_files, analysis, bounds, report_figures
+from ._command_line import MAX_SEED, ArgumentParser, UsageError, check_seed, run_command, writing_outputs
 from .block import BlockParams
 from .bounds import counterexamples
 from .bounds.configurations import random_configuration
@@ -326,29 +327,29 @@ def _inline(text: str) -> str:
 
 
 def validate(args: Any) -> None:
-    """Refuse every bad option before anything is computed (check.UsageError, one line): the seed,
+    """Refuse every bad option before anything is computed (UsageError, one line): the seed,
     an OUTDIR that cannot be created or written, the packages the report needs."""
-    check.check_seed(args.seed)
+    check_seed(args.seed)
     try:
         _command_files.check_output_folder(args.outdir, "OUTDIR", tuple(FILES.values()))
     except ValueError as err:
-        raise check.UsageError(str(err)) from None
+        raise UsageError(str(err)) from None
     try:
         report_figures.require_matplotlib()
         if args.experiments:
             require_experiment_packages()
     except ImportError as err:
-        raise check.UsageError(str(err)) from None
+        raise UsageError(str(err)) from None
 
 
 def main(argv: list[str]) -> int:
     """``blockhess report OUTDIR [options]``: 0 done, 1 a corrected bound failed; SystemExit(2) for a
     bad option (one line on stderr, nothing computed), SystemExit(130) when interrupted."""
-    return check.run_command("blockhess report", _main, argv)
+    return run_command("blockhess report", _main, argv)
 
 
 def _main(argv: list[str]) -> int:
-    parser = check._ArgumentParser(
+    parser = ArgumentParser(
         prog="blockhess report",
         description="Run the paper's analysis (bounds as stated and corrected against exact norms, scaling "
         "sweeps, the experiments on scikit-learn's digits) and write OUTDIR/report.md, report.html, "
@@ -357,12 +358,12 @@ def _main(argv: list[str]) -> int:
     parser.add_argument("--quick", action="store_true", help="smaller sweeps, fewer training steps (under 2 minutes)")
     parser.add_argument("--no-experiments", dest="experiments", action="store_false",
                         help="skip the experiments (they need PyTorch and scikit-learn)")
-    parser.add_argument("--seed", type=int, default=0, help=f"0 to {check.MAX_SEED} (default 0)")
+    parser.add_argument("--seed", type=int, default=0, help=f"0 to {MAX_SEED} (default 0)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     try:
         validate(args)
-    except check.UsageError as err:
+    except UsageError as err:
         parser.error(str(err))
     bar = None
     if not args.quiet and sys.stderr.isatty():
@@ -376,7 +377,7 @@ def _main(argv: list[str]) -> int:
             bar.update()
 
     try:
-        with check.writing_outputs(parser):  # a write that fails although OUTDIR was checked (a full disk)
+        with writing_outputs(parser):  # a write that fails although OUTDIR was checked (a full disk)
             results = build(args.outdir, quick=args.quick, run_experiments=args.experiments, seed=args.seed,
                             progress=progress)
     finally:

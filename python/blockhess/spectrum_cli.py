@@ -20,7 +20,11 @@ from typing import Any
 
 import numpy as np
 
-from . import _command_files, _working_memory, check
+from . import _command_files, _working_memory
+from ._check_config import Config, add_block_options, block_params, config_from_args, make_problem, validate_block
+from ._check_memory import available_memory, memory_budget, parameter_count
+from ._command_line import (ArgumentParser, UsageError, attach_negative_numbers, check_outputs, check_plot_format,
+                            errors_in_the_data, raised_by_blockhess, run_command, writing_outputs)
 from ._config import format_bytes
 from ._errors import OutputTooLargeError
 from ._threads import get_num_threads
@@ -101,24 +105,24 @@ def _block_extremes(op, counter) -> tuple[float, float, float | None]:
     return float(bottom[0]), float(top[0]), frobenius
 
 
-def _module_config(cfg: check.Config, imported: BlockParams) -> check.Config:
+def _module_config(cfg: Config, imported: BlockParams) -> Config:
     """The configuration whose seeded input and target go with an imported block: its sizes, dtype and
     eps, the command's tokens, samples, loss and seed."""
-    return check.Config(L=cfg.L, d=imported.d, d_k=max(imported.d_k, 1), d_ff=imported.d_ff, batch=cfg.batch,
-                        loss=cfg.loss, dtype=str(imported.dtype), seed=cfg.seed, eps=imported.spec.eps,
-                        classes=cfg.classes)
+    return Config(L=cfg.L, d=imported.d, d_k=max(imported.d_k, 1), d_ff=imported.d_ff, batch=cfg.batch,
+                  loss=cfg.loss, dtype=str(imported.dtype), seed=cfg.seed, eps=imported.spec.eps,
+                  classes=cfg.classes)
 
 
-def _problem(cfg: check.Config, imported: BlockParams | None):
+def _problem(cfg: Config, imported: BlockParams | None):
     """(X, target, params, head) from the sizes and options, or for a block imported with --module."""
     if imported is None:
-        X, target, weights, head = check.make_problem(cfg)
-        return X, target, check._params(weights, cfg), head
-    X, target, _, head = check.make_problem(_module_config(cfg, imported))
+        X, target, weights, head = make_problem(cfg)
+        return X, target, block_params(weights, cfg), head
+    X, target, _, head = make_problem(_module_config(cfg, imported))
     return X, target, imported, head
 
 
-def run(cfg: check.Config, *, imported: BlockParams | None = None, k: int = 5, probes: int = 10, steps: int = 60,
+def run(cfg: Config, *, imported: BlockParams | None = None, k: int = 5, probes: int = 10, steps: int = 60,
         density: bool = False, progress: bool = False) -> dict[str, Any]:
     """Everything the command reports, as a dict (the --json output); ``imported``: the block of
     --module (:func:`import_module`)."""
@@ -214,35 +218,35 @@ def import_module(path: str) -> BlockParams:
     try:
         _command_files.check_input_file(path, "--module")
     except ValueError as err:
-        raise check.UsageError(str(err)) from None
+        raise UsageError(str(err)) from None
     try:
         import torch
     except ImportError:
-        raise check.UsageError("--module needs PyTorch (pip install 'torch==2.13.0')") from None
+        raise UsageError("--module needs PyTorch (pip install 'torch==2.13.0')") from None
     from .from_torch import from_torch
 
     try:
         module = torch.load(path, weights_only=False, map_location="cpu")
     except Exception as err:  # noqa: BLE001 - whatever torch.load makes of a file it cannot read
         reason = (str(err).strip().splitlines() or [""])[0]
-        raise check.UsageError(f"--module {path}: not a module saved with torch.save (torch.load: "
-                               f"{type(err).__name__}{': ' + reason if reason else ''})") from None
+        raise UsageError(f"--module {path}: not a module saved with torch.save (torch.load: "
+                         f"{type(err).__name__}{': ' + reason if reason else ''})") from None
     try:
         return from_torch(module)[1]
     except (ValueError, TypeError) as err:
-        if not check._raised_by_blockhess(err):
+        if not raised_by_blockhess(err):
             raise
-        raise check.UsageError(f"--module {path}: {err}") from None
+        raise UsageError(f"--module {path}: {err}") from None
 
 
-def _block_sizes(cfg: check.Config, imported: BlockParams | None) -> tuple[list[int], int, int, int]:
+def _block_sizes(cfg: Config, imported: BlockParams | None) -> tuple[list[int], int, int, int]:
     """(each parameter block's size, d_k, d_ff, heads) of the block studied, known before it is made."""
     if imported is None:
         return [math.prod(shape) for _, shape in cfg.parameters()], cfg.d_k, cfg.d_ff, cfg.heads
     return list(imported.sizes), imported.d_k, imported.d_ff, imported.spec.heads
 
 
-def _memory_need(cfg: check.Config, imported: BlockParams | None, k: int, steps: int, density: bool) -> int:
+def _memory_need(cfg: Config, imported: BlockParams | None, k: int, steps: int, density: bool) -> int:
     """Bytes that :func:`run` holds at its peak, over-counted on purpose: the seeded problem (drawn in
     float64, cast to the dtype and copied into the block's parameters and the operator), the whole
     block's operator and one parameter block's at once (blockhess._working_memory.hvp, a product in
@@ -253,7 +257,7 @@ def _memory_need(cfg: check.Config, imported: BlockParams | None, k: int, steps:
     B, L, d = drawn.batch, drawn.L, drawn.d
     sizes, d_k, d_ff, heads = _block_sizes(cfg, imported)
     P = sum(sizes)
-    problem = 3 * 8 * (2 * B * L * d + check._parameter_count(drawn) + (d + 1) * cfg.classes)
+    problem = 3 * 8 * (2 * B * L * d + parameter_count(drawn) + (d + 1) * cfg.classes)
     threads = get_num_threads()
     operators = 2 * _working_memory.hvp(B, L, d, d_k, d_ff, itemsize, threads, threads, heads=heads, P=P)
     kk = min(k, P - 1)
@@ -270,10 +274,10 @@ def _memory_need(cfg: check.Config, imported: BlockParams | None, k: int, steps:
     return problem + operators + max(solvers)
 
 
-def _check_memory(cfg: check.Config, imported: BlockParams | None, k: int, steps: int, density: bool) -> None:
+def _check_memory(cfg: Config, imported: BlockParams | None, k: int, steps: int, density: bool) -> None:
     """UsageError when the run would exceed the memory budget or what the machine has: before anything
     is allocated."""
-    budget = check.memory_budget()
+    budget = memory_budget()
     need = _memory_need(cfg, imported, k, steps, density)
     if imported is None:
         block = f"--L {cfg.L} --d {cfg.d} --d-k {cfg.d_k} --d-ff {cfg.d_ff}"
@@ -283,27 +287,27 @@ def _check_memory(cfg: check.Config, imported: BlockParams | None, k: int, steps
              f"P = {sum(_block_sizes(cfg, imported)[0])} parameters")
     smaller = f"use smaller sizes{' or fewer --steps' if density else ''}"
     if need > budget:
-        raise check.UsageError(
+        raise UsageError(
             f"{asked}: the spectrum needs about {format_bytes(need)}, more than the memory budget of "
             f"{format_bytes(budget)}; {smaller}, or raise BLOCKHESS_MEMORY_BUDGET "
             f"(e.g. BLOCKHESS_MEMORY_BUDGET={math.ceil(need / 2**30)}GiB)")
-    available = check._available_memory()
+    available = available_memory()
     if available is not None and need > available:
-        raise check.UsageError(
+        raise UsageError(
             f"{asked}: the spectrum needs about {format_bytes(need)} of memory, but only "
             f"{format_bytes(available)} is available on this machine; {smaller}")
 
 
-def validate(cfg: check.Config, args: Any) -> BlockParams | None:
+def validate(cfg: Config, args: Any) -> BlockParams | None:
     """Refuse every bad option before anything is computed or allocated (UsageError, one line);
     returns the block of --module (None without it)."""
-    check.validate_block(cfg)
+    validate_block(cfg)
     for option, value in (("-k", args.k), ("--probes", args.probes), ("--steps", args.steps)):
         if value < 1:
-            raise check.UsageError(f"{option} must be >= 1, got {value}")
-    check.check_outputs({"--json": args.json, "--density": args.density})
+            raise UsageError(f"{option} must be >= 1, got {value}")
+    check_outputs({"--json": args.json, "--density": args.density})
     if args.density is not None:
-        check.check_plot_format(args.density, "--density")
+        check_plot_format(args.density, "--density")
     imported = None if args.module is None else import_module(args.module)
     _check_memory(cfg, imported, args.k, args.steps, args.density is not None)
     return imported
@@ -312,16 +316,16 @@ def validate(cfg: check.Config, args: Any) -> BlockParams | None:
 def main(argv: list[str]) -> int:
     """``blockhess spectrum [options]``: 0 done; SystemExit(2) for a bad option or an error in the
     data (one line on stderr), SystemExit(130) when interrupted."""
-    return check.run_command("blockhess spectrum", _main, argv)
+    return run_command("blockhess spectrum", _main, argv)
 
 
 def _main(argv: list[str]) -> int:
-    parser = check._ArgumentParser(
+    parser = ArgumentParser(
         prog="blockhess spectrum",
         description="Per-block exact traces and extreme eigenvalues, and the whole block's top and bottom "
         "eigenvalues and spectral density, of a Transformer block's loss Hessian, without the dense matrix.",
     )
-    check.add_block_options(parser)
+    add_block_options(parser)
     parser.add_argument("--module", metavar="FILE", help="an nn.Module saved with torch.save (imported with "
                         "blockhess.from_torch; its sizes and options replace the ones above, --L sets the tokens)")
     parser.add_argument("-k", type=int, default=5, help="top and bottom eigenvalues of the whole block (default 5)")
@@ -330,17 +334,17 @@ def _main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=60, help="Lanczos steps per probe (default 60)")
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    args = parser.parse_args(check._attach_negative_numbers(list(argv)))
-    cfg = check.config_from_args(args)
+    args = parser.parse_args(attach_negative_numbers(list(argv)))
+    cfg = config_from_args(args)
     try:
         imported = validate(cfg, args)
-    except check.UsageError as err:
+    except UsageError as err:
         parser.error(str(err))
-    with check.errors_in_the_data(parser):
+    with errors_in_the_data(parser):
         result = run(cfg, imported=imported, k=args.k, probes=args.probes, steps=args.steps,
                      density=args.density is not None, progress=not args.quiet and sys.stderr.isatty())
     print(format_report(result), flush=True)
-    with check.writing_outputs(parser):
+    with writing_outputs(parser):
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump(result, fh, indent=2)
