@@ -23,9 +23,7 @@ using SpecTuple = std::tuple<bool, bool, bool, bool, index_t, bool, int, bool, b
 inline block::Spec spec_of(const SpecTuple& t) {
   block::Spec s;
   std::tie(s.pre_ln, s.rmsnorm, s.norm_affine, s.bias, s.heads, s.out_proj, std::ignore, s.causal, s.attention_only) = t;
-  const int act = std::get<6>(t);
-  if (act < 0 || act > 3) throw std::invalid_argument("block: unknown activation code");
-  s.activation = static_cast<activation::Kind>(act);
+  s.activation = activation::from_code(std::get<6>(t));
   return s;
 }
 

@@ -1,5 +1,6 @@
 // PYBIND11_MODULE(_core): the CPU extension. Each area registers itself from its own bind_*.cpp.
 #include "binding.hpp"
+#include "blockhess/activation.hpp"
 
 #include "blockhess/version.hpp"
 
@@ -67,6 +68,11 @@ PYBIND11_MODULE(BLOCKHESS_MODULE_NAME, m, py::mod_gil_not_used()) {
 #endif
     info["cplusplus"] = py::int_(static_cast<long>(__cplusplus));
     m.attr("build_info") = py::module_::import("types").attr("MappingProxyType")(info);
+  }
+  {
+    py::tuple names(blockhess::activation::kNames.size());
+    for (size_t k = 0; k < blockhess::activation::kNames.size(); ++k) names[k] = py::str(blockhess::activation::kNames[k]);
+    m.attr("activations") = names;  // activation.hpp's registry: BlockSpec's names, codes by position
   }
   m.def("cpu_runs_x86_64_v3", &cpu_runs_x86_64_v3, "Whether this CPU runs the x86-64-v3 build.");
   m.def("cpu_runs_x86_64_v4", &cpu_runs_x86_64_v4, "Whether this CPU runs the x86-64-v4 build.");

@@ -189,3 +189,15 @@ def test_import_blockhess_does_not_import_torch_or_the_reference():
             "assert 'blockhess._torch_reference' not in sys.modules and 'torch' not in sys.modules, "
             "[m for m in sys.modules if 'torch' in m]")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_reference_has_every_activation_of_the_core_registry():
+    """activation.hpp's registry (blockhess._core.activations) names what BlockSpec accepts; the
+    reference written from the definitions must have each (a new one is added to both)."""
+    from blockhess import _core
+    from blockhess import _torch_reference as torch_reference
+    from blockhess.spec import activation_names
+
+    names = activation_names()
+    assert names == tuple(_core.activations) and len(set(names)) == len(names) >= 4
+    assert set(torch_reference._ACTIVATIONS) == set(names)

@@ -13,7 +13,7 @@ import numpy as np
 
 from ._command_line import UsageError, check_seed
 from .block import BlockParams, _parameter_table
-from .spec import ACTIVATIONS, BlockSpec
+from .spec import BlockSpec, activation_names
 
 
 @dataclass
@@ -129,7 +129,7 @@ def add_block_options(parser: argparse.ArgumentParser) -> None:
     block.add_argument("--bias", action="store_true", help="a bias on every linear map")
     block.add_argument("--heads", type=int, default=1, help="attention heads (d_k per head; d_v = d / heads)")
     block.add_argument("--out-proj", dest="out_proj", action="store_true", help="W_O after the heads")
-    block.add_argument("--activation", choices=ACTIVATIONS, default="relu")
+    block.add_argument("--activation", choices=activation_names(), default="relu")
     block.add_argument("--causal", action="store_true", help="mask keys after the query")
     block.add_argument("--attention-only", dest="attention_only", action="store_true",
                        help="the self-attention sublayer alone, Z = attn(X) (the paper's Thm 1; no norms, no FFN, "

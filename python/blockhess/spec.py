@@ -9,11 +9,17 @@ from typing import Any
 
 import numpy as np
 
+from . import _core
 from ._validate import nonneg_scalar, positive_int
 
 _NORM_POSITIONS = ("post", "pre")
 _NORMS = ("layernorm", "rmsnorm")
-ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")  # the codes of activation.hpp, in order
+
+
+def activation_names() -> tuple[str, ...]:
+    """The activations a BlockSpec accepts: the core's registry (activation.hpp), where a name's code
+    is its index. Read when needed, not at import, so that importing blockhess never depends on it."""
+    return tuple(_core.activations)
 
 
 @dataclass(frozen=True)
@@ -48,7 +54,7 @@ class BlockSpec:
     attention_only: bool = False
 
     def __post_init__(self) -> None:
-        for name, allowed in (("norm_position", _NORM_POSITIONS), ("norm", _NORMS), ("activation", ACTIVATIONS)):
+        for name, allowed in (("norm_position", _NORM_POSITIONS), ("norm", _NORMS), ("activation", activation_names())):
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"BlockSpec.{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
@@ -79,7 +85,7 @@ class BlockSpec:
     def _core(self) -> tuple[Any, ...]:
         """The tuple the core's bindings take (bind_block.cpp, SpecTuple)."""
         return (self.norm_position == "pre", self.norm == "rmsnorm", self.norm_affine, self.bias, self.heads,
-                self.out_proj, ACTIVATIONS.index(self.activation), self.causal, self.attention_only)
+                self.out_proj, activation_names().index(self.activation), self.causal, self.attention_only)
 
 
 PAPER_BLOCK = BlockSpec()

@@ -6,6 +6,7 @@
 //   silu       x sigma(x)                         silu' = s (1 + x (1 - s)), silu'' = s (1 - s) (2 + x (1 - 2 s))
 #pragma once
 
+#include <array>
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -16,12 +17,23 @@ namespace blockhess::activation {
 
 enum class Kind : int { relu = 0, gelu = 1, gelu_tanh = 2, silu = 3 };
 
+// The registry: each Kind's name, in the enum's order (a Kind's code is its index). Python reads it
+// (blockhess._core.activations: BlockSpec, the command lines), so an activation is named only here.
+inline constexpr std::array<const char*, 4> kNames{"relu", "gelu", "gelu_tanh", "silu"};
+
 inline Kind parse(const std::string& name) {
-  if (name == "relu") return Kind::relu;
-  if (name == "gelu") return Kind::gelu;
-  if (name == "gelu_tanh") return Kind::gelu_tanh;
-  if (name == "silu") return Kind::silu;
-  throw std::invalid_argument("activation: unknown '" + name + "' (relu, gelu, gelu_tanh or silu)");
+  std::string known;
+  for (size_t k = 0; k < kNames.size(); ++k) {
+    if (name == kNames[k]) return static_cast<Kind>(k);
+    known += (k ? ", " : "") + std::string(kNames[k]);
+  }
+  throw std::invalid_argument("activation: unknown '" + name + "' (one of " + known + ")");
+}
+
+inline Kind from_code(int code) {
+  if (code < 0 || code >= static_cast<int>(kNames.size()))
+    throw std::invalid_argument("activation: unknown code " + std::to_string(code));
+  return static_cast<Kind>(code);
 }
 
 // Whether phi'' is zero almost everywhere (no curvature site).
