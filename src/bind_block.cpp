@@ -55,11 +55,8 @@ void bind_for(py::module_& m) {
   m.def(
       "block_output_hessian",
       [](A X, const SpecTuple& spec, Weights W, T eps, int i, int j, carray<T>& out) {
-        const auto p = problem(X, spec, W);
+        const auto p = output_hessian_problem(X, spec, W, i, j);
         const auto shapes = p.shapes();
-        const int count = static_cast<int>(shapes.size());
-        if (p.B != 1) throw std::invalid_argument("block_output_hessian: one sample only");
-        if (i < 0 || i >= count || j < 0 || j >= count) throw std::invalid_argument("block_output_hessian: bad param");
         require_shape(out, {p.dims.L * p.dims.d * shapes[i].size(), shapes[j].size()}, "out");
         T* o = mutable_ptr(out);
         py::gil_scoped_release release;

@@ -80,6 +80,17 @@ Problem<T> problem(const carray<T>& X, const SpecTuple& spec, const std::vector<
   return p;
 }
 
+// block_output_hessian's problem: one sample, and i, j naming parameters of the spec.
+template <class T>
+Problem<T> output_hessian_problem(const carray<T>& X, const SpecTuple& spec, const std::vector<carray<T>>& weights,
+                                  int i, int j) {
+  Problem<T> p = problem(X, spec, weights);
+  const int count = static_cast<int>(p.shapes().size());
+  if (p.B != 1) throw std::invalid_argument("block_output_hessian: one sample only");
+  if (i < 0 || i >= count || j < 0 || j >= count) throw std::invalid_argument("block_output_hessian: bad param");
+  return p;
+}
+
 inline block::Selection selection(const std::vector<bool>& wrt, size_t count) {
   if (wrt.size() != count)
     throw std::invalid_argument("block: wrt needs one flag per parameter (" + std::to_string(count) + ")");

@@ -44,18 +44,12 @@ void bind_for(py::module_& m, const char* suffix) {
   m.def(
       (std::string("block_output_hessian") + suffix).c_str(),
       [](A X, const SpecTuple& spec, Weights W, T eps, int i, int j, ptr out, ptr stream) {
-        const auto p = problem(X, spec, W);
-        const auto shapes = p.shapes();
-        const int count = static_cast<int>(shapes.size());
-        if (p.B != 1) throw std::invalid_argument("block_output_hessian: one sample only");
-        if (i < 0 || i >= count || j < 0 || j >= count) throw std::invalid_argument("block_output_hessian: bad param");
+        const auto p = output_hessian_problem(X, spec, W, i, j);
         if (out == 0) throw std::invalid_argument("blockhess._cuda: out is null");
         py::gil_scoped_release release;
         auto e = p.evaluate(X.data(), eps);
-        block::Selection wrt(shapes.size(), false);
-        wrt[static_cast<size_t>(i)] = wrt[static_cast<size_t>(j)] = true;
         index_t P = 0;
-        block::selected_offsets(e, wrt, &P);
+        block::pair_selection(e, i, j, &P);
         cuda::DeviceArray<T> scratch(static_cast<size_t>(P * P), stream);
         cuda::DeviceHessian<T> H{scratch.data(), P, stream};
         T* dst = reinterpret_cast<T*>(out);

@@ -265,19 +265,19 @@ void token_kron(index_t tokens, index_t R, Split s, const T* u, const T* M, T sc
   detail::check_launch("token_kron");
 }
 
+// Row stride of a split's parameter: 0 stands for the whole parameter (n_second).
+index_t row_stride(const Split& s) { return s.stride > 0 ? s.stride : s.n_second; }
+
 SplitArgs split_args(const Split& s, const char* what) {
   check_split(s, what);
-  const index_t stride = s.stride > 0 ? s.stride : s.n_second;
-  detail::require(stride >= s.n_second && s.offset >= 0, std::string(what) + ": bad column block of a parameter");
+  detail::require(row_stride(s) >= s.n_second && s.offset >= 0, std::string(what) + ": bad column block of a parameter");
   return {static_cast<std::uint32_t>(split_size(s)), static_cast<std::uint32_t>(s.n_second),
-          static_cast<std::uint32_t>(n_vec(s)), static_cast<std::uint32_t>(n_mat(s)), s.vec_on_first, stride, s.offset};
+          static_cast<std::uint32_t>(n_vec(s)), static_cast<std::uint32_t>(n_mat(s)), s.vec_on_first, row_stride(s),
+          s.offset};
 }
 
 // The largest flat index of a split plus one: the width its block needs in H.
-index_t split_extent(const Split& s) {
-  const index_t stride = s.stride > 0 ? s.stride : s.n_second;
-  return (s.n_first - 1) * stride + s.n_second + s.offset;
-}
+index_t split_extent(const Split& s) { return (s.n_first - 1) * row_stride(s) + s.n_second + s.offset; }
 
 template <class T>
 void kron_accumulate(index_t tokens, Split si, const T* u, Split sj, const T* w, const T* Gamma, T alpha, T* H,

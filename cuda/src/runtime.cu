@@ -4,17 +4,12 @@
 #include <string>
 
 #include "blockhess/cuda/runtime.hpp"
+#include "common.cuh"
 
 namespace blockhess::cuda {
-namespace {
 
-cudaStream_t as_stream(std::uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
-
-void check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) throw std::runtime_error(std::string("CUDA error in ") + what + ": " + cudaGetErrorString(err));
-}
-
-}  // namespace
+using detail::as_stream;
+using detail::check;
 
 int device_count() {
   int n = 0;

@@ -110,10 +110,18 @@ void jacobian(Evaluation<T>& e, int p, T* J) {
 // is the unit vector e_o) over W_i and W_j, assembled through `out` (a (P, P) target: HostHessian,
 // or the GPU's DeviceHessian); then take(o, row, col, n_i, n_j) reads its (i, j) block, which
 // starts at (row, col).
-template <class T, class Out, class Take>
-void output_hessians(Evaluation<T>& e, int i, int j, Out& out, Take&& take) {
+// The selection of parameters i and j (one parameter when i == j); *P: its size.
+template <class T>
+Selection pair_selection(const Evaluation<T>& e, int i, int j, index_t* P) {
   Selection wrt(e.shapes().size(), false);
   wrt.at(static_cast<size_t>(i)) = wrt.at(static_cast<size_t>(j)) = true;
+  selected_offsets(e, wrt, P);
+  return wrt;
+}
+
+template <class T, class Out, class Take>
+void output_hessians(Evaluation<T>& e, int i, int j, Out& out, Take&& take) {
+  const Selection wrt = pair_selection(e, i, j, nullptr);
   e.graph().select(wrt);
   e.graph().push_factors(/*to_output=*/false);
   const std::vector<index_t> off = selected_offsets(e, wrt, nullptr);
@@ -132,10 +140,8 @@ void output_hessians(Evaluation<T>& e, int i, int j, Out& out, Take&& take) {
 // The same in host memory, in the paper's layout (L d n_i, n_j).
 template <class T>
 void output_hessian(Evaluation<T>& e, int i, int j, T* out) {
-  Selection wrt(e.shapes().size(), false);
-  wrt.at(static_cast<size_t>(i)) = wrt.at(static_cast<size_t>(j)) = true;
   index_t P = 0;
-  selected_offsets(e, wrt, &P);
+  pair_selection(e, i, j, &P);
   Buffer<T> H(P * P);
   engine::HostHessian<T> target{H.data(), P};
   output_hessians(e, i, j, target, [&](index_t o, index_t row, index_t col, index_t ni, index_t nj) {
