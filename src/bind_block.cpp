@@ -10,10 +10,7 @@
 #include <tuple>
 #include <vector>
 
-#include "blockhess/block.hpp"
-#include "blockhess/block_hessian.hpp"
-#include "blockhess/block_hvp.hpp"
-#include "blockhess/block_loss.hpp"
+#include "blockhess/block_model.hpp"
 
 namespace blockhess::bind {
 namespace {
@@ -47,7 +44,7 @@ void bind_for(py::module_& m) {
         T* o = mutable_ptr(out);
         py::gil_scoped_release release;
         auto e = p.evaluate(X.data(), eps);
-        block::jacobian(e, param, o);
+        e.jacobian(param, o);
       },
       py::arg("X").noconvert(), py::arg("spec"), py::arg("weights"), py::arg("eps"), py::arg("param"),
       py::arg("out").noconvert());
@@ -61,7 +58,7 @@ void bind_for(py::module_& m) {
         T* o = mutable_ptr(out);
         py::gil_scoped_release release;
         auto e = p.evaluate(X.data(), eps);
-        block::output_hessian(e, i, j, o);
+        e.output_hessian(i, j, o);
       },
       py::arg("X").noconvert(), py::arg("spec"), py::arg("weights"), py::arg("eps"), py::arg("i"), py::arg("j"),
       py::arg("out").noconvert());
@@ -82,7 +79,7 @@ void bind_for(py::module_& m) {
         const auto tgt = target<T>(p, kind, values, classes, head_weight, head_bias);
         py::gil_scoped_release release;
         auto e = p.evaluate(X.data(), eps);
-        return block::loss_gradient(e, tgt, o);
+        return e.loss_gradient(tgt, o);
       },
       py::arg("X").noconvert(), py::arg("spec"), py::arg("weights"), py::arg("eps"), py::arg("kind"),
       py::arg("values").noconvert().none(true), py::arg("classes").noconvert().none(true),
@@ -100,7 +97,7 @@ void bind_for(py::module_& m) {
         T* o = mutable_ptr(out);
         py::gil_scoped_release release;
         auto e = c.problem.evaluate(X.data(), eps);
-        return block::loss_hessian(e, c.target, c.part, c.wrt, o);
+        return e.loss_hessian(c.target, c.part, c.wrt, o);
       },
       py::arg("X").noconvert(), py::arg("spec"), py::arg("weights"), py::arg("eps"), py::arg("kind"),
       py::arg("values").noconvert().none(true), py::arg("classes").noconvert().none(true), py::arg("part"),
@@ -117,7 +114,7 @@ void bind_for(py::module_& m) {
         T* o = mutable_ptr(out);
         py::gil_scoped_release release;
         auto e = c.problem.evaluate(X.data(), eps);
-        return block::loss_hessian_diagonal(e, c.target, c.part, c.wrt, o);
+        return e.loss_hessian_diagonal(c.target, c.part, c.wrt, o);
       },
       py::arg("X").noconvert(), py::arg("spec"), py::arg("weights"), py::arg("eps"), py::arg("kind"),
       py::arg("values").noconvert().none(true), py::arg("classes").noconvert().none(true), py::arg("part"),
@@ -137,7 +134,7 @@ void bind_for(py::module_& m) {
         else require_shape(out, {c.P}, "out");
         T* o = mutable_ptr(out);
         py::gil_scoped_release release;
-        block::HessianOperator<T>(c.problem.evaluate(X.data(), eps), c.target, c.part, c.wrt).apply_columns(V.data(), k, o);
+        block::LossHessianOperator<T>(c.problem.evaluate(X.data(), eps), c.target, c.part, c.wrt).apply_columns(V.data(), k, o);
       },
       py::arg("X").noconvert(), py::arg("spec"), py::arg("weights"), py::arg("eps"), py::arg("kind"),
       py::arg("values").noconvert().none(true), py::arg("classes").noconvert().none(true), py::arg("part"),
@@ -146,7 +143,7 @@ void bind_for(py::module_& m) {
 
   // The loss Hessian as an operator: the forward and reverse passes are computed once, at
   // construction; apply(V, out) writes H V for V of shape (P,) or (P, k).
-  using Operator = block::HessianOperator<T>;
+  using Operator = block::LossHessianOperator<T>;
   // module_local: every instruction-set build of the core (_core_portable, _core_x86_64_v3, ...)
   // binds this same C++ type.
   py::class_<Operator>(m, sizeof(T) == 8 ? "HessianOperator64" : "HessianOperator32", py::module_local())

@@ -10,9 +10,7 @@
 #include <vector>
 
 #include "binding.hpp"
-#include "blockhess/block.hpp"
-#include "blockhess/block_hessian.hpp"
-#include "blockhess/block_loss.hpp"
+#include "blockhess/block_model.hpp"
 
 namespace blockhess::bind {
 
@@ -35,11 +33,11 @@ struct Problem {
   std::vector<const T*> weights;
 
   // The block at X, for one call: the weights are the caller's arrays, alive until it returns.
-  block::Evaluation<T> evaluate(const T* X, T eps) const {
-    return block::forward(spec, dims, B, X, weights, eps, engine::Storage::borrow);
+  block::Model<T> evaluate(const T* X, T eps) const {
+    return block::Model<T>(spec, dims, B, X, weights, eps, engine::Storage::borrow);
   }
   // For an object that outlives the call (the Hessian operator): a copy of the weights.
-  block::Evaluation<T> evaluate_kept(const T* X, T eps) const { return block::forward(spec, dims, B, X, weights, eps); }
+  block::Model<T> evaluate_kept(const T* X, T eps) const { return block::Model<T>(spec, dims, B, X, weights, eps); }
   std::vector<block::ParamShape> shapes() const { return block::parameters(spec, dims); }
 };
 

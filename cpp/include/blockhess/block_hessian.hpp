@@ -14,13 +14,12 @@
 #include <vector>
 
 #include "blockhess/block.hpp"
+#include "blockhess/block_target.hpp"
 #include "blockhess/engine/assemble.hpp"
 #include "blockhess/engine/diagonal.hpp"
 #include "blockhess/layernorm.hpp"
 
 namespace blockhess::block {
-
-enum class Part : int { full = 0, outer = 1, functional = 2 };
 
 // Where each parameter sits in the flattened vector of the selected ones; *total: their size.
 template <class T>

@@ -1,29 +1,14 @@
 // Loss value, gradient and Hessian of the Transformer block over a batch (docs/derivation.md §4, H^(k)).
 #pragma once
 
-#include <cstdint>
 #include <memory>
 
 #include "blockhess/block.hpp"
 #include "blockhess/block_hessian.hpp"
+#include "blockhess/block_target.hpp"
 #include "blockhess/loss.hpp"
 
 namespace blockhess::block {
-
-// What the loss is measured against: float targets (mse) or class indices (cross_entropy: one per
-// token; pooled_cross_entropy: one per sample, through the fixed classifier `head`).
-template <class T>
-struct Target {
-  loss::Kind kind = loss::Kind::mse;
-  const T* values = nullptr;              // (B*L, d)
-  const std::int64_t* classes = nullptr;  // (B*L), or (B) when pooled
-  loss::Head<T> head;                     // pooled_cross_entropy only
-
-  bool pooled() const { return kind == loss::Kind::pooled_cross_entropy; }
-  loss::Derivatives<T> derivatives(index_t B, index_t L, index_t d, const T* Z, bool with_hessian) const {
-    return loss::derivatives(kind, B, L, d, Z, values, classes, with_hessian, head);
-  }
-};
 
 // The loss and its derivatives with respect to Z: a target far outside Z's range (|Z| <= sqrt(d))
 // can overflow them.

@@ -1,74 +1,58 @@
 // Matrix products split over the core's thread pool by blocks of the result.
 //
-// Eigen runs one product on one thread here (the core has no OpenMP). A large product is cut into
-// blocks of rows or columns whose size depends on the shapes only, never on the thread count, so
-// every entry comes out of the same Eigen kernel call, bit for bit, however many threads run it. Small
-// products, and products inside an already parallel loop, run on the caller.
+// The engine calls product() on Eigen maps, blocks and transposes; product() reduces them to plain
+// views (pointer, shape, row stride or column stride) and calls matrix_product<T>, the one GEMM of
+// the core. Its definition (parallel_product_impl.hpp) is included here for header-only use; the
+// Python modules compile it once per instruction-set level instead (BLOCKHESS_COMPILED), so that
+// the engine's many call sites do not each instantiate Eigen's product machinery.
 #pragma once
 
-#include <algorithm>
+#include <type_traits>
+
+#include <Eigen/Core>
 
 #include "blockhess/config.hpp"
-#include "blockhess/parallel.hpp"
 
 namespace blockhess {
 
-namespace detail {
-// Blocks of a product along its longer side: few and large, since each block packs the other
-// operand again (at most kProductBlocks blocks, at least kProductBlockMin rows or columns each).
-constexpr index_t kProductBlocks = 4;
-constexpr index_t kProductBlockMin = 32;
-inline index_t product_block(index_t extent) {
-  return std::max<index_t>(kProductBlockMin, (extent + kProductBlocks - 1) / kProductBlocks);
-}
+// A dense matrix in memory: rows x cols, `stride` apart between rows (row_major) or columns.
+template <class T>
+struct MatrixView {
+  T* data = nullptr;
+  index_t rows = 0, cols = 0, stride = 0;
+  bool row_major = true;
+};
 
-// Eigen packs panels of both operands of a product, at most depth x rows and depth x columns;
-// a pack over 128 KiB (EIGEN_STACK_ALLOCATION_LIMIT) is taken from malloc on every call. Where
-// malloc's thresholds are pinned (Dask's worker processes set MALLOC_TRIM_THRESHOLD_), every such
-// pack is a fresh mmap that faults in its pages: 136 faults per product of the paper's block at
-// B = 64, 5% of its time. A deep product into a small result (a weight's gradient, summed over
-// thousands of tokens) is therefore summed in chunks of depth whose packs fit the stack. Larger
-// results are not cut: their packs are small next to their arithmetic.
-constexpr index_t kStackPackBytes = 128 * 1024;
-constexpr index_t kDepthChunkMin = 256;
-template <class Scalar>
-index_t depth_chunk(index_t depth, index_t rows, index_t cols) {
-  const index_t widest = std::max<index_t>(1, std::max(rows, cols));
-  const index_t chunk = kStackPackBytes / (static_cast<index_t>(sizeof(Scalar)) * widest) / 16 * 16;
-  return chunk >= kDepthChunkMin && chunk < depth ? chunk : depth;
+// C = alpha * A * B (assign) or C += alpha * A * B (accumulate); C row-major.
+template <class T>
+void matrix_product(MatrixView<T> C, MatrixView<const T> A, MatrixView<const T> B, T alpha, bool accumulate);
+
+namespace detail {
+template <class Expr>
+auto matrix_view(Expr& e) {
+  using Scalar = std::remove_pointer_t<decltype(e.data())>;
+  static_assert(std::decay_t<Expr>::InnerStrideAtCompileTime == 1, "product: operands must have unit inner stride");
+  return MatrixView<Scalar>{e.data(), e.rows(), e.cols(), e.outerStride(),
+                            (std::decay_t<Expr>::Flags & Eigen::RowMajorBit) != 0};
+}
+template <class T>
+MatrixView<const T> read_only(MatrixView<T> v) {
+  return MatrixView<const T>{v.data, v.rows, v.cols, v.stride, v.row_major};
 }
 }  // namespace detail
 
-// C = alpha * A * B (assign) or C += alpha * A * B (accumulate). C is a writable Eigen map or
-// block; A and B any Eigen expressions whose rows and columns can be sliced (maps, transposes).
+// C = alpha * A * B or C += alpha * A * B. C is a writable row-major Eigen map or block; A and B
+// maps, blocks of maps or their transposes.
 template <class Dst, class Lhs, class Rhs, class Scalar>
 void product(Dst C, const Lhs& A, const Rhs& B, Scalar alpha, bool accumulate) {
-  const index_t m = C.rows(), n = C.cols(), k = A.cols();
-  const bool by_rows = m >= n;
-  const index_t extent = by_rows ? m : n, block = detail::product_block(extent);
-  const index_t blocks = (extent + block - 1) / block;
-  const index_t chunk = detail::depth_chunk<typename Dst::Scalar>(k, by_rows ? std::min(block, m) : m,
-                                                                  by_rows ? n : std::min(block, n));
-  detail::parallel_for(blocks, block * (by_rows ? n : m) * k, [&](index_t b) {
-    const index_t i0 = b * block, len = std::min(block, extent - i0);
-    index_t k0 = 0;
-    do {  // at least once: a product of depth 0 still assigns zeros
-      const index_t depth = std::min(chunk, k - k0);
-      const bool add = accumulate || k0 > 0;
-      const auto Ak = A.middleCols(k0, depth);
-      const auto Bk = B.middleRows(k0, depth);
-      if (by_rows) {
-        auto Cb = C.middleRows(i0, len);
-        if (add) Cb.noalias() += alpha * (Ak.middleRows(i0, len) * Bk);
-        else Cb.noalias() = alpha * (Ak.middleRows(i0, len) * Bk);
-      } else {
-        auto Cb = C.middleCols(i0, len);
-        if (add) Cb.noalias() += alpha * (Ak * Bk.middleCols(i0, len));
-        else Cb.noalias() = alpha * (Ak * Bk.middleCols(i0, len));
-      }
-      k0 += depth;
-    } while (k0 < k);
-  });
+  using T = typename Dst::Scalar;
+  static_assert(Dst::IsRowMajor, "product: the result must be row-major");
+  matrix_product<T>(detail::matrix_view(C), detail::read_only(detail::matrix_view(A)),
+                    detail::read_only(detail::matrix_view(B)), T(alpha), accumulate);
 }
 
 }  // namespace blockhess
+
+#ifndef BLOCKHESS_COMPILED
+#include "blockhess/parallel_product_impl.hpp"
+#endif

@@ -188,4 +188,10 @@ void add_diagonal(const Graph<T>& g, Terms<T> terms, const std::vector<index_t>&
   }
 }
 
+#ifdef BLOCKHESS_COMPILED
+// Compiled once per instruction-set level with the kernels (cpp/compiled/assembly.cpp).
+extern template void add_diagonal<float>(const Graph<float>&, Terms<float>, const std::vector<index_t>&, float*);
+extern template void add_diagonal<double>(const Graph<double>&, Terms<double>, const std::vector<index_t>&, double*);
+#endif
+
 }  // namespace blockhess::engine

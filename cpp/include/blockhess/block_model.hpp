@@ -1,0 +1,91 @@
+// The block's public C++ API: a block of the family (params.hpp's Spec) evaluated at one batch, and
+// everything the core computes from it (output, Jacobians, output second derivatives, the loss
+// gradient, the dense loss Hessian and its diagonal, and the loss Hessian as an operator).
+//
+// This header declares; block_model_impl.hpp defines, on the engine (engine/graph.hpp). Header-only
+// use gets both. A build that compiles the engine once per instruction-set level in translation
+// units of its own (the Python modules) defines BLOCKHESS_COMPILED for everything else, which then
+// sees these declarations only and instantiates none of the engine.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "blockhess/block_target.hpp"
+#include "blockhess/config.hpp"
+#include "blockhess/engine/graph.hpp"
+#include "blockhess/params.hpp"
+
+namespace blockhess::block {
+
+template <class T>
+class Evaluation;  // block.hpp: the engine graph underneath a Model
+template <class T>
+class HessianOperator;  // block_hvp.hpp
+template <class T>
+class LossHessianOperator;
+
+// The block at X (samples x L x d, row-major) with the given weights (one row-major array per
+// parameters(spec, dims) entry, in that order): the forward pass is run at construction. The
+// weights are copied, or with Storage::borrow read in place for the model's lifetime.
+template <class T>
+class Model {
+ public:
+  Model(const Spec& spec, const Dims& dims, index_t samples, const T* X, const std::vector<const T*>& weights, T eps,
+        engine::Storage storage = engine::Storage::copy);
+  Model(Model&&) noexcept;
+  Model& operator=(Model&&) noexcept;
+  ~Model();
+
+  const std::vector<ParamShape>& shapes() const;
+  index_t samples() const;
+  index_t tokens() const;
+  const T* output() const;  // Z: (tokens, d)
+
+  // dZ/dW_p for one sample: (L d, n_p).
+  void jacobian(int p, T* J);
+  // d2Z / dW_i dW_j for one sample, in the paper's layout (L d n_i, n_j).
+  void output_hessian(int i, int j, T* out);
+  // The loss; its gradient (every parameter, in the canonical order) into grad unless null.
+  T loss_gradient(const Target<T>& target, T* grad);
+  // The loss; the (P, P) Hessian (or its part) over the parameters in wrt into H.
+  T loss_hessian(const Target<T>& target, Part part, const Selection& wrt, T* H);
+  // The loss; the diagonal of that Hessian (P entries) into diag, with no block of it formed.
+  T loss_hessian_diagonal(const Target<T>& target, Part part, const Selection& wrt, T* diag);
+
+  // The engine's evaluation, for assembly into another target (the GPU's DeviceHessian).
+  Evaluation<T>& evaluation();
+
+ private:
+  friend class LossHessianOperator<T>;
+  std::unique_ptr<Evaluation<T>> e_;
+};
+
+// The loss Hessian (or its part) over the parameters in wrt as an operator: the forward pass, the
+// loss derivatives and the reverse pass are done once, at construction; every product reuses them,
+// and nothing P x P is formed (block_hvp.hpp).
+template <class T>
+class LossHessianOperator {
+ public:
+  LossHessianOperator(Model<T>&& model, const Target<T>& target, Part part, const Selection& wrt);
+  LossHessianOperator(LossHessianOperator&&) noexcept;
+  LossHessianOperator& operator=(LossHessianOperator&&) noexcept;
+  ~LossHessianOperator();
+
+  index_t size() const;  // P
+  T loss_value() const;
+  // out = H v for one vector v of length size().
+  void apply(const T* v, T* out) const;
+  // out = H V for V of shape (size(), k), both row-major; the columns run in parallel, each
+  // computed the same way whichever thread runs it.
+  void apply_columns(const T* V, index_t k, T* out) const;
+
+ private:
+  std::unique_ptr<HessianOperator<T>> op_;
+};
+
+}  // namespace blockhess::block
+
+#ifndef BLOCKHESS_COMPILED
+#include "blockhess/block_model_impl.hpp"
+#endif
