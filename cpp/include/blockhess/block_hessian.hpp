@@ -16,6 +16,7 @@
 #include "blockhess/block.hpp"
 #include "blockhess/block_target.hpp"
 #include "blockhess/engine/assemble.hpp"
+#include "blockhess/engine/derivatives.hpp"
 #include "blockhess/engine/diagonal.hpp"
 #include "blockhess/layernorm.hpp"
 
@@ -78,37 +79,12 @@ void add_hessian_diagonal(const Evaluation<T>& e, const OuterCurvature<T>& outer
   engine::add_diagonal(e.graph(), hessian_terms(e, outer, part), offset, diag);
 }
 
-// dZ/dW_p for one sample: (L d, n_p), from p's factor at Z.
+// dZ/dW_p for one sample: (L d, n_p), from p's factor at Z (engine/derivatives.hpp).
 template <class T>
 void jacobian(Evaluation<T>& e, int p, T* J) {
-  engine::Graph<T>& g = e.graph();
-  Selection only(e.shapes().size(), false);
-  only.at(static_cast<size_t>(p)) = true;
-  g.select(only);
-  g.push_factors(/*to_output=*/true);
-  const index_t d = e.dims().d, np = e.shapes()[static_cast<size_t>(p)].size();
-  std::fill_n(J, e.tokens() * d * np, T(0));  // a piece that does not move the output (a key bias) stays 0
-  for (int piece : g.pieces_of(p)) {
-    const engine::Factor<T>& f = g.factor(g.output(), piece);
-    if (!f.present) continue;
-    const index_t no = f.split.n_vec(), nr = f.n_mat();
-    blockhess::detail::parallel_for(e.tokens(), d * np, [&](index_t t) {
-      Mat<T> U;
-      f.materialise(t, U);
-      const T* v = f.vec->data() + t * no;
-      for (index_t a = 0; a < d; ++a) {
-        T* row = J + (t * d + a) * np;
-        for (index_t o = 0; o < no; ++o)
-          for (index_t r = 0; r < nr; ++r) row[f.split.flat(o, r)] = v[o] * U(a, r);
-      }
-    });
-  }
+  engine::jacobian(e.graph(), p, J);
 }
 
-// d2 Z / dW_i dW_j for one sample: for each output entry o, the Hessian of Z_o (whose cotangent
-// is the unit vector e_o) over W_i and W_j, assembled through `out` (a (P, P) target: HostHessian,
-// or the GPU's DeviceHessian); then take(o, row, col, n_i, n_j) reads its (i, j) block, which
-// starts at (row, col).
 // The selection of parameters i and j (one parameter when i == j); *P: its size.
 template <class T>
 Selection pair_selection(const Evaluation<T>& e, int i, int j, index_t* P) {
@@ -118,41 +94,17 @@ Selection pair_selection(const Evaluation<T>& e, int i, int j, index_t* P) {
   return wrt;
 }
 
+// d2 Z / dW_i dW_j for one sample, assembled through `out` and read by take (engine/derivatives.hpp),
+// each reverse pass checked as the block's are.
 template <class T, class Out, class Take>
 void output_hessians(Evaluation<T>& e, int i, int j, Out& out, Take&& take) {
-  const Selection wrt = pair_selection(e, i, j, nullptr);
-  e.graph().select(wrt);
-  e.graph().push_factors(/*to_output=*/false);
-  const std::vector<index_t> off = selected_offsets(e, wrt, nullptr);
-  const index_t ni = e.shapes()[static_cast<size_t>(i)].size(), nj = e.shapes()[static_cast<size_t>(j)].size();
-  const index_t m = e.tokens() * e.dims().d;
-  Buffer<T> gZ(m, T(0));
-  for (index_t o = 0; o < m; ++o) {
-    gZ[o] = T(1);
-    e.reverse(gZ.data());
-    assemble_hessian_into(e, OuterCurvature<T>{}, Part::functional, wrt, out);
-    take(o, off[static_cast<size_t>(i)], off[static_cast<size_t>(j)], ni, nj);
-    gZ[o] = T(0);
-  }
+  engine::output_hessians(e.graph(), i, j, [&e](const T* gZ) { e.reverse(gZ); }, out, std::forward<Take>(take));
 }
 
 // The same in host memory, in the paper's layout (L d n_i, n_j).
 template <class T>
 void output_hessian(Evaluation<T>& e, int i, int j, T* out) {
-  index_t P = 0;
-  pair_selection(e, i, j, &P);
-  Buffer<T> H(P * P);
-  engine::HostHessian<T> target{H.data(), P};
-  output_hessians(e, i, j, target, [&](index_t o, index_t row, index_t col, index_t ni, index_t nj) {
-    for (index_t a = 0; a < ni; ++a) std::copy_n(H.data() + (row + a) * P + col, nj, out + (o * ni + a) * nj);
-  });
-}
-
-// The paper's block (the default spec).
-template <class T>
-void output_hessian(const Dims& D, const T* X, const Weights<T>& W, T eps, int i, int j, T* out) {
-  Evaluation<T> e = forward(D, 1, X, W, eps);
-  output_hessian(e, i, j, out);
+  engine::output_hessian(e.graph(), i, j, [&e](const T* gZ) { e.reverse(gZ); }, out);
 }
 
 }  // namespace blockhess::block

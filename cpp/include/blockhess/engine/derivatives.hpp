@@ -1,0 +1,87 @@
+// Derivatives of a graph's output itself (no loss), for any wiring: its Jacobian with respect to a
+// parameter (from the parameter's tangent factors at the output) and its second derivatives with
+// respect to two parameters (one reverse pass and one assembly per output entry).
+#pragma once
+
+#include <algorithm>
+#include <vector>
+
+#include "blockhess/buffer.hpp"
+#include "blockhess/config.hpp"
+#include "blockhess/engine/assemble.hpp"
+#include "blockhess/engine/graph.hpp"
+#include "blockhess/parallel.hpp"
+
+namespace blockhess::engine {
+
+// dZ/dW_p: (tokens width(Z), n_p), row t w + a, column p's flat index.
+template <class T>
+void jacobian(Graph<T>& g, int p, T* J) {
+  std::vector<bool> only(static_cast<size_t>(g.num_params()), false);
+  only.at(static_cast<size_t>(p)) = true;
+  g.select(only);
+  g.push_factors(/*to_output=*/true);
+  const index_t w = g.width(g.output()), np = g.parameter(p).size();
+  std::fill_n(J, g.tokens() * w * np, T(0));  // a piece that does not move the output (a key bias) stays 0
+  for (int piece : g.pieces_of(p)) {
+    const Factor<T>& f = g.factor(g.output(), piece);
+    if (!f.present) continue;
+    const index_t no = f.split.n_vec(), nr = f.n_mat();
+    blockhess::detail::parallel_for(g.tokens(), w * np, [&](index_t t) {
+      Mat<T> U;
+      f.materialise(t, U);
+      const T* v = f.vec->data() + t * no;
+      for (index_t a = 0; a < w; ++a) {
+        T* row = J + (t * w + a) * np;
+        for (index_t o = 0; o < no; ++o)
+          for (index_t r = 0; r < nr; ++r) row[f.split.flat(o, r)] = v[o] * U(a, r);
+      }
+    });
+  }
+}
+
+// d2 Z_o / dW_i dW_j for every output entry o: for each, the Hessian of Z_o (whose cotangent is the
+// unit vector e_o; reverse(gZ) runs the reverse pass) over W_i and W_j, assembled through `out` (a
+// (P, P) target: HostHessian, or the GPU's DeviceHessian); then take(o, row, col, n_i, n_j) reads
+// its (i, j) block, which starts at (row, col).
+template <class T, class Reverse, class Out, class Take>
+void output_hessians(Graph<T>& g, int i, int j, Reverse&& reverse, Out& out, Take&& take) {
+  std::vector<bool> wrt(static_cast<size_t>(g.num_params()), false);
+  wrt.at(static_cast<size_t>(i)) = wrt.at(static_cast<size_t>(j)) = true;
+  g.select(wrt);
+  g.push_factors(/*to_output=*/false);
+  std::vector<index_t> off(wrt.size(), 0);
+  for (size_t p = 0, total = 0; p < wrt.size(); ++p) {
+    off[p] = static_cast<index_t>(total);
+    if (wrt[p]) total += static_cast<size_t>(g.parameter(static_cast<int>(p)).size());
+  }
+  const index_t ni = g.parameter(i).size(), nj = g.parameter(j).size();
+  const index_t m = g.tokens() * g.width(g.output());
+  Buffer<T> gZ(m, T(0));
+  for (index_t o = 0; o < m; ++o) {
+    gZ[o] = T(1);
+    reverse(gZ.data());
+    assemble(g, g.curvature(), off, out);
+    take(o, off[static_cast<size_t>(i)], off[static_cast<size_t>(j)], ni, nj);
+    gZ[o] = T(0);
+  }
+}
+
+// The size of the selection {W_i, W_j} (one parameter when i == j): the P of output_hessians' target.
+template <class T>
+index_t pair_size(const Graph<T>& g, int i, int j) {
+  return g.parameter(i).size() + (i == j ? 0 : g.parameter(j).size());
+}
+
+// The same in host memory, in the layout (tokens width(Z) n_i, n_j).
+template <class T, class Reverse>
+void output_hessian(Graph<T>& g, int i, int j, Reverse&& reverse, T* result) {
+  const index_t P = pair_size(g, i, j);
+  Buffer<T> H(P * P);
+  HostHessian<T> target{H.data(), P};
+  output_hessians(g, i, j, reverse, target, [&](index_t o, index_t row, index_t col, index_t ni, index_t nj) {
+    for (index_t a = 0; a < ni; ++a) std::copy_n(H.data() + (row + a) * P + col, nj, result + (o * ni + a) * nj);
+  });
+}
+
+}  // namespace blockhess::engine
