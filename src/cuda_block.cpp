@@ -50,8 +50,7 @@ void bind_for(py::module_& m, const char* suffix) {
         if (out == 0) throw std::invalid_argument("blockhess._cuda: out is null");
         py::gil_scoped_release release;
         auto e = p.evaluate(X.data(), eps);
-        index_t P = 0;
-        block::pair_selection(e.evaluation(), i, j, &P);
+        const index_t P = engine::pair_size(e.evaluation().graph(), i, j);
         cuda::DeviceArray<T> scratch(static_cast<size_t>(P * P), stream);
         cuda::DeviceHessian<T> H{scratch.data(), P, stream};
         T* dst = reinterpret_cast<T*>(out);

@@ -85,15 +85,6 @@ void jacobian(Evaluation<T>& e, int p, T* J) {
   engine::jacobian(e.graph(), p, J);
 }
 
-// The selection of parameters i and j (one parameter when i == j); *P: its size.
-template <class T>
-Selection pair_selection(const Evaluation<T>& e, int i, int j, index_t* P) {
-  Selection wrt(e.shapes().size(), false);
-  wrt.at(static_cast<size_t>(i)) = wrt.at(static_cast<size_t>(j)) = true;
-  selected_offsets(e, wrt, P);
-  return wrt;
-}
-
 // d2 Z / dW_i dW_j for one sample, assembled through `out` and read by take (engine/derivatives.hpp),
 // each reverse pass checked as the block's are.
 template <class T, class Out, class Take>
