@@ -1,18 +1,17 @@
-// Bindings for single-head self-attention: forward and the Jacobians with respect to W_Q, W_K,
-// W_V and X. Outputs are allocated in Python and written in place.
+// Bindings for single-head self-attention (components.hpp): forward and the Jacobians with respect
+// to W_Q, W_K, W_V and X. Outputs are allocated in Python and written in place.
 #include "binding.hpp"
 
-#include "blockhess/attention.hpp"
-#include "blockhess/finite.hpp"
+#include "blockhess/components.hpp"
 
 namespace blockhess::bind {
 namespace {
 
 template <class T>
-attention::Dims dims_of(const carray<T>& X, const carray<T>& WQ, const carray<T>& WK, const carray<T>& WV) {
+components::AttentionDims dims_of(const carray<T>& X, const carray<T>& WQ, const carray<T>& WK, const carray<T>& WV) {
   if (X.ndim() != 2 || WQ.ndim() != 2 || WV.ndim() != 2)
     throw std::invalid_argument("attention: X, W_Q, W_K and W_V must be 2-D");
-  const attention::Dims s{X.shape(0), X.shape(1), WQ.shape(1), WV.shape(1)};
+  const components::AttentionDims s{X.shape(0), X.shape(1), WQ.shape(1), WV.shape(1)};
   require_shape(WQ, {s.d, s.dk}, "W_Q");
   require_shape(WK, {s.d, s.dk}, "W_K");
   require_shape(WV, {s.d, s.dv}, "W_V");
@@ -29,7 +28,7 @@ void bind_for(py::module_& m) {
         const T *x = X.data(), *wq = WQ.data(), *wk = WK.data(), *wv = WV.data();
         T* o = mutable_ptr(out);
         py::gil_scoped_release release;
-        attention::forward(x, wq, wk, wv, s, o);
+        components::attention_forward(x, wq, wk, wv, s, o);
       },
       py::arg("X").noconvert(), py::arg("W_Q").noconvert(), py::arg("W_K").noconvert(),
       py::arg("W_V").noconvert(), py::arg("out").noconvert());
@@ -41,15 +40,12 @@ void bind_for(py::module_& m) {
          carray<T>& out) {
         const auto s = dims_of(X, WQ, WK, WV);
         if (wrt < 0 || wrt > 3) throw std::invalid_argument("attention_jacobian: wrt must be 0..3");
-        const auto w = static_cast<attention::Wrt>(wrt);
-        require_shape(out, {s.L * s.dv, s.n_wrt(w)}, "out");
+        const auto w = static_cast<components::AttentionWrt>(wrt);
+        require_shape(out, {s.L * s.dv, components::columns(s, w)}, "out");
         const T *x = X.data(), *wq = WQ.data(), *wk = WK.data(), *wv = WV.data();
         T* o = mutable_ptr(out);
         py::gil_scoped_release release;
-        FiniteRecord finite;  // every entry checked as it is written
-        attention::jacobian(x, wq, wk, wv, s, w, o, &finite);
-        static const char* const name[] = {"W_Q", "W_K", "W_V", "X"};
-        finite.require<T>(std::string("the attention Jacobian with respect to ") + name[wrt]);
+        components::attention_jacobian(x, wq, wk, wv, s, w, o);  // checked finite
       },
       py::arg("X").noconvert(), py::arg("W_Q").noconvert(), py::arg("W_K").noconvert(),
       py::arg("W_V").noconvert(), py::arg("wrt"), py::arg("out").noconvert());

@@ -230,7 +230,7 @@ def attention(X: Any, W_Q: Any, W_K: Any, W_V: Any) -> Any:
 
 
 def attention_jacobian(X: Any, W_Q: Any, W_K: Any, W_V: Any, wrt: str) -> Any:
-    """dF/d(wrt) (L d_v, n_wrt), with the per-token forms of attention.hpp."""
+    """dF/d(wrt) (L d_v, n_wrt), with the per-token forms of docs/derivation.md §3.3."""
     xp = _xp(X)
     _same_device(X, W_Q, W_K, W_V)
     (L, d), dk, dv = X.shape, W_Q.shape[1], W_V.shape[1]

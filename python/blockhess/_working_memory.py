@@ -23,16 +23,27 @@ def softmax(m: int, n: int, itemsize: int) -> int:
     return itemsize * m * n
 
 
-def attention(L: int, d: int, dk: int, dv: int, itemsize: int, wrt: str | None = None) -> int:
-    """attention.hpp: input copies, Q, K, V, logits and A (L, L), F; plus the Jacobian's own arrays."""
+def attention(L: int, d: int, dk: int, dv: int, itemsize: int, wrt: str | None = None, threads: int = 1) -> int:
+    """components.hpp on the engine's attention node: copies of X and the weights, Q, K, V, the
+    logits and A (L, L), F; for a weight's Jacobian its tangent factors at F (engine/derivatives.hpp
+    jacobian), for X one forward tangent per thread (input_tangents: dX, dQ, dK, dV, dA, dT, dF)."""
     cache = 2 * L * L + L * (d + 2 * dk + 2 * dv) + d * (2 * dk + dv)
-    extra = {None: 0, "W_Q": L * dk + L * dv * dk, "W_K": L * d + L * dv * d, "W_V": L * d, "X": 2 * L * d}[wrt]
+    tangent = 2 * L * L + L * (2 * d + 2 * dk + 2 * dv)
+    extra = {None: 0, "W_Q": L * dv * dk + dv * d * dk, "W_K": L * dk + L * dv * d + dv * d * d, "W_V": L * d,
+             "X": threads * tangent}[wrt]
     return itemsize * (cache + extra)
 
 
-def ffn(L: int, d: int, f: int, e: int, itemsize: int) -> int:
-    """ffn.hpp: copies of Y and W_1, H = Y W_1, W_2 and the (L, e) product."""
-    return itemsize * (L * d + d * f + L * f + f * e + L * e + 2 * f)
+def ffn(L: int, d: int, f: int, e: int, itemsize: int, what: str | None = None, threads: int = 1) -> int:
+    """components.hpp on the engine's linear and relu nodes: copies of Y and the weights, H = Y W_1,
+    relu(H) and relu'(H), F; for W_1's Jacobian or factors its tangent factors (L, e, f) at F, for Y
+    one forward tangent per thread, for the cross second derivative W_1's factor at relu(H)
+    ("cross") or the reverse pass and one (P, P) assembly per output entry ("cross_dense")."""
+    cache = L * d + d * f + f * e + 3 * L * f + L * e
+    P = d * f + f * e
+    extra = {None: 0, "W_1": L * e * f + L * f, "W_2": L * f, "Y": threads * (L * d + 2 * L * f + L * e),
+             "cross": L * f + threads * f * f, "cross_dense": P * P + L * (2 * f + d + e)}[what]
+    return itemsize * (cache + extra)
 
 
 def block(B: int, L: int, d: int, dk: int, dff: int, itemsize: int, *, hessian: bool, outer: bool = True,

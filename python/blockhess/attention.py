@@ -13,6 +13,7 @@ import numpy as np
 
 from . import _backend, _core, _gpu, _working_memory
 from ._interop import returns_callers_kind
+from ._threads import get_num_threads
 from ._validate import choice, common_dtype, contiguous, float_array, require_finite, require_output_fits
 
 _WRT = ("W_Q", "W_K", "W_V", "X")
@@ -62,9 +63,9 @@ def attention_jacobian(X: Any, W_Q: Any, W_K: Any, W_V: Any, wrt: str) -> np.nda
 
     ``wrt`` is one of ``"W_Q"``, ``"W_K"`` (both give ``(L*d_v, d*d_k)``), ``"W_V"``
     (``(L*d_v, d*d_v)``) or ``"X"`` (``(L*d_v, L*d)``). These are the paper's G_Q, G_K (with the
-    corrected commutation matrix of erratum E10) and G_V, computed token by token without forming
-    Kronecker or commutation matrices; the X Jacobian is not in the paper (derivation in
-    ``attention.hpp``).
+    corrected commutation matrix of erratum E10) and G_V, read from the engine's per-token factors
+    without forming Kronecker or commutation matrices; the X Jacobian (not in the paper,
+    docs/derivation.md §3.3) is one forward tangent per entry of X.
     """
     wrt = choice(wrt, "wrt", _WRT)
     X, W_Q, W_K, W_V, dtype = _prepare(X, W_Q, W_K, W_V)
@@ -73,7 +74,7 @@ def attention_jacobian(X: Any, W_Q: Any, W_K: Any, W_V: Any, wrt: str) -> np.nda
     shape = (L * d_v, n_wrt)
     what = f"the attention Jacobian with respect to {wrt}"
     require_output_fits(shape, dtype, what, "use fewer tokens",
-                        working=_working_memory.attention(L, d, d_k, d_v, dtype.itemsize, wrt))
+                        working=_working_memory.attention(L, d, d_k, d_v, dtype.itemsize, wrt, get_num_threads()))
     if _backend.on_device(X, W_Q, W_K, W_V):
         return require_finite(_gpu.attention_jacobian(X, W_Q, W_K, W_V, wrt), what)
     out = np.empty(shape, dtype=dtype)

@@ -3,11 +3,10 @@
 // halves of the sanitizer build run in parallel.
 #pragma once
 
-#include <blockhess/attention.hpp>
 #include <blockhess/block_hvp.hpp>
 #include <blockhess/block_loss.hpp>
 #include <blockhess/commutation.hpp>
-#include <blockhess/ffn.hpp>
+#include <blockhess/components.hpp>
 #include <blockhess/kron_sum.hpp>
 #include <blockhess/layernorm.hpp>
 #include <blockhess/parallel.hpp>
@@ -320,20 +319,20 @@ void check_commutation(std::mt19937_64& rng, index_t m, index_t n) {
 
 template <class T>
 void check_attention(std::mt19937_64& rng, index_t L, index_t d, index_t dk, index_t dv) {
-  namespace at = bh::attention;
+  namespace at = bh::components;
   const std::string ctx = std::string("attention ") + type_name<T>() + " " + shape({L, d, dk, dv});
-  const at::Dims s{L, d, dk, dv};
+  const at::AttentionDims s{L, d, dk, dv};
   const auto X = randn<T>(rng, L * d);
   const auto WQ = randn<T>(rng, d * dk, 1.0 / std::sqrt(double(d))), WK = randn<T>(rng, d * dk, 1.0 / std::sqrt(double(d)));
   const auto WV = randn<T>(rng, d * dv, 1.0 / std::sqrt(double(d)));
   std::vector<T> F(L * dv);
-  at::forward(X.data(), WQ.data(), WK.data(), WV.data(), s, F.data());
+  at::attention_forward(X.data(), WQ.data(), WK.data(), WV.data(), s, F.data());
   CHECK(all_finite(F), ctx);
   std::array<std::vector<T>, 4> J;
-  for (at::Wrt wrt : {at::Wrt::W_Q, at::Wrt::W_K, at::Wrt::W_V, at::Wrt::X}) {
+  for (at::AttentionWrt wrt : {at::AttentionWrt::W_Q, at::AttentionWrt::W_K, at::AttentionWrt::W_V, at::AttentionWrt::X}) {
     auto& Jw = J[static_cast<int>(wrt)];
-    Jw.assign(L * dv * s.n_wrt(wrt), T(0));
-    at::jacobian(X.data(), WQ.data(), WK.data(), WV.data(), s, wrt, Jw.data());
+    Jw.assign(L * dv * at::columns(s, wrt), T(0));
+    at::attention_jacobian(X.data(), WQ.data(), WK.data(), WV.data(), s, wrt, Jw.data());
     CHECK(all_finite(Jw), ctx + " wrt " + std::to_string(static_cast<int>(wrt)));
   }
   if constexpr (std::is_same_v<T, double>) {  // central differences with respect to W_Q and to X
@@ -348,9 +347,9 @@ void check_attention(std::mt19937_64& rng, index_t L, index_t d, index_t dk, ind
       for (index_t k = 0; k < nvar; ++k) {
         const T keep = var[k];
         var[k] = keep + h;
-        at::forward(Xv.data(), Wq.data(), WK.data(), WV.data(), s, Fp.data());
+        at::attention_forward(Xv.data(), Wq.data(), WK.data(), WV.data(), s, Fp.data());
         var[k] = keep - h;
-        at::forward(Xv.data(), Wq.data(), WK.data(), WV.data(), s, Fm.data());
+        at::attention_forward(Xv.data(), Wq.data(), WK.data(), WV.data(), s, Fm.data());
         var[k] = keep;
         for (index_t o = 0; o < L * dv; ++o)
           worst = std::max(worst, std::abs((Fp[o] - Fm[o]) / (2 * h) - J[which][o * nvar + k]));
@@ -360,7 +359,7 @@ void check_attention(std::mt19937_64& rng, index_t L, index_t d, index_t dk, ind
     }
   }
   CHECK(throws<std::invalid_argument>([&] {
-          at::forward(X.data(), WQ.data(), WK.data(), WV.data(), at::Dims{L, d, 0, dv}, F.data());
+          at::attention_forward(X.data(), WQ.data(), WK.data(), WV.data(), at::AttentionDims{L, d, 0, dv}, F.data());
         }),
         ctx + " d_k = 0");
 }
@@ -370,21 +369,22 @@ void check_attention(std::mt19937_64& rng, index_t L, index_t d, index_t dk, ind
 
 template <class T>
 void check_ffn(std::mt19937_64& rng, index_t L, index_t d, index_t f, index_t e) {
-  namespace ff = bh::ffn;
+  namespace ff = bh::components;
+  using Kind = ff::FfnJacobian;
   const std::string ctx = std::string("ffn ") + type_name<T>() + " " + shape({L, d, f, e});
-  const ff::Dims s{L, d, f, e};
+  const ff::FfnDims s{L, d, f, e};
   const auto Y = randn<T>(rng, L * d), W1 = randn<T>(rng, d * f), W2 = randn<T>(rng, f * e);
   std::vector<T> F(L * e), J1(L * e * d * f), M(L * e * f), R(L * f), J2(L * e * f * e);
   std::vector<T> JYb(L * e * d), JYd(L * e * L * d), Cb(L * d * f), Cd(L * e * d * f * f * e);
-  ff::forward(Y.data(), W1.data(), W2.data(), s, F.data());
-  ff::jacobian_w1(Y.data(), W1.data(), W2.data(), s, J1.data());
-  ff::jacobian_w1_factor(Y.data(), W1.data(), W2.data(), s, M.data());
-  ff::activations(Y.data(), W1.data(), s, R.data());
-  ff::jacobian_w2(Y.data(), W1.data(), s, J2.data());
-  ff::jacobian_y_blocks(Y.data(), W1.data(), W2.data(), s, JYb.data());
-  ff::jacobian_y_dense(Y.data(), W1.data(), W2.data(), s, JYd.data());
-  ff::cross_hessian_blocks(Y.data(), W1.data(), s, Cb.data());
-  ff::cross_hessian_dense(Y.data(), W1.data(), s, Cd.data());
+  ff::ffn_forward(Y.data(), W1.data(), W2.data(), s, F.data());
+  ff::ffn_jacobian(Y.data(), W1.data(), W2.data(), s, Kind::W_1, J1.data());
+  ff::ffn_jacobian(Y.data(), W1.data(), W2.data(), s, Kind::W_1_factor, M.data());
+  ff::ffn_jacobian(Y.data(), W1.data(), W2.data(), s, Kind::W_2_factor, R.data());
+  ff::ffn_jacobian(Y.data(), W1.data(), W2.data(), s, Kind::W_2, J2.data());
+  ff::ffn_jacobian(Y.data(), W1.data(), W2.data(), s, Kind::Y_blocks, JYb.data());
+  ff::ffn_jacobian(Y.data(), W1.data(), W2.data(), s, Kind::Y, JYd.data());
+  ff::ffn_cross_hessian(Y.data(), W1.data(), W2.data(), s, ff::FfnCross::blocks, Cb.data());
+  ff::ffn_cross_hessian(Y.data(), W1.data(), W2.data(), s, ff::FfnCross::dense, Cd.data());
   CHECK(all_finite(F) && all_finite(J1) && all_finite(J2) && all_finite(JYd) && all_finite(Cd), ctx);
 
   bool kron_ok = true, y_ok = true, cross_ok = true, w2_ok = true;
@@ -417,9 +417,9 @@ void check_ffn(std::mt19937_64& rng, index_t L, index_t d, index_t f, index_t e)
     for (index_t k = 0; k < d * f; ++k) {
       const T keep = W[k];
       W[k] = keep + h;
-      ff::forward(Y.data(), W.data(), W2.data(), s, Fp.data());
+      ff::ffn_forward(Y.data(), W.data(), W2.data(), s, Fp.data());
       W[k] = keep - h;
-      ff::forward(Y.data(), W.data(), W2.data(), s, Fm.data());
+      ff::ffn_forward(Y.data(), W.data(), W2.data(), s, Fm.data());
       W[k] = keep;
       for (index_t o = 0; o < L * e; ++o)
         worst = std::max(worst, std::abs((Fp[o] - Fm[o]) / (2 * h) - J1[o * d * f + k]));
@@ -440,16 +440,32 @@ struct BlockCase {
   T eps;
 };
 
+// The paper's block (the default spec) at one batch: its parameters in the registry's order
+// (params.hpp: W_Q, W_K, W_V, W_1, W_2).
 template <class T>
 struct BlockData {
+  std::vector<bh::block::ParamShape> shapes;
   std::vector<T> X, target;
   std::vector<std::int64_t> classes;
-  std::array<std::vector<T>, bh::block::kNumParams> W;
+  std::vector<std::vector<T>> W;
 
-  bh::block::Weights<T> weights() const {
-    bh::block::Weights<T> w;
-    for (int p = 0; p < bh::block::kNumParams; ++p) w.w[p] = W[p].data();
+  int index(const std::string& name) const {
+    for (size_t p = 0; p < shapes.size(); ++p)
+      if (shapes[p].name == name) return static_cast<int>(p);
+    throw std::logic_error("no parameter " + name);
+  }
+  index_t size() const {
+    index_t P = 0;
+    for (const auto& p : shapes) P += p.size();
+    return P;
+  }
+  std::vector<const T*> weights() const {
+    std::vector<const T*> w;
+    for (const auto& a : W) w.push_back(a.data());
     return w;
+  }
+  bh::block::Evaluation<T> evaluate(const bh::block::Dims& D, index_t B, T eps) const {
+    return bh::block::forward(bh::block::Spec{}, D, B, X.data(), weights(), eps);
   }
   bh::block::Target<T> tgt(bh::loss::Kind kind) const {
     bh::block::Target<T> t;
@@ -463,12 +479,12 @@ struct BlockData {
 template <class T>
 BlockData<T> block_data(std::mt19937_64& rng, const bh::block::Dims& D, index_t B) {
   BlockData<T> data;
+  data.shapes = bh::block::parameters(bh::block::Spec{}, D);
   data.X = randn<T>(rng, B * D.L * D.d);
   data.target = randn<T>(rng, B * D.L * D.d);
   std::uniform_int_distribution<std::int64_t> cls(0, D.d - 1);
   for (index_t t = 0; t < B * D.L; ++t) data.classes.push_back(cls(rng));
-  for (int p = 0; p < bh::block::kNumParams; ++p)
-    data.W[p] = randn<T>(rng, D.size(p), 1.0 / std::sqrt(static_cast<double>(D.rows(p))));
+  for (const auto& p : data.shapes) data.W.push_back(randn<T>(rng, p.size(), 1.0 / std::sqrt(static_cast<double>(p.rows))));
   return data;
 }
 
@@ -480,22 +496,22 @@ void check_block(std::mt19937_64& rng, const BlockCase<T>& bc) {
                           std::to_string(bc.B) + (bc.kind == bh::loss::Kind::mse ? " mse" : " cross_entropy") +
                           " eps=" + std::to_string(static_cast<double>(bc.eps));
   const BlockData<T> data = block_data<T>(rng, D, bc.B);
-  const auto W = data.weights();
   const auto target = data.tgt(bc.kind);
-  index_t P = 0;
-  for (int p = 0; p < blk::kNumParams; ++p) P += D.size(p);
-  const blk::Selection all{true, true, true, true, true};
+  const index_t P = data.size();
+  const blk::Selection all(data.shapes.size(), true);
+  auto hessian = [&](blk::Part part, const blk::Selection& wrt, T* out) {
+    auto e = data.evaluate(D, bc.B, bc.eps);
+    blk::loss_hessian(e, target, part, wrt, out);
+  };
 
   std::vector<T> grad(P), H(P * P), H1(P * P), Ho(P * P), Hf(P * P);
-  const T value = blk::loss_gradient(D, bc.B, data.X.data(), W, bc.eps, target, grad.data());
+  auto e = data.evaluate(D, bc.B, bc.eps);
+  const T value = blk::loss_gradient(e, target, grad.data());
   CHECK(std::isfinite(value) && all_finite(grad), ctx);
-  with_thread_counts([&](int threads) {
-    std::vector<T>& out = threads == 1 ? H1 : H;
-    blk::loss_hessian(D, bc.B, data.X.data(), W, bc.eps, target, blk::Part::full, all, out.data());
-  });
+  with_thread_counts([&](int threads) { hessian(blk::Part::full, all, (threads == 1 ? H1 : H).data()); });
   CHECK(H == H1, ctx + " Hessian independent of the thread count (bit for bit)");
-  blk::loss_hessian(D, bc.B, data.X.data(), W, bc.eps, target, blk::Part::outer, all, Ho.data());
-  blk::loss_hessian(D, bc.B, data.X.data(), W, bc.eps, target, blk::Part::functional, all, Hf.data());
+  hessian(blk::Part::outer, all, Ho.data());
+  hessian(blk::Part::functional, all, Hf.data());
   CHECK(all_finite(H) && all_finite(Ho) && all_finite(Hf), ctx);
   bool sym = true;
   for (index_t i = 0; i < P; ++i)
@@ -507,19 +523,20 @@ void check_block(std::mt19937_64& rng, const BlockCase<T>& bc) {
 
   // A selection (W_V and W_2) is the matching sub-block of the full Hessian.
   {
-    const blk::Selection sel{false, false, true, false, true};
+    const int wv = data.index("W_V"), w2 = data.index("W_2");
+    blk::Selection sel(data.shapes.size(), false);
+    sel[wv] = sel[w2] = true;
     std::vector<index_t> off, full_off;
-    const auto shapes = blk::parameters(blk::Spec{}, D);
-    const index_t Ps = blk::offsets(shapes, sel, off);
-    blk::offsets(shapes, all, full_off);
+    const index_t Ps = blk::offsets(data.shapes, sel, off);
+    blk::offsets(data.shapes, all, full_off);
     std::vector<T> Hs(Ps * Ps), ref(Ps * Ps);
-    blk::loss_hessian(D, bc.B, data.X.data(), W, bc.eps, target, blk::Part::full, sel, Hs.data());
-    for (int p : {blk::W_V, blk::W_2})
-      for (int q : {blk::W_V, blk::W_2})
-        for (index_t a = 0; a < D.size(p); ++a)
-          for (index_t b = 0; b < D.size(q); ++b)
+    hessian(blk::Part::full, sel, Hs.data());
+    for (int p : {wv, w2})
+      for (int q : {wv, w2})
+        for (index_t a = 0; a < data.shapes[p].size(); ++a)
+          for (index_t b = 0; b < data.shapes[q].size(); ++b)
             ref[(off[p] + a) * Ps + off[q] + b] = H[(full_off[p] + a) * P + full_off[q] + b];
-    CHECK(Ps == D.size(blk::W_V) + D.size(blk::W_2) && rel_diff(Hs, ref) < 100 * tol<T>(),
+    CHECK(Ps == data.shapes[wv].size() + data.shapes[w2].size() && rel_diff(Hs, ref) < 100 * tol<T>(),
           ctx + " selected parameters = sub-block");
   }
 
@@ -529,7 +546,7 @@ void check_block(std::mt19937_64& rng, const BlockCase<T>& bc) {
     const index_t k = 3;
     const auto V = randn<T>(rng, P * k);
     for (auto [part, dense] : {std::pair{blk::Part::full, &H}, {blk::Part::outer, &Ho}, {blk::Part::functional, &Hf}}) {
-      const blk::HessianOperator<T> op(D, bc.B, data.X.data(), W, bc.eps, target, part, all);
+      const blk::HessianOperator<T> op(data.evaluate(D, bc.B, bc.eps), target, part, all);
       std::vector<T> HV(P * k), HV1(P * k), ref(P * k, T(0));
       with_thread_counts([&](int threads) { op.apply_columns(V.data(), k, (threads == 1 ? HV1 : HV).data()); });
       op.apply_columns(V.data(), k, HV.data());  // a second product reuses the operator's scratch
@@ -549,10 +566,10 @@ void check_block(std::mt19937_64& rng, const BlockCase<T>& bc) {
     auto shifted = [&](double step, std::vector<T>* g) {
       BlockData<T> moved = data;
       index_t k = 0;
-      for (int p = 0; p < blk::kNumParams; ++p)
-        for (T& w : moved.W[p]) w += step * v[k++];
-      return blk::loss_gradient(D, bc.B, moved.X.data(), moved.weights(), bc.eps, moved.tgt(bc.kind),
-                                g ? g->data() : static_cast<T*>(nullptr));
+      for (auto& a : moved.W)
+        for (T& w : a) w += step * v[k++];
+      auto em = moved.evaluate(D, bc.B, bc.eps);
+      return blk::loss_gradient(em, moved.tgt(bc.kind), g ? g->data() : static_cast<T*>(nullptr));
     };
     std::vector<T> gp(P), gm(P), Hv(P, T(0)), fd(P);
     const double lp = shifted(h, &gp), lm = shifted(-h, &gm);
@@ -664,29 +681,30 @@ inline void check_block_output_derivatives(std::mt19937_64& rng) {
   const blk::Dims D{3, 2, 3, 4};
   const std::string ctx = "block output derivatives double " + shape({D.L, D.d, D.dk, D.dff});
   const BlockData<double> data = block_data<double>(rng, D, 1);
-  const auto W = data.weights();
   const double eps = 1e-5;
-  blk::Evaluation<double> e = blk::forward(D, 1, data.X.data(), W, eps);
+  blk::Evaluation<double> e = data.evaluate(D, 1, eps);
   const index_t m = D.L * D.d;
-  for (int p = 0; p < blk::kNumParams; ++p) {
-    std::vector<double> J(m * D.size(p));
+  for (int p = 0; p < static_cast<int>(data.shapes.size()); ++p) {
+    const index_t n = data.shapes[p].size();
+    std::vector<double> J(m * n);
     blk::jacobian(e, p, J.data());
     const double h = 1e-6;
     double worst = 0;
-    for (index_t k = 0; k < D.size(p); ++k) {
+    for (index_t k = 0; k < n; ++k) {
       BlockData<double> moved = data;
       moved.W[p][k] += h;
-      const auto ep = blk::forward(D, 1, moved.X.data(), moved.weights(), eps);
+      const auto ep = moved.evaluate(D, 1, eps);
       moved.W[p][k] -= 2 * h;
-      const auto em = blk::forward(D, 1, moved.X.data(), moved.weights(), eps);
+      const auto em = moved.evaluate(D, 1, eps);
       const double *Zp = ep.output(), *Zm = em.output();
-      for (index_t o = 0; o < m; ++o) worst = std::max(worst, std::abs((Zp[o] - Zm[o]) / (2 * h) - J[o * D.size(p) + k]));
+      for (index_t o = 0; o < m; ++o) worst = std::max(worst, std::abs((Zp[o] - Zm[o]) / (2 * h) - J[o * n + k]));
     }
     CHECK(all_finite(J) && worst < 1e-6 * std::max(1.0, max_abs(J)),
-          ctx + " finite differences of dZ/dW_" + std::to_string(p));
+          ctx + " finite differences of dZ/d" + data.shapes[p].name);
   }
-  for (auto [i, j] : {std::pair<int, int>{blk::W_Q, blk::W_Q}, {blk::W_K, blk::W_1}, {blk::W_2, blk::W_2}}) {
-    const index_t ni = D.size(i), nj = D.size(j);
+  const int wq = data.index("W_Q"), wk = data.index("W_K"), w1 = data.index("W_1"), w2 = data.index("W_2");
+  for (auto [i, j] : {std::pair<int, int>{wq, wq}, {wk, w1}, {w2, w2}}) {
+    const index_t ni = data.shapes[i].size(), nj = data.shapes[j].size();
     std::vector<double> out(m * ni * nj);
     blk::output_hessian(e, i, j, out.data());
     bool sym = true;
@@ -704,32 +722,27 @@ inline void check_block_errors(std::mt19937_64& rng) {
   const blk::Dims D{4, 3, 2, 5};
   BlockData<double> data = block_data<double>(rng, D, 2);
   std::vector<double> grad(200 * 200);
-  const blk::Selection all{true, true, true, true, true};
-  CHECK(throws<std::invalid_argument>([&] {
-          blk::loss_gradient(blk::Dims{4, 0, 2, 5}, 1, data.X.data(), data.weights(), 0.0,
-                             data.tgt(bh::loss::Kind::mse), grad.data());
-        }),
+  const blk::Selection all(data.shapes.size(), true);
+  auto gradient = [&](const BlockData<double>& at, const blk::Dims& dims, index_t B, bh::loss::Kind kind) {
+    auto e = at.evaluate(dims, B, 0.0);
+    return blk::loss_gradient(e, at.tgt(kind), grad.data());
+  };
+  CHECK(throws<std::invalid_argument>([&] { gradient(data, blk::Dims{4, 0, 2, 5}, 1, bh::loss::Kind::mse); }),
         "block d = 0");
   data.classes[3] = D.d;  // out of range
   CHECK(throws<std::invalid_argument>([&] {
-          blk::loss_hessian(D, 2, data.X.data(), data.weights(), 0.0, data.tgt(bh::loss::Kind::cross_entropy),
-                            blk::Part::full, all, grad.data());
+          auto e = data.evaluate(D, 2, 0.0);
+          blk::loss_hessian(e, data.tgt(bh::loss::Kind::cross_entropy), blk::Part::full, all, grad.data());
         }),
         "block class index out of range");
   data.classes[3] = 0;
-  for (int p : {blk::W_Q, blk::W_K})  // X W_Q W_K^T X^T overflows: the attention logits are infinite
-    for (double& w : data.W[p]) w *= 1e160;
-  CHECK(throws<bh::non_finite_error>([&] {
-          blk::loss_gradient(D, 2, data.X.data(), data.weights(), 0.0, data.tgt(bh::loss::Kind::mse), grad.data());
-        }),
-        "block overflowing logits");
+  for (const char* name : {"W_Q", "W_K"})  // X W_Q W_K^T X^T overflows: the attention logits are infinite
+    for (double& w : data.W[data.index(name)]) w *= 1e160;
+  CHECK(throws<bh::non_finite_error>([&] { gradient(data, D, 2, bh::loss::Kind::mse); }), "block overflowing logits");
   // d = 1 without eps: every row of X + F is constant, LayerNorm is not differentiable.
   const blk::Dims D1{3, 1, 2, 2};
   const BlockData<double> one = block_data<double>(rng, D1, 1);
-  CHECK(throws<std::domain_error>([&] {
-          blk::loss_gradient(D1, 1, one.X.data(), one.weights(), 0.0, one.tgt(bh::loss::Kind::mse), grad.data());
-        }),
-        "block d = 1 without eps");
+  CHECK(throws<std::domain_error>([&] { gradient(one, D1, 1, bh::loss::Kind::mse); }), "block d = 1 without eps");
 }
 
 template <class T>

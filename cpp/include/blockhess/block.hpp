@@ -7,7 +7,6 @@
 // reverse pass that carries a cotangent of Z back to every intermediate and to the parameters.
 #pragma once
 
-#include <array>
 #include <memory>
 #include <vector>
 
@@ -18,13 +17,6 @@
 #include "blockhess/params.hpp"
 
 namespace blockhess::block {
-
-// The paper's five weights (the default spec), row-major, shapes Dims::rows(p) x Dims::cols(p).
-template <class T>
-struct Weights {
-  std::array<const T*, kNumParams> w{};
-  std::vector<const T*> all() const { return std::vector<const T*>(w.begin(), w.end()); }
-};
 
 // The block evaluated at one input (its forward pass done): the engine graph and its caches.
 template <class T>
@@ -38,7 +30,6 @@ class Evaluation {
     values_ = blocks::wire(*graph_, spec, D, X, weights, eps, storage);
     graph_->forward();
   }
-  Evaluation(const Dims& D, index_t B, const T* X, const Weights<T>& W, T eps) : Evaluation(Spec{}, D, B, X, W.all(), eps) {}
 
   const Spec& spec() const { return spec_; }
   const std::vector<ParamShape>& shapes() const { return shapes_; }
@@ -76,10 +67,6 @@ class Evaluation {
   blocks::Values values_;
 };
 
-template <class T>
-Evaluation<T> forward(const Dims& dims, index_t B, const T* X, const Weights<T>& W, T eps) {
-  return Evaluation<T>(dims, B, X, W, eps);
-}
 template <class T>
 Evaluation<T> forward(const Spec& spec, const Dims& dims, index_t B, const T* X, const std::vector<const T*>& weights, T eps,
                       engine::Storage storage = engine::Storage::copy) {

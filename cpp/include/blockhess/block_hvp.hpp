@@ -50,10 +50,6 @@ class HessianOperator {
     e_.graph().select(wrt);
     offset_ = selected_offsets(e_, wrt, &size_);
   }
-  // The paper's block (the default spec).
-  HessianOperator(const Dims& D, index_t B, const T* X, const Weights<T>& W, T eps, const Target<T>& target,
-                  Part part, const Selection& wrt)
-      : HessianOperator(forward(D, B, X, W, eps), target, part, wrt) {}
 
   index_t size() const { return size_; }
   T loss_value() const { return value_; }

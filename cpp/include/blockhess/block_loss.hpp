@@ -103,17 +103,4 @@ T loss_hessian_diagonal(Evaluation<T>& e, const Target<T>& target, Part part, co
   return value;
 }
 
-// The paper's block (the default spec).
-template <class T>
-T loss_gradient(const Dims& D, index_t B, const T* X, const Weights<T>& W, T eps, const Target<T>& target, T* grad) {
-  Evaluation<T> e = forward(D, B, X, W, eps);
-  return loss_gradient(e, target, grad);
-}
-template <class T>
-T loss_hessian(const Dims& D, index_t B, const T* X, const Weights<T>& W, T eps, const Target<T>& target, Part part,
-               const Selection& wrt, T* H) {
-  Evaluation<T> e = forward(D, B, X, W, eps);
-  return loss_hessian(e, target, part, wrt, H);
-}
-
 }  // namespace blockhess::block

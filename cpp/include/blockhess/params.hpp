@@ -35,12 +35,6 @@ struct Dims {
   index_t L = 0, d = 0, dk = 0, dff = 0, dv = 0;  // dv = 0: d / heads (the paper: d)
 
   index_t value_width(const Spec& s) const { return dv > 0 ? dv : d / s.heads; }
-
-  // The paper's block (the default spec): W_Q, W_K (d, d_k); W_V (d, d); W_1 (d, d_ff); W_2 (d_ff, d).
-  index_t rows(int p) const { return p == 4 ? dff : d; }
-  index_t cols(int p) const { return p <= 1 ? dk : p == 3 ? dff : d; }
-  index_t size(int p) const { return rows(p) * cols(p); }
-  index_t total_size() const { return size(0) + size(1) + size(2) + size(3) + size(4); }
   // has_ffn = false (an attention-only block): d_ff is not used and may be 0.
   void check(bool has_ffn = true) const {
     if (L < 1 || d < 1 || dk < 1 || (has_ffn && dff < 1))
@@ -48,10 +42,6 @@ struct Dims {
                                           : "block: L, d and d_k must all be >= 1");
   }
 };
-
-// The paper's parameters, by position.
-enum Param : int { W_Q = 0, W_K = 1, W_V = 2, W_1 = 3, W_2 = 4 };
-constexpr int kNumParams = 5;
 
 struct ParamShape {
   std::string name;

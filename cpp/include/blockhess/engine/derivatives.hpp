@@ -1,6 +1,7 @@
 // Derivatives of a graph's output itself (no loss), for any wiring: its Jacobian with respect to a
-// parameter (from the parameter's tangent factors at the output) and its second derivatives with
-// respect to two parameters (one reverse pass and one assembly per output entry).
+// parameter (from the parameter's tangent factors at the output), its forward tangents along
+// tangents of its input (Graph::jvp_input: columns of the input Jacobian), and its second
+// derivatives with respect to two parameters (one reverse pass and one assembly per output entry).
 #pragma once
 
 #include <algorithm>
@@ -11,6 +12,7 @@
 #include "blockhess/engine/assemble.hpp"
 #include "blockhess/engine/graph.hpp"
 #include "blockhess/parallel.hpp"
+#include "blockhess/thread_pool.hpp"
 
 namespace blockhess::engine {
 
@@ -38,6 +40,25 @@ void jacobian(Graph<T>& g, int p, T* J) {
       }
     });
   }
+}
+
+// The output's tangents along `count` tangents of the input value x, no parameter moving:
+// seed(k, dX) writes the k-th tangent of x (tokens, width(x)), then take(k, dZ) reads the output's
+// (null where x does not reach it). The tangents run in parallel, one Tangent per thread, each
+// computed the same way whichever thread runs it; work: the multiply-adds of one.
+template <class T, class Seed, class Take>
+void input_tangents(const Graph<T>& g, int x, index_t count, index_t work, Seed&& seed, Take&& take) {
+  const int slots = parallel::num_threads();
+  std::vector<Tangent<T>> tangents(static_cast<size_t>(slots));
+  std::vector<Buffer<T>> dX(static_cast<size_t>(slots));
+  const bool parallel = count * work >= blockhess::detail::kParallelWorkThreshold;
+  const index_t chunk = blockhess::detail::chunk_size(count, work, slots);
+  blockhess::detail::parallel_for_slots(count, parallel, chunk, slots, [&](index_t k, int slot) {
+    Buffer<T>& in = dX[static_cast<size_t>(slot)];
+    in.resize(static_cast<size_t>(g.tokens() * g.width(x)));
+    seed(k, in.data());
+    take(k, g.jvp_input(tangents[static_cast<size_t>(slot)], x, in.data()));
+  });
 }
 
 // d2 Z_o / dW_i dW_j for every output entry o: for each, the Hessian of Z_o (whose cotangent is the

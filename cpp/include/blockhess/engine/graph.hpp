@@ -16,6 +16,7 @@
 // math lives in the nodes; nothing here knows what a LayerNorm or an attention head is.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -293,11 +294,8 @@ class Graph {
   // each node's second derivatives (the functional part). v and out hold the selected parameters.
   template <class Seed>
   void hvp(Tangent<T>& tg, const std::vector<index_t>& offset, const T* v, Seed&& seed, bool curved, T* out) const {
-    const size_t nv = width_.size(), np = params_.size();
-    tg.d.resize(nv), tg.dcot.resize(nv), tg.node_scratch.resize(nodes_.size());
-    tg.has_d.assign(nv, 0), tg.dcot_written.assign(nv, 0);
-    tg.dW.assign(np, nullptr), tg.dgrad.assign(np, nullptr);
-    for (size_t p = 0; p < np; ++p)
+    start(tg);
+    for (size_t p = 0; p < params_.size(); ++p)
       if (selected_[p]) tg.dW[p] = v + offset[p], tg.dgrad[p] = out + offset[p];
     for (auto& node : nodes_) node->jvp(*this, tg);
     const index_t n_out = tokens() * width(output_);
@@ -308,7 +306,25 @@ class Graph {
       if (tg.in((*it)->output)) (*it)->vjp_tangent(*this, tg, curved);
   }
 
+  // The forward tangent of every value for the tangent dX of the input value x, no parameter
+  // moving (the forward half of hvp): returns the output's tangent, or null where x does not reach it.
+  const T* jvp_input(Tangent<T>& tg, int x, const T* dX) const {
+    start(tg);
+    const index_t n = tokens() * width(x);
+    std::copy_n(dX, n, tg.out(x, n));
+    for (auto& node : nodes_) node->jvp(*this, tg);
+    return tg.in(output_);
+  }
+
  private:
+  // A Tangent with no value moving yet and no parameter selected.
+  void start(Tangent<T>& tg) const {
+    const size_t nv = width_.size(), np = params_.size();
+    tg.d.resize(nv), tg.dcot.resize(nv), tg.node_scratch.resize(nodes_.size());
+    tg.has_d.assign(nv, 0), tg.dcot_written.assign(nv, 0);
+    tg.dW.assign(np, nullptr), tg.dgrad.assign(np, nullptr);
+  }
+
   int new_value(index_t width, int producer, bool varies) {
     width_.push_back(width);
     producer_.push_back(producer);

@@ -70,7 +70,7 @@ void mirror_upper(T* H, index_t n, index_t ld, std::uintptr_t stream);
 template <class T>
 void blockdiag_dense(const T* blocks, index_t tokens, index_t r, index_t c, T* out, std::uintptr_t stream);
 
-// dF/dX of single-head attention, (L dv, L d), from the forward quantities (attention.hpp):
+// dF/dX of single-head attention, (L dv, L d), from the forward quantities (docs/derivation.md §3.3):
 //   out[t dv + a, u d + b] = A[t,u] W_V[b,a] + (c A[t,u] (V[u,a] - F[t,a])) Qt[t,b] + delta_tu D[t,a,b]
 // with A (L, L), W_V (d, dv), V and F (L, dv), Qt = Q W_K^T (L, d), D (L, dv, d), c = 1/sqrt(d_k).
 template <class T>

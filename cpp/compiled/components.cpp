@@ -1,0 +1,16 @@
+// The component functions (components.hpp) for both scalars, compiled once: the bindings, built
+// with BLOCKHESS_COMPILED, link to these.
+#include "blockhess/components_impl.hpp"
+
+namespace blockhess::components {
+#define BLOCKHESS_COMPONENTS(T)                                                                               \
+  template void attention_forward<T>(const T*, const T*, const T*, const T*, const AttentionDims&, T*);       \
+  template void attention_jacobian<T>(const T*, const T*, const T*, const T*, const AttentionDims&,           \
+                                      AttentionWrt, T*);                                                      \
+  template void ffn_forward<T>(const T*, const T*, const T*, const FfnDims&, T*);                             \
+  template void ffn_jacobian<T>(const T*, const T*, const T*, const FfnDims&, FfnJacobian, T*);               \
+  template void ffn_cross_hessian<T>(const T*, const T*, const T*, const FfnDims&, FfnCross, T*);
+BLOCKHESS_COMPONENTS(float)
+BLOCKHESS_COMPONENTS(double)
+#undef BLOCKHESS_COMPONENTS
+}  // namespace blockhess::components

@@ -1,0 +1,222 @@
+// The definitions behind components.hpp: each sublayer wired as a graph of the engine's nodes, and
+// each result read from the engine's derivatives of that graph (engine/derivatives.hpp).
+#pragma once
+
+#include <algorithm>
+#include <initializer_list>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include "blockhess/activation.hpp"
+#include "blockhess/components.hpp"
+#include "blockhess/eigen.hpp"
+#include "blockhess/engine/derivatives.hpp"
+#include "blockhess/engine/graph.hpp"
+#include "blockhess/engine/nodes/attention.hpp"
+#include "blockhess/engine/nodes/linear.hpp"
+#include "blockhess/engine/nodes/pointwise.hpp"
+#include "blockhess/finite.hpp"
+#include "blockhess/parallel.hpp"
+
+namespace blockhess::components {
+namespace detail {
+
+// A sublayer's graph after its forward pass: its input value and (FFN) its hidden units relu(Y W_1).
+// The parameters are the graph's 0, 1 (and 2), in the order of the function's arguments.
+template <class T>
+struct Wired {
+  Wired(const T* input_values, index_t L, index_t width)
+      : graph(std::make_unique<engine::Graph<T>>(1, L)), input(graph->input(input_values, width)) {}
+  std::unique_ptr<engine::Graph<T>> graph;
+  int input = -1, hidden = -1;
+};
+
+// Runs `compute`, reporting an overflow inside the engine as one of `what`: the nodes name their
+// stage as the block's ("block: the queries X W_Q"), which here is a stage of `what`.
+template <class Fn>
+void named(const std::string& what, Fn&& compute) {
+  try {
+    compute();
+  } catch (const non_finite_error& e) {
+    std::string stage = e.what();
+    const std::string block = "block: ";
+    if (stage.compare(0, block.size(), block) == 0) stage.erase(0, block.size());
+    throw non_finite_error(what + ": " + stage);
+  }
+}
+
+// An invalid_argument naming every size unless all are >= 1.
+inline void require_sizes(const char* what, std::initializer_list<std::pair<const char*, index_t>> sizes) {
+  std::string names, got;
+  bool ok = true;
+  for (const auto& [name, n] : sizes) {
+    ok = ok && n >= 1;
+    names += std::string(names.empty() ? "" : ", ") + name;
+    got += std::string(got.empty() ? "" : ", ") + name + "=" + std::to_string(n);
+  }
+  if (!ok) throw std::invalid_argument(std::string(what) + ": need " + names + " >= 1, got " + got);
+}
+
+template <class T>
+Wired<T> attention(const T* X, const T* W_Q, const T* W_K, const T* W_V, const AttentionDims& s) {
+  require_sizes("attention", {{"L", s.L}, {"d", s.d}, {"d_k", s.dk}, {"d_v", s.dv}});
+  Wired<T> w(X, s.L, s.d);
+  engine::Graph<T>& g = *w.graph;
+  const int wq = g.param("W_Q", s.d, s.dk, W_Q, engine::Storage::borrow);
+  const int wk = g.param("W_K", s.d, s.dk, W_K, engine::Storage::borrow);
+  const int wv = g.param("W_V", s.d, s.dv, W_V, engine::Storage::borrow);
+  g.set_output(g.add(std::make_unique<engine::AttentionNode<T>>(), {w.input}, {wq, wk, wv}, s.dv));
+  g.forward();
+  return w;
+}
+
+constexpr int kW1 = 0, kW2 = 1;  // the FFN graph's parameters
+
+template <class T>
+Wired<T> ffn(const T* Y, const T* W_1, const T* W_2, const FfnDims& s) {
+  require_sizes("ffn", {{"L", s.L}, {"d", s.d}, {"d_ff", s.f}, {"d_out", s.e}});
+  Wired<T> w(Y, s.L, s.d);
+  engine::Graph<T>& g = *w.graph;
+  const int w1 = g.param("W_1", s.d, s.f, W_1, engine::Storage::borrow);
+  const int w2 = g.param("W_2", s.f, s.e, W_2, engine::Storage::borrow);
+  const int H = g.add(std::make_unique<engine::LinearNode<T>>("the FFN pre-activations Y W_1"), {w.input}, {w1}, s.f);
+  w.hidden = g.add(std::make_unique<engine::PointwiseNode<T>>(activation::Kind::relu), {H}, {}, s.f);
+  g.set_output(g.add(std::make_unique<engine::LinearNode<T>>("the FFN output relu(Y W_1) W_2"), {w.hidden}, {w2}, s.e));
+  g.forward();
+  return w;
+}
+
+// dF/dY of the FFN, dense (L e, L d) or its diagonal blocks (L, e, d). The FFN acts on each token
+// alone, so one tangent that moves feature b of every token at once gives column b of every
+// token's block: d tangents, not L d.
+template <class T>
+void ffn_input_jacobian(const Wired<T>& w, const FfnDims& s, bool dense, T* out) {
+  const index_t L = s.L, d = s.d, e = s.e;
+  if (dense) std::fill_n(out, L * e * L * d, T(0));
+  engine::input_tangents(
+      *w.graph, w.input, d, L * s.f * (d + e),
+      [&](index_t b, T* dY) {
+        for (index_t k = 0; k < L * d; ++k) dY[k] = k % d == b ? T(1) : T(0);
+      },
+      [&](index_t b, const T* dF) {
+        for (index_t t = 0; t < L; ++t)
+          for (index_t c = 0; c < e; ++c) {
+            const index_t row = t * e + c;
+            out[dense ? row * L * d + t * d + b : row * d + b] = dF ? dF[row] : T(0);
+          }
+      });
+}
+
+}  // namespace detail
+
+template <class T>
+void attention_forward(const T* X, const T* W_Q, const T* W_K, const T* W_V, const AttentionDims& s, T* F) {
+  detail::named("the attention output", [&] {
+    const auto w = detail::attention(X, W_Q, W_K, W_V, s);
+    std::copy_n(w.graph->value(w.graph->output()), s.L * s.dv, F);
+  });
+}
+
+template <class T>
+void attention_jacobian(const T* X, const T* W_Q, const T* W_K, const T* W_V, const AttentionDims& s,
+                        AttentionWrt wrt, T* J) {
+  static const char* const name[] = {"W_Q", "W_K", "W_V", "X"};
+  const std::string what = std::string("the attention Jacobian with respect to ") + name[static_cast<int>(wrt)];
+  const index_t rows = s.L * s.dv, cols = columns(s, wrt);
+  detail::named(what, [&] {
+    auto w = detail::attention(X, W_Q, W_K, W_V, s);
+    if (wrt != AttentionWrt::X) {
+      engine::jacobian(*w.graph, static_cast<int>(wrt), J);  // the graph's parameter wrt
+      return;
+    }
+    // Column u d + b: the output's tangent when X[u, b] alone moves (docs/derivation.md §3.3).
+    engine::input_tangents(
+        *w.graph, w.input, cols, s.L * (s.d + s.L) * (2 * s.dk + s.dv),
+        [&](index_t k, T* dX) {
+          std::fill_n(dX, cols, T(0));
+          dX[k] = T(1);
+        },
+        [&](index_t k, const T* dF) {
+          for (index_t r = 0; r < rows; ++r) J[r * cols + k] = dF ? dF[r] : T(0);
+        });
+  });
+  require_finite(J, rows * cols, what);
+}
+
+template <class T>
+void ffn_forward(const T* Y, const T* W_1, const T* W_2, const FfnDims& s, T* F) {
+  detail::named("the FFN output", [&] {
+    const auto w = detail::ffn(Y, W_1, W_2, s);
+    std::copy_n(w.graph->value(w.graph->output()), s.L * s.e, F);
+  });
+}
+
+template <class T>
+void ffn_jacobian(const T* Y, const T* W_1, const T* W_2, const FfnDims& s, FfnJacobian kind, T* out) {
+  static const char* const name[] = {"the FFN Jacobian with respect to W_1",
+                                     "the FFN Jacobian with respect to W_2",
+                                     "the FFN Jacobian with respect to Y",
+                                     "the FFN Jacobian with respect to Y (blocks)",
+                                     "the Kronecker factors of the FFN Jacobian with respect to W_1",
+                                     "the Kronecker factors of the FFN Jacobian with respect to W_2"};
+  const std::string what = name[static_cast<int>(kind)];
+  const index_t L = s.L, d = s.d, f = s.f, e = s.e;
+  const index_t size[] = {L * e * d * f, L * e * f * e, L * e * L * d, L * e * d, L * e * f, L * f};
+  detail::named(what, [&] {
+    auto w = detail::ffn(Y, W_1, W_2, s);
+    engine::Graph<T>& g = *w.graph;
+    switch (kind) {
+      case FfnJacobian::W_1: engine::jacobian(g, detail::kW1, out); break;
+      case FfnJacobian::W_2: engine::jacobian(g, detail::kW2, out); break;
+      case FfnJacobian::Y:
+      case FfnJacobian::Y_blocks: detail::ffn_input_jacobian(w, s, kind == FfnJacobian::Y, out); break;
+      case FfnJacobian::W_1_factor: {
+        // W_1's tangent factor at the output: vec Y_t, U_t = W_2^T relu'(H_t) as (e, f).
+        g.select({true, false});
+        g.push_factors(/*to_output=*/true);
+        const engine::Factor<T>& factor = g.factor(g.output(), g.whole(detail::kW1));
+        blockhess::detail::parallel_for(L, e * f, [&](index_t t) {
+          Mat<T> U;
+          factor.materialise(t, U);
+          std::copy_n(U.data(), e * f, out + t * e * f);
+        });
+        break;
+      }
+      case FfnJacobian::W_2_factor: std::copy_n(g.value(w.hidden), L * f, out); break;
+    }
+  });
+  require_finite(out, size[static_cast<int>(kind)], what);
+}
+
+template <class T>
+void ffn_cross_hessian(const T* Y, const T* W_1, const T* W_2, const FfnDims& s, FfnCross kind, T* out) {
+  const bool dense = kind == FfnCross::dense;
+  const std::string what = dense ? "the dense FFN cross second derivative" : "the FFN cross second-derivative blocks";
+  const index_t L = s.L, d = s.d, f = s.f, e = s.e;
+  detail::named(what, [&] {
+    auto w = detail::ffn(Y, W_1, W_2, s);
+    engine::Graph<T>& g = *w.graph;
+    if (dense) {
+      engine::output_hessian(g, detail::kW1, detail::kW2, [&](const T* gF) { g.reverse(gF); }, out);
+      return;
+    }
+    // The one bilinear term <gF, dR dW_2> pairs W_2 with W_1's factor at the hidden units R:
+    // vec Y_t on W_1's rows, and U_t = diag(relu'(H_t)), whose diagonal holds the values.
+    g.select({true, false});
+    g.push_factors(/*to_output=*/false);
+    const engine::Factor<T>& factor = g.factor(w.hidden, g.whole(detail::kW1));
+    blockhess::detail::parallel_for(L, d * f + f * f, [&](index_t t) {
+      Mat<T> U;
+      factor.materialise(t, U);
+      const T* y = factor.vec->data() + t * d;
+      T* o = out + t * d * f;
+      for (index_t b = 0; b < d; ++b)
+        for (index_t k = 0; k < f; ++k) o[b * f + k] = y[b] * U(k, k);
+    });
+  });
+  require_finite(out, dense ? L * e * d * f * f * e : L * d * f, what);
+}
+
+}  // namespace blockhess::components
