@@ -1,10 +1,11 @@
-"""The post-LN Transformer block (docs/derivation.md §2.1) and its loss derivatives, written directly in PyTorch.
+"""The blocks of the family (blockhess.BlockSpec) and their loss derivatives, written directly in
+PyTorch. The paper's post-LN block (docs/derivation.md §2.1) is the family's default spec:
 
     T = X W_Q W_K^T X^T / sqrt(d_k),  A = softmax_rows(T),  F = A X W_V
     Y = LN(X + F),  S = relu(Y W_1) W_2 + Y,  Z = LN(S)
 
 LN is row-wise over the last axis, population variance, ``eps`` inside the square root, no affine
-parameters inside the block. Losses: "mse" = mean of (Z - target)^2 over every entry (and sample);
+parameters inside the paper's block. Losses: "mse" = mean of (Z - target)^2 over every entry (and sample);
 "cross_entropy" = mean over tokens (and samples) of the cross-entropy of the rows of Z as logits;
 "pooled_cross_entropy" = mean over samples of the cross-entropy of mean_tokens(Z) W_C + b_C, with
 head = (W_C, b_C) fixed and one class per sample.
@@ -26,6 +27,7 @@ import torch
 from torch.func import grad, hessian, jacrev, jvp, vjp
 
 from .block import PARAM_NAMES  # the parameter registry (params.hpp), the one table of names
+from .spec import PAPER_BLOCK
 LOSSES = ("mse", "cross_entropy", "pooled_cross_entropy")
 PARTS = ("full", "outer", "functional")
 
@@ -55,21 +57,19 @@ def softmax_rows(T):
 
 
 def attention(X, WQ, WK, WV):
-    """F = softmax_rows(Q K^T / sqrt(d_k)) V with Q, K, V = X W_Q, X W_K, X W_V, for X of shape (L, d)
-    or (B, L, d)."""
-    T = (X @ WQ) @ (X @ WK).transpose(-1, -2) / math.sqrt(WQ.shape[1])
-    return softmax_rows(T) @ (X @ WV)
+    """The paper's attention: F = softmax_rows(Q K^T / sqrt(d_k)) V with Q, K, V = X W_Q, X W_K,
+    X W_V, for X of shape (L, d) or (B, L, d)."""
+    return _attention(X, PAPER_BLOCK, {"W_Q": WQ, "W_K": WK, "W_V": WV}.get)
 
 
 def ffn(Y, W1, W2):
-    """relu(Y W_1) W_2 (no biases)."""
-    return torch.relu(Y @ W1) @ W2
+    """The paper's FFN: relu(Y W_1) W_2 (no biases)."""
+    return _ffn(Y, PAPER_BLOCK, {"W_1": W1, "W_2": W2}.get)
 
 
 def block(X, WQ, WK, WV, W1, W2, eps=0.0, *, fused=False):
-    """Z of the block for X of shape (L, d) or (B, L, d)."""
-    Y = layernorm(X + attention(X, WQ, WK, WV), eps, fused=fused)
-    return layernorm(ffn(Y, W1, W2) + Y, eps, fused=fused)
+    """Z of the paper's block for X of shape (L, d) or (B, L, d)."""
+    return family_block(X, PAPER_BLOCK, dict(zip(PARAM_NAMES, (WQ, WK, WV, W1, W2))), eps, fused=fused)
 
 
 def loss(Z, target, kind, head=None):
@@ -206,50 +206,54 @@ _ACTIVATIONS = {
 }
 
 
-def family_block(X, spec, named, eps=None):
-    """Z of any block of the family, from its definition (the BlockSpec docstring): ``named`` maps
-    parameter names (blockhess's registry) to tensors; X is (L, d) or (B, L, d)."""
-    eps = spec.eps if eps is None else eps
+def _linear(u, get, w, b):
+    out = u @ get(w)
+    return out + get(b) if get(b) is not None else out
 
-    def get(name):
-        return named.get(name)
+
+def _attention(U, spec, get):
+    """The attention sublayer of `spec` (heads, biases, causal mask, W_O); get(name): the parameter
+    or None."""
+    h = spec.heads
+    Q, K, V = _linear(U, get, "W_Q", "b_Q"), _linear(U, get, "W_K", "b_K"), _linear(U, get, "W_V", "b_V")
+    dk, dv = Q.shape[-1] // h, V.shape[-1] // h
+    L = U.shape[-2]
+    heads = []
+    for i in range(h):
+        T = Q[..., i * dk:(i + 1) * dk] @ K[..., i * dk:(i + 1) * dk].transpose(-1, -2) / math.sqrt(dk)
+        if spec.causal:
+            mask = torch.triu(torch.ones(L, L, dtype=torch.bool, device=T.device), diagonal=1)
+            T = T.masked_fill(mask, float("-inf"))
+        heads.append(softmax_rows(T) @ V[..., i * dv:(i + 1) * dv])
+    F = heads[0] if h == 1 else torch.cat(heads, dim=-1)
+    return _linear(F, get, "W_O", "b_O") if spec.out_proj else F
+
+
+def _ffn(U, spec, get):
+    return _linear(_ACTIVATIONS[spec.activation](_linear(U, get, "W_1", "b_1")), get, "W_2", "b_2")
+
+
+def family_block(X, spec, named, eps=None, *, fused=False):
+    """Z of any block of the family, from its definition (the BlockSpec docstring): ``named`` maps
+    parameter names (blockhess's registry) to tensors; X is (L, d) or (B, L, d). fused: LayerNorm
+    through ``torch.nn.functional.layer_norm`` (see layernorm)."""
+    eps = spec.eps if eps is None else eps
+    get = named.get
 
     def norm(u, k):
         gamma, beta = get(f"gamma_{k}"), get(f"beta_{k}")
         if spec.norm == "rmsnorm":
             z = u / torch.sqrt((u * u).mean(-1, keepdim=True) + eps)
             return z * gamma if gamma is not None else z
-        return layernorm(u, eps, gamma, beta)
-
-    def linear(u, w, b):
-        out = u @ get(w)
-        return out + get(b) if get(b) is not None else out
-
-    def attention_of(U):
-        h = spec.heads
-        Q, K, V = linear(U, "W_Q", "b_Q"), linear(U, "W_K", "b_K"), linear(U, "W_V", "b_V")
-        dk, dv = Q.shape[-1] // h, V.shape[-1] // h
-        L = U.shape[-2]
-        heads = []
-        for i in range(h):
-            T = Q[..., i * dk:(i + 1) * dk] @ K[..., i * dk:(i + 1) * dk].transpose(-1, -2) / math.sqrt(dk)
-            if spec.causal:
-                mask = torch.triu(torch.ones(L, L, dtype=torch.bool, device=T.device), diagonal=1)
-                T = T.masked_fill(mask, float("-inf"))
-            heads.append(torch.softmax(T, dim=-1) @ V[..., i * dv:(i + 1) * dv])
-        F = torch.cat(heads, dim=-1)
-        return linear(F, "W_O", "b_O") if spec.out_proj else F
-
-    def ffn_of(U):
-        return linear(_ACTIVATIONS[spec.activation](linear(U, "W_1", "b_1")), "W_2", "b_2")
+        return layernorm(u, eps, gamma, beta, fused=fused)
 
     if spec.attention_only:  # the lone self-attention layer: no residual, no norms, no FFN
-        return attention_of(X)
+        return _attention(X, spec, get)
     if spec.norm_position == "post":
-        Y = norm(X + attention_of(X), 1)
-        return norm(Y + ffn_of(Y), 2)
-    Y = X + attention_of(norm(X, 1))
-    return Y + ffn_of(norm(Y, 2))
+        Y = norm(X + _attention(X, spec, get), 1)
+        return norm(Y + _ffn(Y, spec, get), 2)
+    Y = X + _attention(norm(X, 1), spec, get)
+    return Y + _ffn(norm(Y, 2), spec, get)
 
 
 def family_of_flat(X, spec, names, shapes, eps=None):
