@@ -65,7 +65,8 @@ def attention_jacobian(X: Any, W_Q: Any, W_K: Any, W_V: Any, wrt: str) -> np.nda
     (``(L*d_v, d*d_v)``) or ``"X"`` (``(L*d_v, L*d)``). These are the paper's G_Q, G_K (with the
     corrected commutation matrix of erratum E10) and G_V, read from the engine's per-token factors
     without forming Kronecker or commutation matrices; the X Jacobian (not in the paper,
-    docs/derivation.md §3.3) is one forward tangent per entry of X.
+    docs/derivation.md §3.3) is one forward tangent per entry of X: L*d tangents, each costing
+    about one forward pass (O(L d (2 d_k + d_v) + L^2 (d_k + d_v))).
     """
     wrt = choice(wrt, "wrt", _WRT)
     X, W_Q, W_K, W_V, dtype = _prepare(X, W_Q, W_K, W_V)

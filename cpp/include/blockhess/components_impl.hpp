@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "blockhess/activation.hpp"
+#include "blockhess/buffer.hpp"
 #include "blockhess/components.hpp"
 #include "blockhess/eigen.hpp"
 #include "blockhess/engine/derivatives.hpp"
@@ -88,25 +89,46 @@ Wired<T> ffn(const T* Y, const T* W_1, const T* W_2, const FfnDims& s) {
   return w;
 }
 
-// dF/dY of the FFN, dense (L e, L d) or its diagonal blocks (L, e, d). The FFN acts on each token
-// alone, so one tangent that moves feature b of every token at once gives column b of every
-// token's block: d tangents, not L d.
+// The diagonal blocks of dF/dY of the FFN, (L, e, d). The FFN acts on each token alone, so one
+// tangent that moves feature b of every token at once gives column b of every token's block: d
+// tangents, not L d.
 template <class T>
-void ffn_input_jacobian(const Wired<T>& w, const FfnDims& s, bool dense, T* out) {
+void ffn_input_blocks(const Wired<T>& w, const FfnDims& s, T* blocks, FiniteRecord& finite) {
   const index_t L = s.L, d = s.d, e = s.e;
-  if (dense) std::fill_n(out, L * e * L * d, T(0));
   engine::input_tangents(
       *w.graph, w.input, d, L * s.f * (d + e),
       [&](index_t b, T* dY) {
         for (index_t k = 0; k < L * d; ++k) dY[k] = k % d == b ? T(1) : T(0);
       },
       [&](index_t b, const T* dF) {
-        for (index_t t = 0; t < L; ++t)
-          for (index_t c = 0; c < e; ++c) {
-            const index_t row = t * e + c;
-            out[dense ? row * L * d + t * d + b : row * d + b] = dF ? dF[row] : T(0);
-          }
+        for (index_t row = 0; row < L * e; ++row) blocks[row * d + b] = dF ? dF[row] : T(0);
+        if (dF) finite.check(dF, L * e);
       });
+}
+
+// The dense (L e, L d) Jacobian from its diagonal blocks (L, e, d), one row at a time.
+template <class T>
+void block_diagonal(const T* blocks, index_t L, index_t e, index_t d, T* dense) {
+  blockhess::detail::parallel_for(L * e, L * d, [&](index_t row) {
+    T* out = dense + row * L * d;
+    std::fill_n(out, L * d, T(0));
+    std::copy_n(blocks + row * d, d, out + (row / e) * d);
+  });
+}
+
+// The diagonal of U_t (n, n) of a factor: the identity's ones, a diagonal form's values, else read
+// from the materialised matrix.
+template <class T>
+void factor_diagonal(const engine::Factor<T>& f, index_t t, index_t n, T* out) {
+  if (f.form == engine::Form::identity && !f.right) {
+    std::fill_n(out, n, T(1));
+  } else if (f.form == engine::Form::diagonal && !f.right) {
+    std::copy_n(f.diagonal_t(t), n, out);
+  } else {
+    Mat<T> U;
+    f.materialise(t, U);
+    for (index_t k = 0; k < n; ++k) out[k] = U(k, k);
+  }
 }
 
 }  // namespace detail
@@ -125,10 +147,11 @@ void attention_jacobian(const T* X, const T* W_Q, const T* W_K, const T* W_V, co
   static const char* const name[] = {"W_Q", "W_K", "W_V", "X"};
   const std::string what = std::string("the attention Jacobian with respect to ") + name[static_cast<int>(wrt)];
   const index_t rows = s.L * s.dv, cols = columns(s, wrt);
+  FiniteRecord finite;  // every entry checked as it is written
   detail::named(what, [&] {
     auto w = detail::attention(X, W_Q, W_K, W_V, s);
     if (wrt != AttentionWrt::X) {
-      engine::jacobian(*w.graph, static_cast<int>(wrt), J);  // the graph's parameter wrt
+      engine::jacobian(*w.graph, static_cast<int>(wrt), J, &finite);  // the graph's parameter wrt
       return;
     }
     // Column u d + b: the output's tangent when X[u, b] alone moves (docs/derivation.md §3.3).
@@ -140,9 +163,10 @@ void attention_jacobian(const T* X, const T* W_Q, const T* W_K, const T* W_V, co
         },
         [&](index_t k, const T* dF) {
           for (index_t r = 0; r < rows; ++r) J[r * cols + k] = dF ? dF[r] : T(0);
+          if (dF) finite.check(dF, rows);
         });
   });
-  require_finite(J, rows * cols, what);
+  finite.require<T>(what);
 }
 
 template <class T>
@@ -163,15 +187,20 @@ void ffn_jacobian(const T* Y, const T* W_1, const T* W_2, const FfnDims& s, FfnJ
                                      "the Kronecker factors of the FFN Jacobian with respect to W_2"};
   const std::string what = name[static_cast<int>(kind)];
   const index_t L = s.L, d = s.d, f = s.f, e = s.e;
-  const index_t size[] = {L * e * d * f, L * e * f * e, L * e * L * d, L * e * d, L * e * f, L * f};
+  FiniteRecord finite;  // every entry checked as it is written
   detail::named(what, [&] {
     auto w = detail::ffn(Y, W_1, W_2, s);
     engine::Graph<T>& g = *w.graph;
     switch (kind) {
-      case FfnJacobian::W_1: engine::jacobian(g, detail::kW1, out); break;
-      case FfnJacobian::W_2: engine::jacobian(g, detail::kW2, out); break;
-      case FfnJacobian::Y:
-      case FfnJacobian::Y_blocks: detail::ffn_input_jacobian(w, s, kind == FfnJacobian::Y, out); break;
+      case FfnJacobian::W_1: engine::jacobian(g, detail::kW1, out, &finite); break;
+      case FfnJacobian::W_2: engine::jacobian(g, detail::kW2, out, &finite); break;
+      case FfnJacobian::Y_blocks: detail::ffn_input_blocks(w, s, out, finite); break;
+      case FfnJacobian::Y: {
+        Buffer<T> blocks(L * e * d);
+        detail::ffn_input_blocks(w, s, blocks.data(), finite);
+        detail::block_diagonal(blocks.data(), L, e, d, out);
+        break;
+      }
       case FfnJacobian::W_1_factor: {
         // W_1's tangent factor at the output: vec Y_t, U_t = W_2^T relu'(H_t) as (e, f).
         g.select({true, false});
@@ -181,13 +210,17 @@ void ffn_jacobian(const T* Y, const T* W_1, const T* W_2, const FfnDims& s, FfnJ
           Mat<T> U;
           factor.materialise(t, U);
           std::copy_n(U.data(), e * f, out + t * e * f);
+          finite.check(out + t * e * f, e * f);
         });
         break;
       }
-      case FfnJacobian::W_2_factor: std::copy_n(g.value(w.hidden), L * f, out); break;
+      case FfnJacobian::W_2_factor:
+        std::copy_n(g.value(w.hidden), L * f, out);
+        finite.check(out, L * f);
+        break;
     }
   });
-  require_finite(out, size[static_cast<int>(kind)], what);
+  finite.require<T>(what);
 }
 
 template <class T>
@@ -195,28 +228,38 @@ void ffn_cross_hessian(const T* Y, const T* W_1, const T* W_2, const FfnDims& s,
   const bool dense = kind == FfnCross::dense;
   const std::string what = dense ? "the dense FFN cross second derivative" : "the FFN cross second-derivative blocks";
   const index_t L = s.L, d = s.d, f = s.f, e = s.e;
+  FiniteRecord finite;  // the values, checked as they are formed
   detail::named(what, [&] {
     auto w = detail::ffn(Y, W_1, W_2, s);
     engine::Graph<T>& g = *w.graph;
-    if (dense) {
-      engine::output_hessian(g, detail::kW1, detail::kW2, [&](const T* gF) { g.reverse(gF); }, out);
-      return;
-    }
     // The one bilinear term <gF, dR dW_2> pairs W_2 with W_1's factor at the hidden units R:
-    // vec Y_t on W_1's rows, and U_t = diag(relu'(H_t)), whose diagonal holds the values.
+    // vec Y_t on W_1's rows and U_t = diag(relu'(H_t)), whose products are the values.
     g.select({true, false});
     g.push_factors(/*to_output=*/false);
     const engine::Factor<T>& factor = g.factor(w.hidden, g.whole(detail::kW1));
-    blockhess::detail::parallel_for(L, d * f + f * f, [&](index_t t) {
-      Mat<T> U;
-      factor.materialise(t, U);
+    Buffer<T> values_buffer(dense ? L * d * f : 0);
+    T* values = dense ? values_buffer.data() : out;
+    blockhess::detail::parallel_for(L, d * f, [&](index_t t) {
+      Buffer<T> mask(f);
+      detail::factor_diagonal(factor, t, f, mask.data());
       const T* y = factor.vec->data() + t * d;
-      T* o = out + t * d * f;
+      T* o = values + t * d * f;
       for (index_t b = 0; b < d; ++b)
-        for (index_t k = 0; k < f; ++k) o[b * f + k] = y[b] * U(k, k);
+        for (index_t k = 0; k < f; ++k) o[b * f + k] = y[b] * mask[k];
+      finite.check(o, d * f);
+    });
+    if (!dense) return;
+    // The paper's layout: row (t e + c) d f + b f + k holds the value at column k e + c.
+    blockhess::detail::parallel_for(L * e, d * f * f * e, [&](index_t te) {
+      const index_t t = te / e, c = te % e;
+      for (index_t bk = 0; bk < d * f; ++bk) {
+        T* row = out + (te * d * f + bk) * f * e;
+        std::fill_n(row, f * e, T(0));
+        row[(bk % f) * e + c] = values[t * d * f + bk];
+      }
     });
   });
-  require_finite(out, dense ? L * e * d * f * f * e : L * d * f, what);
+  finite.require<T>(what);
 }
 
 }  // namespace blockhess::components

@@ -11,35 +11,49 @@
 #include "blockhess/config.hpp"
 #include "blockhess/engine/assemble.hpp"
 #include "blockhess/engine/graph.hpp"
+#include "blockhess/finite.hpp"
 #include "blockhess/parallel.hpp"
 #include "blockhess/thread_pool.hpp"
 
 namespace blockhess::engine {
 
-// dZ/dW_p: (tokens width(Z), n_p), row t w + a, column p's flat index.
+// dZ/dW_p: (tokens width(Z), n_p), row t w + a, column p's flat index. Each token's rows are
+// written once, piece by piece (a split parameter's pieces write their own columns of every row),
+// and checked into `finite` (when given) while they are in cache.
 template <class T>
-void jacobian(Graph<T>& g, int p, T* J) {
+void jacobian(Graph<T>& g, int p, T* J, FiniteRecord* finite = nullptr) {
   std::vector<bool> only(static_cast<size_t>(g.num_params()), false);
   only.at(static_cast<size_t>(p)) = true;
   g.select(only);
   g.push_factors(/*to_output=*/true);
   const index_t w = g.width(g.output()), np = g.parameter(p).size();
-  std::fill_n(J, g.tokens() * w * np, T(0));  // a piece that does not move the output (a key bias) stays 0
-  for (int piece : g.pieces_of(p)) {
-    const Factor<T>& f = g.factor(g.output(), piece);
-    if (!f.present) continue;
-    const index_t no = f.split.n_vec(), nr = f.n_mat();
-    blockhess::detail::parallel_for(g.tokens(), w * np, [&](index_t t) {
-      Mat<T> U;
-      f.materialise(t, U);
-      const T* v = f.vec->data() + t * no;
+  std::vector<const Factor<T>*> moving;
+  for (int piece : g.pieces_of(p))
+    if (g.factor(g.output(), piece).present) moving.push_back(&g.factor(g.output(), piece));
+  // A piece that does not move the output (a key bias) leaves its columns 0.
+  const bool partial = moving.size() != g.pieces_of(p).size();
+  blockhess::detail::parallel_for(g.tokens(), w * np, [&](index_t t) {
+    T* rows = J + t * w * np;
+    if (partial) std::fill_n(rows, w * np, T(0));
+    Mat<T> U;
+    for (const Factor<T>* f : moving) {
+      f->materialise(t, U);  // (w, n_mat), row-major
+      const kron::Split& s = f->split;
+      const index_t no = s.n_vec(), nr = s.n_mat(), stride = s.row_stride();
+      const T* v = f->vec->data() + t * no;
       for (index_t a = 0; a < w; ++a) {
-        T* row = J + (t * w + a) * np;
-        for (index_t o = 0; o < no; ++o)
-          for (index_t r = 0; r < nr; ++r) row[f.split.flat(o, r)] = v[o] * U(a, r);
+        T* row = rows + a * np + s.offset;
+        const T* u = U.data() + a * nr;
+        if (s.vec_on_first)  // W[o, r]: runs of r
+          for (index_t o = 0; o < no; ++o)
+            for (index_t r = 0; r < nr; ++r) row[o * stride + r] = v[o] * u[r];
+        else  // W[r, o]: runs of o
+          for (index_t r = 0; r < nr; ++r)
+            for (index_t o = 0; o < no; ++o) row[r * stride + o] = v[o] * u[r];
       }
-    });
-  }
+    }
+    note_finite(finite, rows, w * np);
+  });
 }
 
 // The output's tangents along `count` tangents of the input value x, no parameter moving:
