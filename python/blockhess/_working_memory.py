@@ -37,12 +37,12 @@ def attention(L: int, d: int, dk: int, dv: int, itemsize: int, wrt: str | None =
 def ffn(L: int, d: int, f: int, e: int, itemsize: int, what: str | None = None, threads: int = 1) -> int:
     """components.hpp on the engine's linear and relu nodes: copies of Y and the weights, H = Y W_1,
     relu(H) and relu'(H), F; for W_1's Jacobian or factors its tangent factors (L, e, f) at F, for Y
-    one forward tangent per thread, for the cross second derivative W_1's factor at relu(H)
-    ("cross") or the reverse pass and one (P, P) assembly per output entry ("cross_dense")."""
+    one forward tangent per thread and the (L, e, d) blocks, for the cross second derivative W_1's
+    factor at relu(H), a mask per thread and ("cross_dense") the (L, d, f) values."""
     cache = L * d + d * f + f * e + 3 * L * f + L * e
-    P = d * f + f * e
-    extra = {None: 0, "W_1": L * e * f + L * f, "W_2": L * f, "Y": threads * (L * d + 2 * L * f + L * e),
-             "cross": L * f + threads * f * f, "cross_dense": P * P + L * (2 * f + d + e)}[what]
+    cross = L * f + threads * f
+    extra = {None: 0, "W_1": L * e * f + L * f, "W_2": L * f, "Y": threads * (L * d + 2 * L * f + L * e) + L * e * d,
+             "cross": cross, "cross_dense": cross + L * d * f}[what]
     return itemsize * (cache + extra)
 
 
