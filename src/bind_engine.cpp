@@ -1,7 +1,8 @@
 // The curvature engine's nodes, one at a time (private: the per-node tests drive it). A chain of
 // nodes is wired from names, run on X, and differentiated for the scalar l = <G, out>: its
 // gradient, the dense Hessian of the selected parameters (the nodes' curvature, since l is linear
-// in out) and the Hessian-vector product for the columns of V.
+// in out) and the Hessian-vector product for the columns of V. engine_head puts a loss head
+// (heads.hpp) at the chain's output instead: the loss, its gradient, Hessian and products.
 //   "linear"            out = cur W (takes the next parameter)
 //   "linear_bias"       out = cur W + b (takes two: W, then b of shape (1, w_out))
 //   "relu", "gelu", "gelu_tanh", "silu"   out = phi(cur) (activation.hpp)
@@ -15,29 +16,33 @@
 //   "attention_2heads"  two heads (W_Q, W_K, W_V each split into two blocks of columns), with biases
 #include "binding.hpp"
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "blockhess/engine/assemble.hpp"
+#include "blockhess/engine/loss.hpp"
 #include "blockhess/engine/graph.hpp"
 #include "blockhess/engine/nodes/attention.hpp"
 #include "blockhess/engine/nodes/layernorm.hpp"
 #include "blockhess/engine/nodes/linear.hpp"
 #include "blockhess/engine/nodes/pointwise.hpp"
 #include "blockhess/engine/nodes/residual.hpp"
+#include "blockhess/heads.hpp"
 
 namespace blockhess::bind {
 namespace {
 
+// The chain of `kinds` on a graph of X's batch: its parameters in order, its output set.
 template <class T>
-py::tuple engine_chain(const std::vector<std::string>& kinds, const carray<T>& X, const std::vector<carray<T>>& params,
-                       T eps, const carray<T>& G, const std::vector<bool>& wrt, const carray<T>& V) {
+std::unique_ptr<engine::Graph<T>> wire_chain(const std::vector<std::string>& kinds, const carray<T>& X,
+                                             const std::vector<carray<T>>& params, T eps, const std::vector<bool>& wrt) {
   using namespace engine;
   if (X.ndim() != 3) throw std::invalid_argument("engine_chain: X must be (B, L, d)");
   if (wrt.size() != params.size()) throw std::invalid_argument("engine_chain: one wrt flag per parameter");
-  const index_t B = X.shape(0), L = X.shape(1);
-  Graph<T> g(B, L);
+  auto graph = std::make_unique<Graph<T>>(X.shape(0), X.shape(1));
+  Graph<T>& g = *graph;
   std::vector<int> param_ids;
   for (size_t k = 0; k < params.size(); ++k) {
     if (params[k].ndim() != 2) throw std::invalid_argument("engine_chain: parameters must be 2-D");
@@ -93,25 +98,36 @@ py::tuple engine_chain(const std::vector<std::string>& kinds, const carray<T>& X
   }
   if (next != param_ids.size()) throw std::invalid_argument("engine_chain: more parameters than the chain takes");
   g.set_output(cur);
-  const index_t n_out = B * L * g.width(cur);
-  require_shape(G, {B, L, g.width(cur)}, "G");
+  return graph;
+}
 
+// The columns of V (P_selected, k) checked against the selection.
+template <class T>
+index_t columns_of(const engine::Graph<T>& g, const std::vector<bool>& wrt, const carray<T>& V, index_t* P) {
+  g.offsets(wrt, P);
+  if (V.ndim() != 2 || V.shape(0) != *P) throw std::invalid_argument("engine_chain: V must be (P_selected, k)");
+  return V.shape(1);
+}
+
+template <class T>
+py::tuple engine_chain(const std::vector<std::string>& kinds, const carray<T>& X, const std::vector<carray<T>>& params,
+                       T eps, const carray<T>& G, const std::vector<bool>& wrt, const carray<T>& V) {
+  using namespace engine;
+  auto graph = wire_chain(kinds, X, params, eps, wrt);
+  Graph<T>& g = *graph;
+  const index_t B = g.samples(), L = g.tokens_per_sample(), w = g.width(g.output()), n_out = B * L * w;
+  require_shape(G, {B, L, w}, "G");
   index_t P_all = 0, P = 0;
-  std::vector<index_t> offset;
-  for (size_t k = 0; k < params.size(); ++k) {
-    offset.push_back(P);
-    P_all += g.parameter(param_ids[k]).size();
-    if (wrt[k]) P += g.parameter(param_ids[k]).size();
-  }
-  if (V.ndim() != 2 || V.shape(0) != P) throw std::invalid_argument("engine_chain: V must be (P_selected, k)");
-  const index_t columns = V.shape(1);
-  py::array_t<T> out({B, L, g.width(cur)}), grad(P_all), H({P, P}), HV({P, columns});
+  g.offsets(std::vector<bool>(wrt.size(), true), &P_all);
+  const std::vector<index_t> offset = g.offsets(wrt);
+  const index_t columns = columns_of(g, wrt, V, &P);
+  py::array_t<T> out({B, L, w}), grad(P_all), H({P, P}), HV({P, columns});
   {
     py::gil_scoped_release release;
     g.forward();
-    std::copy_n(g.value(cur), n_out, out.mutable_data());
+    std::copy_n(g.value(g.output()), n_out, out.mutable_data());
     std::vector<T*> gradient;
-    for (size_t k = 0, o = 0; k < params.size(); o += g.parameter(param_ids[k]).size(), ++k)
+    for (int k = 0, o = 0; k < g.num_params(); o += static_cast<int>(g.parameter(k).size()), ++k)
       gradient.push_back(grad.mutable_data() + o);
     g.reverse(G.data(), gradient);
     g.select(wrt);
@@ -130,6 +146,41 @@ py::tuple engine_chain(const std::vector<std::string>& kinds, const carray<T>& X
   return py::make_tuple(out, grad, H, HV);
 }
 
+// The chain with a loss head at its output (heads.hpp: loss is a code of the registry, with its
+// target): the loss, its gradient, the dense loss Hessian of the selected parameters (the head's
+// curvature and the nodes') and the Hessian-vector product for the columns of V.
+template <class T>
+py::tuple engine_head(const std::vector<std::string>& kinds, const carray<T>& X, const std::vector<carray<T>>& params,
+                      T eps, int loss, const optional_carray<T>& values, const optional_carray<std::int64_t>& classes,
+                      const optional_carray<T>& classifier_weight, const optional_carray<T>& classifier_bias,
+                      const std::vector<bool>& wrt, const carray<T>& V) {
+  using namespace engine;
+  auto graph = wire_chain(kinds, X, params, eps, wrt);
+  index_t P_all = 0, P = 0;
+  graph->offsets(std::vector<bool>(wrt.size(), true), &P_all);
+  const index_t columns = columns_of(*graph, wrt, V, &P);
+  heads::Target<T> target;
+  target.loss = loss;
+  target.values = data_or_null(values);
+  target.classes = data_or_null(classes);
+  if (classifier_weight && classifier_bias) {
+    target.classifier = {classifier_weight->data(), classifier_bias->data(), static_cast<index_t>(classifier_bias->size())};
+    require_shape(*classifier_weight, {graph->width(graph->output()), target.classifier.classes}, "W_C");
+  }
+  py::array_t<T> grad(P_all), H({P, P}), HV({P, columns});
+  T value = 0;
+  {
+    py::gil_scoped_release release;
+    graph->forward();
+    reverse_loss(*graph, *heads::make(target), grad.mutable_data());
+    loss_hessian(*graph, *heads::make(target), Part::full, wrt, H.mutable_data());
+    const LossOperator<T> op(std::move(graph), heads::make(target), Part::full, wrt);
+    value = op.loss_value();
+    op.apply_columns(V.data(), columns, HV.mutable_data());
+  }
+  return py::make_tuple(value, grad, H, HV);
+}
+
 }  // namespace
 
 void bind_engine(py::module_& m) {
@@ -137,6 +188,11 @@ void bind_engine(py::module_& m) {
     using T = std::remove_pointer_t<decltype(tag)>;
     m.def("engine_chain", &engine_chain<T>, "A chain of engine nodes and its derivatives for l = <G, out> (tests).",
           py::arg("kinds"), py::arg("X").noconvert(), py::arg("params"), py::arg("eps"), py::arg("G").noconvert(),
+          py::arg("wrt"), py::arg("V").noconvert());
+    m.def("engine_head", &engine_head<T>, "A chain of engine nodes with a loss head at its output (tests).",
+          py::arg("kinds"), py::arg("X").noconvert(), py::arg("params"), py::arg("eps"), py::arg("loss"),
+          py::arg("values").noconvert().none(true), py::arg("classes").noconvert().none(true),
+          py::arg("classifier_weight").noconvert().none(true), py::arg("classifier_bias").noconvert().none(true),
           py::arg("wrt"), py::arg("V").noconvert());
   });
 }

@@ -99,23 +99,23 @@ template <class T>
 block::Target<T> target(const Problem<T>& p, int kind, const optional_carray<T>& values,
                         const optional_carray<std::int64_t>& classes, const optional_carray<T>& head_weight,
                         const optional_carray<T>& head_bias) {
-  if (kind < 0 || kind > 2) throw std::invalid_argument("block: unknown loss kind");
-  const bool pooled = kind == 2;
+  if (kind < 0 || kind >= static_cast<int>(heads::kNames.size())) throw std::invalid_argument("block: unknown loss kind");
+  const bool pooled = kind == heads::kPooledCrossEntropy;
   if ((kind == 0) != static_cast<bool>(values) || (kind != 0) != static_cast<bool>(classes))
     throw std::invalid_argument("block: mse needs values, cross_entropy and pooled_cross_entropy need classes");
   if (pooled != (head_weight && head_bias))
     throw std::invalid_argument("block: pooled_cross_entropy, and only it, needs a head (W_C, b_C)");
   block::Target<T> t;
-  t.kind = static_cast<loss::Kind>(kind);
+  t.loss = kind;
   index_t classes_range = p.dims.d;
   if (pooled) {
     if (head_weight->ndim() != 2) throw std::invalid_argument("block: W_C must be 2-D (d, classes)");
-    t.head.classes = static_cast<index_t>(head_weight->shape(1));
-    require_shape(*head_weight, {p.dims.d, t.head.classes}, "W_C");
-    require_shape(*head_bias, {t.head.classes}, "b_C");
-    t.head.weight = head_weight->data();
-    t.head.bias = head_bias->data();
-    classes_range = t.head.classes;
+    t.classifier.classes = static_cast<index_t>(head_weight->shape(1));
+    require_shape(*head_weight, {p.dims.d, t.classifier.classes}, "W_C");
+    require_shape(*head_bias, {t.classifier.classes}, "b_C");
+    t.classifier.weight = head_weight->data();
+    t.classifier.bias = head_bias->data();
+    classes_range = t.classifier.classes;
   }
   if (values) require_shape(*values, {p.B, p.dims.L, p.dims.d}, "target");
   if (classes) {
@@ -150,8 +150,8 @@ CurvatureCall<T> curvature_call(const carray<T>& X, const SpecTuple& spec, const
   c.problem = problem(X, spec, W);
   const auto shapes = c.problem.shapes();
   c.wrt = selection(wrt, shapes.size());
-  std::vector<index_t> off;
-  c.P = block::offsets(shapes, c.wrt, off);
+  for (size_t k = 0; k < shapes.size(); ++k)
+    if (c.wrt[k]) c.P += shapes[k].size();
   if (part < 0 || part > 2) throw std::invalid_argument("block: bad part");
   c.part = static_cast<block::Part>(part);
   c.target = target<T>(c.problem, kind, values, classes, head_weight, head_bias);

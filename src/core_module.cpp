@@ -1,6 +1,7 @@
 // PYBIND11_MODULE(_core): the CPU extension. Each area registers itself from its own bind_*.cpp.
 #include "binding.hpp"
 #include "blockhess/activation.hpp"
+#include "blockhess/heads.hpp"
 
 #include "blockhess/version.hpp"
 
@@ -69,11 +70,15 @@ PYBIND11_MODULE(BLOCKHESS_MODULE_NAME, m, py::mod_gil_not_used()) {
     info["cplusplus"] = py::int_(static_cast<long>(__cplusplus));
     m.attr("build_info") = py::module_::import("types").attr("MappingProxyType")(info);
   }
-  {
-    py::tuple names(blockhess::activation::kNames.size());
-    for (size_t k = 0; k < blockhess::activation::kNames.size(); ++k) names[k] = py::str(blockhess::activation::kNames[k]);
-    m.attr("activations") = names;  // activation.hpp's registry: BlockSpec's names, codes by position
-  }
+  // The registries by name (codes by position): activation.hpp's (BlockSpec's activations) and
+  // heads.hpp's (the functions' loss=).
+  auto names = [](const auto& registry) {
+    py::tuple t(registry.size());
+    for (size_t k = 0; k < registry.size(); ++k) t[k] = py::str(registry[k]);
+    return t;
+  };
+  m.attr("activations") = names(blockhess::activation::kNames);
+  m.attr("losses") = names(blockhess::heads::kNames);
   m.def("cpu_runs_x86_64_v3", &cpu_runs_x86_64_v3, "Whether this CPU runs the x86-64-v3 build.");
   m.def("cpu_runs_x86_64_v4", &cpu_runs_x86_64_v4, "Whether this CPU runs the x86-64-v4 build.");
   using namespace blockhess::bind;

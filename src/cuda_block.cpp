@@ -7,8 +7,9 @@
 
 #include "binding.hpp"
 #include "block_problem.hpp"
-#include "blockhess/block_hessian.hpp"
-#include "blockhess/block_loss.hpp"
+#include "blockhess/block_model.hpp"
+#include "blockhess/engine/derivatives.hpp"
+#include "blockhess/engine/loss.hpp"
 #include "blockhess/cuda/device_hessian.hpp"
 #include "non_finite_error.hpp"
 
@@ -34,7 +35,7 @@ void bind_for(py::module_& m, const char* suffix) {
         py::gil_scoped_release release;
         auto e = c.problem.evaluate(X.data(), eps);
         cuda::DeviceHessian<T> H{reinterpret_cast<T*>(out), c.P, stream};
-        return block::loss_hessian_into(e.evaluation(), c.target, c.part, c.wrt, H);
+        return engine::loss_hessian_into(e.graph(), *heads::make(c.target), c.part, c.wrt, H);
       },
       py::arg("X").noconvert(), py::arg("spec"), py::arg("weights"), py::arg("eps"), py::arg("kind"),
       py::arg("values").noconvert().none(true), py::arg("classes").noconvert().none(true), py::arg("part"),
@@ -50,11 +51,11 @@ void bind_for(py::module_& m, const char* suffix) {
         if (out == 0) throw std::invalid_argument("blockhess._cuda: out is null");
         py::gil_scoped_release release;
         auto e = p.evaluate(X.data(), eps);
-        const index_t P = engine::pair_size(e.evaluation().graph(), i, j);
+        const index_t P = engine::pair_size(e.graph(), i, j);
         cuda::DeviceArray<T> scratch(static_cast<size_t>(P * P), stream);
         cuda::DeviceHessian<T> H{scratch.data(), P, stream};
         T* dst = reinterpret_cast<T*>(out);
-        block::output_hessians(e.evaluation(), i, j, H, [&](index_t o, index_t row, index_t col, index_t ni, index_t nj) {
+        engine::output_hessians(e.graph(), i, j, H, [&](index_t o, index_t row, index_t col, index_t ni, index_t nj) {
           cuda::copy_rows(dst + o * ni * nj, sizeof(T) * nj, scratch.data() + row * P + col, sizeof(T) * P,
                           sizeof(T) * nj, static_cast<size_t>(ni), stream);
         });

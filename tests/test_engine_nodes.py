@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import reference as ref
+import blockhess.spec
 from blockhess import _engine_nodes
 
 
@@ -215,3 +216,69 @@ def test_bad_chains_are_refused(rng):
         _engine_nodes.engine_chain([], X, [W], 0.0, np.zeros((1, 3, 4)), [True], V)
     with pytest.raises(ValueError, match="residual"):
         _engine_nodes.engine_chain(["residual"], X, [W], 0.0, G, [True], V)
+
+
+# ---- the heads (engine/heads/): a loss at the chain's output -------------------------------------
+
+HEAD_CHAINS = {
+    # a smooth chain: the head's curvature meets the nodes' (outer and functional parts both non-zero)
+    "linear-gelu-linear": (["linear", "gelu", "linear"], [(5, 6), (6, 4)]),
+    # the output is a LayerNorm's: the head's site is pulled back through it
+    "attention_bias-linear-layernorm_affine": (["attention_bias", "linear", "layernorm_affine"],
+                                               [(5, 3), (1, 3), (5, 3), (1, 3), (5, 4), (1, 4), (4, 4), (1, 4), (1, 4)]),
+}
+
+
+@pytest.mark.parametrize("chain", sorted(HEAD_CHAINS))
+@pytest.mark.parametrize("loss", blockhess.spec.loss_names())
+@pytest.mark.parametrize("B", [1, 3])
+def test_heads_match_autograd(rng, chain, loss, B):
+    """Each head's forward (the loss), vjp (the gradient), curvature (its site in the dense Hessian)
+    and vjp_tangent (the Hessian-vector product's seed) against the loss written in torch from its
+    definition, float64, relative error <= 1e-10; the Hessian symmetric bit for bit."""
+    kinds, shapes = HEAD_CHAINS[chain]
+    X = rng.standard_normal((B, 4, 5))
+    params = [rng.standard_normal(s) / np.sqrt(s[0]) * 1.5 + (s[0] == 1) * 0.5 for s in shapes]
+    width, classes = shapes[-1][1], 3
+    values = classes_arg = W_C = b_C = None
+    if loss == "mse":
+        values = rng.standard_normal((B, 4, width))
+    elif loss == "cross_entropy":
+        classes_arg = rng.integers(0, width, size=(B, 4))
+    else:
+        classes_arg = rng.integers(0, classes, size=B)
+        W_C, b_C = rng.standard_normal((width, classes)), rng.standard_normal(classes)
+    target = values if loss == "mse" else classes_arg
+    head = None if W_C is None else (ref.t(W_C), ref.t(b_C))
+    sizes = [p.size for p in params]
+    offsets = np.cumsum([0] + sizes)
+    V = rng.standard_normal((sum(sizes), 2))
+    code = blockhess.spec.loss_names().index(loss)
+    value, grad, H, HV = _engine_nodes.engine_head(kinds, X, params, 0.0, code, values, classes_arg, W_C, b_C,
+                                                   [True] * len(params), V)
+
+    def scalar(v):
+        ws = [v[offsets[i]:offsets[i + 1]].reshape(shapes[i]) for i in range(len(params))]
+        return ref.block_loss(_torch_chain(kinds, ref.t(X), ws, 0.0), torch.as_tensor(target), loss, head)
+
+    flat = ref.t(np.concatenate([p.ravel() for p in params]))
+    ref_H = torch.func.hessian(scalar)(flat).numpy()
+    assert ref.rel_err(np.asarray(value), scalar(flat).numpy()) <= 1e-13
+    assert ref.rel_err(grad, torch.func.grad(scalar)(flat).numpy()) <= 1e-12
+    assert ref.rel_err(H, ref_H) <= 1e-10
+    assert np.array_equal(H, H.T)
+    assert ref.rel_err(HV, ref_H @ V) <= 1e-10
+
+
+def test_heads_refuse_what_they_cannot_take(rng):
+    X = rng.standard_normal((1, 3, 4))
+    W = rng.standard_normal((4, 4))
+    V = np.zeros((16, 1))
+    with pytest.raises(ValueError, match="unknown code 7"):
+        _engine_nodes.engine_head(["linear"], X, [W], 0.0, 7, X, None, None, None, [True], V)
+    with pytest.raises(ValueError, match="mse needs a float target"):
+        _engine_nodes.engine_head(["linear"], X, [W], 0.0, 0, None, None, None, None, [True], V)
+    with pytest.raises(ValueError, match=r"class index 4 is out of range \[0, 4\)"):
+        _engine_nodes.engine_head(["linear"], X, [W], 0.0, 1, None, np.array([[0, 4, 1]]), None, None, [True], V)
+    with pytest.raises(ValueError, match=r"needs a head \(W_C, b_C\)"):
+        _engine_nodes.engine_head(["linear"], X, [W], 0.0, 2, None, np.array([0]), None, None, [True], V)

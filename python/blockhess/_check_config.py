@@ -13,7 +13,7 @@ import numpy as np
 
 from ._command_line import UsageError, check_seed
 from .block import BlockParams, _parameter_table
-from .spec import BlockSpec, activation_names
+from .spec import BlockSpec, activation_names, loss_names
 
 
 @dataclass
@@ -113,7 +113,7 @@ def add_block_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--d-k", dest="d_k", type=int, default=defaults.d_k, help="query/key width per head (default 16)")
     parser.add_argument("--d-ff", dest="d_ff", type=int, default=defaults.d_ff, help="FFN width (default 64)")
     parser.add_argument("--batch", type=int, default=1, help="samples; > 1 gives the batch-mean Hessian")
-    parser.add_argument("--loss", choices=("mse", "cross_entropy", "pooled_cross_entropy"), default="mse",
+    parser.add_argument("--loss", choices=loss_names(), default="mse",
                         help="pooled_cross_entropy: the paper's ViT classifier (mean over tokens, a fixed "
                         "random linear head of --classes outputs, one class per sample)")
     parser.add_argument("--classes", type=int, default=defaults.classes,

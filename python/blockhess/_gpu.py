@@ -313,7 +313,7 @@ def ffn_cross_hessian(Y: Any, W_1: Any, W_2: Any, layout: str) -> Any:
 
 
 def _ln_vjp(y: Any, sigma: Any, g: Any) -> Any:
-    """J^T g for LayerNorm rows without affine: (g - mean(g) - y (y.g)/d) / sigma (block.hpp)."""
+    """J^T g for LayerNorm rows without affine: (g - mean(g) - y (y.g)/d) / sigma (engine/nodes/layernorm.hpp)."""
     d = y.shape[1]
     mean = g.sum(axis=1, keepdims=True) / d
     yg = (y * g).sum(axis=1, keepdims=True) / d
@@ -322,7 +322,7 @@ def _ln_vjp(y: Any, sigma: Any, g: Any) -> Any:
 
 class _Block:
     """Forward caches and per-token factors of the block for a batch X3 (B, L, d): the GPU twin of
-    block.hpp / block_hessian.hpp (the same per-node decomposition and per-token factors)."""
+    engine/loss.hpp (the same per-node decomposition and per-token factors)."""
 
     def __init__(self, X3: Any, weights: tuple[Any, ...], eps: float) -> None:
         self.xp = _xp(X3)
@@ -410,7 +410,7 @@ class _Block:
         gW2 = self.R.T @ r["gS"]
         return self.xp.concatenate([g.reshape(-1) for g in (gQ, gK, gV, gW1, gW2)])
 
-    # -- per-token factors (block_hessian.hpp's factorize) --
+    # -- per-token factors (engine/factor.hpp) --
 
     def factors(self):
         if self._factors is not None:

@@ -48,7 +48,7 @@ def ffn(L: int, d: int, f: int, e: int, itemsize: int, what: str | None = None, 
 
 def block(B: int, L: int, d: int, dk: int, dff: int, itemsize: int, *, hessian: bool, outer: bool = True,
           heads: int = 1, P: int | None = None, pooled: bool = False) -> int:
-    """block.hpp on the engine (engine/graph.hpp, blocks/post_ln.hpp), loss.hpp: the values and
+    """block_model.hpp on the engine (engine/graph.hpp, blocks/post_ln.hpp), the head (engine/heads/): the values and
     caches of the forward pass, the reverse pass's cotangents, the loss derivatives, and for a
     Hessian the per-token factors at every value, the sites' Omegas and kron::accumulate's chunks.
     For the family: dk per head, every (L, L) array once per head, P the spec's parameter count.
@@ -78,7 +78,7 @@ def block(B: int, L: int, d: int, dk: int, dff: int, itemsize: int, *, hessian: 
 
 def hvp(B: int, L: int, d: int, dk: int, dff: int, itemsize: int, columns: int, threads: int, *, heads: int = 1,
         P: int | None = None) -> int:
-    """block_hvp.hpp: the operator keeps the forward caches, the loss gradient and the reverse pass;
+    """engine/loss.hpp's LossOperator: the operator keeps the forward caches, the loss gradient and the reverse pass;
     each product in flight (one per thread) holds the tangents of the values and of their
     cotangents (engine::Tangent) and a copy of its column and product."""
     n = B * L
@@ -91,7 +91,7 @@ def hvp(B: int, L: int, d: int, dk: int, dff: int, itemsize: int, columns: int, 
     return itemsize * (kept + per_product * max(1, min(columns, threads)))
 
 
-# The parameters whose factors the diagonal forms together, a group at a time (block_loss.hpp,
+# The parameters whose factors the diagonal forms together, a group at a time (engine/loss.hpp,
 # Graph::factor_groups): a node's, a norm's gamma and beta apart.
 _GROUPS = (("W_Q", "b_Q", "W_K", "b_K", "W_V", "b_V"), ("W_O", "b_O"), ("gamma_1",), ("beta_1",), ("W_1", "b_1"),
            ("W_2", "b_2"), ("gamma_2",), ("beta_2",))
@@ -99,7 +99,7 @@ _GROUPS = (("W_Q", "b_Q", "W_K", "b_K", "W_V", "b_V"), ("W_O", "b_O"), ("gamma_1
 
 def hessian_diagonal(B: int, L: int, d: int, dk: int, dff: int, itemsize: int, selected: list[tuple[str, tuple[int, ...]]],
                      *, heads: int = 1, P: int | None = None, pooled: bool = False, pre_ln: bool = False) -> int:
-    """engine/diagonal.hpp through block_loss.hpp: the forward and reverse passes, the sites' Omegas,
+    """engine/diagonal.hpp through engine/loss.hpp: the forward and reverse passes, the sites' Omegas,
     and the factors of one group of selected parameters at a time (the largest group counts), at
     every value downstream of each, its matrix side at most the larger of its two dimensions (heads
     together). Values of width d and d_ff: W_1 2 and 0; W_2 2 and 0; the second norm's gamma and

@@ -16,7 +16,7 @@ import numpy as np
 from . import _backend, _core, _gpu, _working_memory
 from ._interop import as_array, is_torch_tensor, returns_callers_kind, to_torch
 from ._validate import _xp as _array_module
-from .spec import PAPER_BLOCK, BlockSpec
+from .spec import PAPER_BLOCK, BlockSpec, loss_names
 from ._validate import (
     FLOAT_DTYPES,
     choice,
@@ -42,7 +42,6 @@ def _parameter_table(spec: BlockSpec, d: int, d_k: int, d_v: int, d_ff: int) -> 
 
 
 PARAM_NAMES = tuple(name for name, _ in _parameter_table(PAPER_BLOCK, 1, 1, 1, 1))  # the paper's block
-_LOSSES = {"mse": 0, "cross_entropy": 1, "pooled_cross_entropy": 2}
 _PARTS = {"full": 0, "outer": 1, "functional": 2}
 
 
@@ -416,7 +415,7 @@ def _loss_inputs(X, target, params, loss, eps, promote_with=(), head=None):
     """Everything a loss function passes to the core, validated: (params, X3, weights, dtype, eps,
     loss code, target values, target classes, (W_C, b_C) or (None, None))."""
     params = _check_params(params)
-    loss = choice(loss, "loss", tuple(_LOSSES))
+    loss = choice(loss, "loss", loss_names())
     eps = _eps(eps, params)
     if loss == "mse":  # a float target takes part in the dtype promotion like every other array
         target = float_array(target, "target")
@@ -426,7 +425,7 @@ def _loss_inputs(X, target, params, loss, eps, promote_with=(), head=None):
     _backend.on_device(X3, target, W_C, b_C)  # TypeError for a target or head on the other side of X
     values, classes = _target(target, loss, X3, len(shape) == 3, dtype, None if W_C is None else W_C.shape[1])
     head = (contiguous(W_C, dtype), contiguous(b_C, dtype))
-    return params, X3, W, dtype, eps, _LOSSES[loss], values, classes, head
+    return params, X3, W, dtype, eps, loss_names().index(loss), values, classes, head
 
 
 @returns_callers_kind
@@ -498,7 +497,7 @@ def loss_hessian(
     names, selected, P = _selection(params, wrt)
     B, L, d = X3.shape
     working = _working_memory.block(B, L, d, params.d_k, params.d_ff, dtype.itemsize, hessian=True,
-                                    outer=part != "functional", pooled=kind == _LOSSES["pooled_cross_entropy"],
+                                    outer=part != "functional", pooled=loss == "pooled_cross_entropy",
                                     **_family_size(params))
     if out is None:
         require_output_fits(

@@ -1,7 +1,7 @@
 """Matrix-free curvature of the block's loss: exact Hessian-vector products, and the Hessian as a
 linear operator, without ever forming the (P, P) matrix.
 
-The product is closed form (forward over reverse in the C++ core, see block_hvp.hpp): no autograd,
+The product is closed form (forward over reverse in the C++ core, see engine/loss.hpp): no autograd,
 no finite differences, memory O(B L (L + d + d_ff)) plus the vectors.
 """
 
@@ -16,7 +16,8 @@ from ._curvature_operator import CurvatureOperator
 from ._interop import holds_torch, returns_callers_kind
 from ._threads import get_num_threads
 from ._validate import choice, contiguous, float_array, require_output_fits
-from .block import _LOSSES, _PARTS, BlockParams, _family_size, _loss_inputs, _selected_sizes, _selection
+from .block import _PARTS, BlockParams, _family_size, _loss_inputs, _selected_sizes, _selection
+from .spec import loss_names
 
 
 class HessianOperator(CurvatureOperator):
@@ -54,7 +55,7 @@ class HessianOperator(CurvatureOperator):
         B, L, d = problem.X3.shape
         chosen = [(n, shape) for n, shape, keep in zip(params.names, params.shapes, problem.selected) if keep]
         working = _working_memory.hessian_diagonal(B, L, d, params.d_k, params.d_ff, problem.dtype.itemsize, chosen,
-                                                   pooled=problem.kind == _LOSSES["pooled_cross_entropy"],
+                                                   pooled=problem.loss == "pooled_cross_entropy",
                                                    pre_ln=params.spec.norm_position == "pre", **_family_size(params))
         require_output_fits((problem.P,), problem.dtype,
                             f"the Hessian's diagonal over {', '.join(problem.names)} (P = {problem.P})",
@@ -133,7 +134,7 @@ class _Problem(NamedTuple):
 def _problem(X, target, params, loss, part, eps, wrt, columns, promote_with=(), head=None) -> _Problem:
     params, X3, W, dtype, eps, kind, values, classes, head = _loss_inputs(X, target, params, loss, eps,
                                                                           promote_with, head=head)
-    loss = tuple(_LOSSES)[kind]  # the name _loss_inputs validated
+    loss = loss_names()[kind]  # the name _loss_inputs validated
     part = choice(part, "part", tuple(_PARTS))
     names, selected, P = _selection(params, wrt)
     if _backend.on_device(X3):

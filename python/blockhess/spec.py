@@ -22,6 +22,12 @@ def activation_names() -> tuple[str, ...]:
     return tuple(_core.activations)
 
 
+def loss_names() -> tuple[str, ...]:
+    """The losses the functions' ``loss=`` accepts: the core's registry of heads (heads.hpp), where a
+    name's code is its index. Read when needed, like :func:`activation_names`."""
+    return tuple(_core.losses)
+
+
 @dataclass(frozen=True)
 class BlockSpec:
     """A block of the family.

@@ -3,8 +3,7 @@
 // halves of the sanitizer build run in parallel.
 #pragma once
 
-#include <blockhess/block_hvp.hpp>
-#include <blockhess/block_loss.hpp>
+#include <blockhess/block_model.hpp>
 #include <blockhess/commutation.hpp>
 #include <blockhess/components.hpp>
 #include <blockhess/kron_sum.hpp>
@@ -432,11 +431,14 @@ void check_ffn(std::mt19937_64& rng, index_t L, index_t d, index_t f, index_t e)
 // ---------------------------------------------------------------------------------------------
 // The whole block: loss value, gradient, Hessian (kron_sum's assembly), Jacobians
 
+// The losses by their codes in the registry (heads.hpp).
+enum Loss : int { mse = 0, cross_entropy = 1, pooled_cross_entropy = bh::heads::kPooledCrossEntropy };
+
 template <class T>
 struct BlockCase {
   bh::block::Dims D;
   index_t B;
-  bh::loss::Kind kind;
+  Loss kind;
   T eps;
 };
 
@@ -464,14 +466,14 @@ struct BlockData {
     for (const auto& a : W) w.push_back(a.data());
     return w;
   }
-  bh::block::Evaluation<T> evaluate(const bh::block::Dims& D, index_t B, T eps) const {
-    return bh::block::forward(bh::block::Spec{}, D, B, X.data(), weights(), eps);
+  bh::block::Model<T> evaluate(const bh::block::Dims& D, index_t B, T eps) const {
+    return bh::block::Model<T>(bh::block::Spec{}, D, B, X.data(), weights(), eps);
   }
-  bh::block::Target<T> tgt(bh::loss::Kind kind) const {
+  bh::block::Target<T> tgt(Loss kind) const {
     bh::block::Target<T> t;
-    t.kind = kind;
-    t.values = kind == bh::loss::Kind::mse ? target.data() : nullptr;
-    t.classes = kind == bh::loss::Kind::cross_entropy ? classes.data() : nullptr;
+    t.loss = kind;
+    t.values = kind == Loss::mse ? target.data() : nullptr;
+    t.classes = kind == Loss::cross_entropy ? classes.data() : nullptr;
     return t;
   }
 };
@@ -493,20 +495,18 @@ void check_block(std::mt19937_64& rng, const BlockCase<T>& bc) {
   namespace blk = bh::block;
   const blk::Dims& D = bc.D;
   const std::string ctx = std::string("block ") + type_name<T>() + " " + shape({D.L, D.d, D.dk, D.dff}) + " B=" +
-                          std::to_string(bc.B) + (bc.kind == bh::loss::Kind::mse ? " mse" : " cross_entropy") +
+                          std::to_string(bc.B) + (bc.kind == Loss::mse ? " mse" : " cross_entropy") +
                           " eps=" + std::to_string(static_cast<double>(bc.eps));
   const BlockData<T> data = block_data<T>(rng, D, bc.B);
   const auto target = data.tgt(bc.kind);
   const index_t P = data.size();
   const blk::Selection all(data.shapes.size(), true);
   auto hessian = [&](blk::Part part, const blk::Selection& wrt, T* out) {
-    auto e = data.evaluate(D, bc.B, bc.eps);
-    blk::loss_hessian(e, target, part, wrt, out);
+    data.evaluate(D, bc.B, bc.eps).loss_hessian(target, part, wrt, out);
   };
 
   std::vector<T> grad(P), H(P * P), H1(P * P), Ho(P * P), Hf(P * P);
-  auto e = data.evaluate(D, bc.B, bc.eps);
-  const T value = blk::loss_gradient(e, target, grad.data());
+  const T value = data.evaluate(D, bc.B, bc.eps).loss_gradient(target, grad.data());
   CHECK(std::isfinite(value) && all_finite(grad), ctx);
   with_thread_counts([&](int threads) { hessian(blk::Part::full, all, (threads == 1 ? H1 : H).data()); });
   CHECK(H == H1, ctx + " Hessian independent of the thread count (bit for bit)");
@@ -526,9 +526,9 @@ void check_block(std::mt19937_64& rng, const BlockCase<T>& bc) {
     const int wv = data.index("W_V"), w2 = data.index("W_2");
     blk::Selection sel(data.shapes.size(), false);
     sel[wv] = sel[w2] = true;
-    std::vector<index_t> off, full_off;
-    const index_t Ps = blk::offsets(data.shapes, sel, off);
-    blk::offsets(data.shapes, all, full_off);
+    index_t Ps = 0;
+    auto model = data.evaluate(D, bc.B, bc.eps);
+    const std::vector<index_t> off = model.graph().offsets(sel, &Ps), full_off = model.graph().offsets(all);
     std::vector<T> Hs(Ps * Ps), ref(Ps * Ps);
     hessian(blk::Part::full, sel, Hs.data());
     for (int p : {wv, w2})
@@ -540,13 +540,13 @@ void check_block(std::mt19937_64& rng, const BlockCase<T>& bc) {
           ctx + " selected parameters = sub-block");
   }
 
-  // The matrix-free operator (block_hvp.hpp): H V for three columns, in every part, against the
+  // The matrix-free operator (engine/loss.hpp): H V for three columns, in every part, against the
   // dense Hessian; columns run in parallel on reused scratch, bit-identical at any thread count.
   {
     const index_t k = 3;
     const auto V = randn<T>(rng, P * k);
     for (auto [part, dense] : {std::pair{blk::Part::full, &H}, {blk::Part::outer, &Ho}, {blk::Part::functional, &Hf}}) {
-      const blk::HessianOperator<T> op(data.evaluate(D, bc.B, bc.eps), target, part, all);
+      const blk::LossHessianOperator<T> op(data.evaluate(D, bc.B, bc.eps), target, part, all);
       std::vector<T> HV(P * k), HV1(P * k), ref(P * k, T(0));
       with_thread_counts([&](int threads) { op.apply_columns(V.data(), k, (threads == 1 ? HV1 : HV).data()); });
       op.apply_columns(V.data(), k, HV.data());  // a second product reuses the operator's scratch
@@ -568,8 +568,7 @@ void check_block(std::mt19937_64& rng, const BlockCase<T>& bc) {
       index_t k = 0;
       for (auto& a : moved.W)
         for (T& w : a) w += step * v[k++];
-      auto em = moved.evaluate(D, bc.B, bc.eps);
-      return blk::loss_gradient(em, moved.tgt(bc.kind), g ? g->data() : static_cast<T*>(nullptr));
+      return moved.evaluate(D, bc.B, bc.eps).loss_gradient(moved.tgt(bc.kind), g ? g->data() : static_cast<T*>(nullptr));
     };
     std::vector<T> gp(P), gm(P), Hv(P, T(0)), fd(P);
     const double lp = shifted(h, &gp), lm = shifted(-h, &gm);
@@ -610,18 +609,17 @@ void check_family(std::mt19937_64& rng, const bh::block::Spec& spec, const bh::b
   std::vector<std::int64_t> labels;
   for (index_t b = 0; b < B; ++b) labels.push_back(b % classes);
   if (pooled) {
-    tgt.kind = bh::loss::Kind::pooled_cross_entropy;
+    tgt.loss = Loss::pooled_cross_entropy;
     tgt.values = nullptr;
     tgt.classes = labels.data();
-    tgt.head = bh::loss::Head<T>{head_weight.data(), head_bias.data(), classes};
+    tgt.classifier = bh::heads::Classifier<T>{head_weight.data(), head_bias.data(), classes};
   }
   index_t P = 0;
   for (const auto& p : shapes) P += p.size();
   const blk::Selection all(shapes.size(), true);
   std::vector<T> H(P * P), Ho(P * P), Hf(P * P);
   for (auto [part, out] : {std::pair{blk::Part::full, &H}, {blk::Part::outer, &Ho}, {blk::Part::functional, &Hf}}) {
-    auto e = blk::forward(spec, D, B, X.data(), w, eps);
-    blk::loss_hessian(e, tgt, part, all, out->data());
+    blk::Model<T>(spec, D, B, X.data(), w, eps).loss_hessian(tgt, part, all, out->data());
   }
   bool sym = true;
   for (index_t i = 0; i < P; ++i)
@@ -635,15 +633,14 @@ void check_family(std::mt19937_64& rng, const bh::block::Spec& spec, const bh::b
   // The diagonal from the factors alone (engine/diagonal.hpp) in every part.
   for (auto [part, dense] : {std::pair{blk::Part::full, &H}, {blk::Part::outer, &Ho}, {blk::Part::functional, &Hf}}) {
     std::vector<T> diag(P), ref(P);
-    auto e = blk::forward(spec, D, B, X.data(), w, eps);
-    blk::loss_hessian_diagonal(e, tgt, part, all, diag.data());
+    blk::Model<T>(spec, D, B, X.data(), w, eps).loss_hessian_diagonal(tgt, part, all, diag.data());
     for (index_t i = 0; i < P; ++i) ref[i] = (*dense)[i * P + i];
     CHECK(rel_diff(diag, ref) < 100 * tol<T>(), ctx + " diagonal = the dense Hessian's");
   }
   const index_t k = 2;
   const auto V = randn<T>(rng, P * k);
   for (auto [part, dense] : {std::pair{blk::Part::full, &H}, {blk::Part::outer, &Ho}}) {
-    const blk::HessianOperator<T> op(blk::forward(spec, D, B, X.data(), w, eps), tgt, part, all);
+    const blk::LossHessianOperator<T> op(blk::Model<T>(spec, D, B, X.data(), w, eps), tgt, part, all);
     std::vector<T> HV(P * k), ref(P * k, T(0));
     op.apply_columns(V.data(), k, HV.data());
     for (index_t i = 0; i < P; ++i)
@@ -653,8 +650,7 @@ void check_family(std::mt19937_64& rng, const bh::block::Spec& spec, const bh::b
   }
   if constexpr (std::is_same_v<T, double>) {
     std::vector<T> grad(P);
-    auto e = blk::forward(spec, D, B, X.data(), w, eps);
-    blk::loss_gradient(e, tgt, grad.data());
+    blk::Model<T>(spec, D, B, X.data(), w, eps).loss_gradient(tgt, grad.data());
     const auto v = randn<T>(rng, P);
     auto loss_at = [&](double step) {
       std::vector<std::vector<T>> moved = W;
@@ -664,8 +660,7 @@ void check_family(std::mt19937_64& rng, const bh::block::Spec& spec, const bh::b
         for (T& x : a) x += step * v[at++];
         mw.push_back(a.data());
       }
-      auto em = blk::forward(spec, D, B, X.data(), mw, eps);
-      return blk::loss_gradient(em, tgt, static_cast<T*>(nullptr));
+      return blk::Model<T>(spec, D, B, X.data(), mw, eps).loss_gradient(tgt, static_cast<T*>(nullptr));
     };
     double gv = 0;
     for (index_t i = 0; i < P; ++i) gv += grad[i] * v[i];
@@ -682,12 +677,12 @@ inline void check_block_output_derivatives(std::mt19937_64& rng) {
   const std::string ctx = "block output derivatives double " + shape({D.L, D.d, D.dk, D.dff});
   const BlockData<double> data = block_data<double>(rng, D, 1);
   const double eps = 1e-5;
-  blk::Evaluation<double> e = data.evaluate(D, 1, eps);
+  blk::Model<double> e = data.evaluate(D, 1, eps);
   const index_t m = D.L * D.d;
   for (int p = 0; p < static_cast<int>(data.shapes.size()); ++p) {
     const index_t n = data.shapes[p].size();
     std::vector<double> J(m * n);
-    blk::jacobian(e, p, J.data());
+    e.jacobian(p, J.data());
     const double h = 1e-6;
     double worst = 0;
     for (index_t k = 0; k < n; ++k) {
@@ -706,7 +701,7 @@ inline void check_block_output_derivatives(std::mt19937_64& rng) {
   for (auto [i, j] : {std::pair<int, int>{wq, wq}, {wk, w1}, {w2, w2}}) {
     const index_t ni = data.shapes[i].size(), nj = data.shapes[j].size();
     std::vector<double> out(m * ni * nj);
-    blk::output_hessian(e, i, j, out.data());
+    e.output_hessian(i, j, out.data());
     bool sym = true;
     if (i == j)
       for (index_t o = 0; o < m; ++o)
@@ -723,26 +718,24 @@ inline void check_block_errors(std::mt19937_64& rng) {
   BlockData<double> data = block_data<double>(rng, D, 2);
   std::vector<double> grad(200 * 200);
   const blk::Selection all(data.shapes.size(), true);
-  auto gradient = [&](const BlockData<double>& at, const blk::Dims& dims, index_t B, bh::loss::Kind kind) {
-    auto e = at.evaluate(dims, B, 0.0);
-    return blk::loss_gradient(e, at.tgt(kind), grad.data());
+  auto gradient = [&](const BlockData<double>& at, const blk::Dims& dims, index_t B, Loss kind) {
+    return at.evaluate(dims, B, 0.0).loss_gradient(at.tgt(kind), grad.data());
   };
-  CHECK(throws<std::invalid_argument>([&] { gradient(data, blk::Dims{4, 0, 2, 5}, 1, bh::loss::Kind::mse); }),
+  CHECK(throws<std::invalid_argument>([&] { gradient(data, blk::Dims{4, 0, 2, 5}, 1, Loss::mse); }),
         "block d = 0");
   data.classes[3] = D.d;  // out of range
   CHECK(throws<std::invalid_argument>([&] {
-          auto e = data.evaluate(D, 2, 0.0);
-          blk::loss_hessian(e, data.tgt(bh::loss::Kind::cross_entropy), blk::Part::full, all, grad.data());
+          data.evaluate(D, 2, 0.0).loss_hessian(data.tgt(Loss::cross_entropy), blk::Part::full, all, grad.data());
         }),
         "block class index out of range");
   data.classes[3] = 0;
   for (const char* name : {"W_Q", "W_K"})  // X W_Q W_K^T X^T overflows: the attention logits are infinite
     for (double& w : data.W[data.index(name)]) w *= 1e160;
-  CHECK(throws<bh::non_finite_error>([&] { gradient(data, D, 2, bh::loss::Kind::mse); }), "block overflowing logits");
+  CHECK(throws<bh::non_finite_error>([&] { gradient(data, D, 2, Loss::mse); }), "block overflowing logits");
   // d = 1 without eps: every row of X + F is constant, LayerNorm is not differentiable.
   const blk::Dims D1{3, 1, 2, 2};
   const BlockData<double> one = block_data<double>(rng, D1, 1);
-  CHECK(throws<std::domain_error>([&] { gradient(one, D1, 1, bh::loss::Kind::mse); }), "block d = 1 without eps");
+  CHECK(throws<std::domain_error>([&] { gradient(one, D1, 1, Loss::mse); }), "block d = 1 without eps");
 }
 
 template <class T>
@@ -777,7 +770,7 @@ void run_all(std::mt19937_64& rng) {
     }
   }
   bh::parallel::set_num_threads(2);
-  using K = bh::loss::Kind;
+  using K = Loss;
   // The block: L = 1, d = 1 (with eps), d_k != d, odd sizes, batches, both losses; the last two are
   // large enough for the parallel assembly (P = 544 and 225).
   check_block<T>(rng, {{1, 3, 2, 4}, 1, K::mse, T(0)});

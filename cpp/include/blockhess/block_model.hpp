@@ -1,27 +1,35 @@
-// The block's public C++ API: a block of the family (params.hpp's Spec) evaluated at one batch, and
-// everything the core computes from it (output, Jacobians, output second derivatives, the loss
-// gradient, the dense loss Hessian and its diagonal, and the loss Hessian as an operator).
+// The public C++ API of the engine for a block of the family (params.hpp's Spec) evaluated at one
+// batch: its output, Jacobians and output second derivatives, and its loss (a head of heads.hpp)
+// with the gradient, the dense Hessian (or its outer / functional part) over a selection of
+// parameters, the Hessian's exact diagonal, and the Hessian as a matrix-free operator.
 //
-// This header declares; block_model_impl.hpp defines, on the engine (engine/graph.hpp). Header-only
-// use gets both. A build that compiles the engine once per instruction-set level in translation
-// units of its own (the Python modules) defines BLOCKHESS_COMPILED for everything else, which then
-// sees these declarations only and instantiates none of the engine.
+// This header declares; block_model_impl.hpp defines, on the engine (engine/graph.hpp,
+// engine/loss.hpp). Header-only use gets both. A build that compiles the engine once per
+// instruction-set level in translation units of its own (the Python modules) defines
+// BLOCKHESS_COMPILED for everything else, which then sees these declarations only and instantiates
+// none of the engine.
 #pragma once
 
 #include <memory>
 #include <vector>
 
-#include "blockhess/block_target.hpp"
 #include "blockhess/config.hpp"
 #include "blockhess/engine/graph.hpp"
+#include "blockhess/engine/head.hpp"
+#include "blockhess/heads.hpp"
 #include "blockhess/params.hpp"
+
+namespace blockhess::engine {
+template <class T>
+class LossOperator;  // engine/loss.hpp
+}  // namespace blockhess::engine
 
 namespace blockhess::block {
 
+using engine::Part;
 template <class T>
-class Evaluation;  // block.hpp: the engine graph underneath a Model
-template <class T>
-class HessianOperator;  // block_hvp.hpp
+using Target = heads::Target<T>;
+
 template <class T>
 class LossHessianOperator;
 
@@ -37,10 +45,10 @@ class Model {
   Model& operator=(Model&&) noexcept;
   ~Model();
 
-  const std::vector<ParamShape>& shapes() const;
-  index_t samples() const;
-  index_t tokens() const;
-  const T* output() const;  // Z: (tokens, d)
+  const std::vector<ParamShape>& shapes() const { return shapes_; }
+  index_t samples() const { return graph_->samples(); }
+  index_t tokens() const { return graph_->tokens(); }
+  const T* output() const { return graph_->value(graph_->output()); }  // Z: (tokens, d)
 
   // dZ/dW_p for one sample: (L d, n_p).
   void jacobian(int p, T* J);
@@ -53,17 +61,18 @@ class Model {
   // The loss; the diagonal of that Hessian (P entries) into diag, with no block of it formed.
   T loss_hessian_diagonal(const Target<T>& target, Part part, const Selection& wrt, T* diag);
 
-  // The engine's evaluation, for assembly into another target (the GPU's DeviceHessian).
-  Evaluation<T>& evaluation();
+  // The engine graph, for assembly into another target (the GPU's DeviceHessian, engine/loss.hpp).
+  engine::Graph<T>& graph() { return *graph_; }
 
  private:
   friend class LossHessianOperator<T>;
-  std::unique_ptr<Evaluation<T>> e_;
+  std::vector<ParamShape> shapes_;
+  std::unique_ptr<engine::Graph<T>> graph_;
 };
 
 // The loss Hessian (or its part) over the parameters in wrt as an operator: the forward pass, the
-// loss derivatives and the reverse pass are done once, at construction; every product reuses them,
-// and nothing P x P is formed (block_hvp.hpp).
+// head and the reverse pass are done once, at construction; every product reuses them, and nothing
+// P x P is formed (engine/loss.hpp's LossOperator).
 template <class T>
 class LossHessianOperator {
  public:
@@ -81,7 +90,7 @@ class LossHessianOperator {
   void apply_columns(const T* V, index_t k, T* out) const;
 
  private:
-  std::unique_ptr<HessianOperator<T>> op_;
+  std::unique_ptr<engine::LossOperator<T>> op_;
 };
 
 }  // namespace blockhess::block

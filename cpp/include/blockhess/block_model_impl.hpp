@@ -1,21 +1,26 @@
-// The definitions behind block_model.hpp: each member forwards to the engine's block functions
-// (block.hpp, block_hessian.hpp, block_loss.hpp, block_hvp.hpp).
+// The definitions behind block_model.hpp: the block wired onto an engine graph (blocks/), and each
+// member one call of the engine (engine/derivatives.hpp, engine/loss.hpp) with the loss's head
+// made by the registry (heads.hpp).
 #pragma once
 
 #include <utility>
 
-#include "blockhess/block.hpp"
-#include "blockhess/block_hessian.hpp"
-#include "blockhess/block_hvp.hpp"
-#include "blockhess/block_loss.hpp"
 #include "blockhess/block_model.hpp"
+#include "blockhess/blocks/family.hpp"
+#include "blockhess/engine/derivatives.hpp"
+#include "blockhess/engine/loss.hpp"
 
 namespace blockhess::block {
 
 template <class T>
 Model<T>::Model(const Spec& spec, const Dims& dims, index_t samples, const T* X, const std::vector<const T*>& weights,
                 T eps, engine::Storage storage)
-    : e_(std::make_unique<Evaluation<T>>(spec, dims, samples, X, weights, eps, storage)) {}
+    : shapes_(parameters(spec, dims)) {
+  dims.check(!spec.attention_only);
+  graph_ = std::make_unique<engine::Graph<T>>(samples, dims.L);
+  blocks::wire(*graph_, spec, dims, X, weights, eps, storage);
+  graph_->forward();
+}
 template <class T>
 Model<T>::Model(Model&&) noexcept = default;
 template <class T>
@@ -24,49 +29,29 @@ template <class T>
 Model<T>::~Model() = default;
 
 template <class T>
-const std::vector<ParamShape>& Model<T>::shapes() const {
-  return e_->shapes();
-}
-template <class T>
-index_t Model<T>::samples() const {
-  return e_->samples();
-}
-template <class T>
-index_t Model<T>::tokens() const {
-  return e_->tokens();
-}
-template <class T>
-const T* Model<T>::output() const {
-  return e_->output();
-}
-template <class T>
 void Model<T>::jacobian(int p, T* J) {
-  block::jacobian(*e_, p, J);
+  engine::jacobian(*graph_, p, J);
 }
 template <class T>
 void Model<T>::output_hessian(int i, int j, T* out) {
-  block::output_hessian(*e_, i, j, out);
+  engine::output_hessian(*graph_, i, j, out);
 }
 template <class T>
 T Model<T>::loss_gradient(const Target<T>& target, T* grad) {
-  return block::loss_gradient(*e_, target, grad);
+  return engine::reverse_loss(*graph_, *heads::make(target), grad);
 }
 template <class T>
 T Model<T>::loss_hessian(const Target<T>& target, Part part, const Selection& wrt, T* H) {
-  return block::loss_hessian(*e_, target, part, wrt, H);
+  return engine::loss_hessian(*graph_, *heads::make(target), part, wrt, H);
 }
 template <class T>
 T Model<T>::loss_hessian_diagonal(const Target<T>& target, Part part, const Selection& wrt, T* diag) {
-  return block::loss_hessian_diagonal(*e_, target, part, wrt, diag);
-}
-template <class T>
-Evaluation<T>& Model<T>::evaluation() {
-  return *e_;
+  return engine::loss_hessian_diagonal(*graph_, *heads::make(target), part, wrt, diag);
 }
 
 template <class T>
 LossHessianOperator<T>::LossHessianOperator(Model<T>&& model, const Target<T>& target, Part part, const Selection& wrt)
-    : op_(std::make_unique<HessianOperator<T>>(std::move(*model.e_), target, part, wrt)) {}
+    : op_(std::make_unique<engine::LossOperator<T>>(std::move(model.graph_), heads::make(target), part, wrt)) {}
 template <class T>
 LossHessianOperator<T>::LossHessianOperator(LossHessianOperator&&) noexcept = default;
 template <class T>

@@ -97,17 +97,4 @@ inline std::vector<ParamShape> parameters(const Spec& s, const Dims& D) {
 // The parameters chosen for a derivative (wrt): one flag per parameter.
 using Selection = std::vector<bool>;
 
-// Where each parameter sits in the flattened vector of the selected ones (an unselected one: where
-// it would); returns the total size.
-inline index_t offsets(const std::vector<ParamShape>& shapes, const Selection& wrt, std::vector<index_t>& off) {
-  if (wrt.size() != shapes.size()) throw std::invalid_argument("block: wrt needs one flag per parameter");
-  off.assign(shapes.size(), 0);
-  index_t total = 0;
-  for (size_t p = 0; p < shapes.size(); ++p) {
-    off[p] = total;
-    if (wrt[p]) total += shapes[p].size();
-  }
-  return total;
-}
-
 }  // namespace blockhess::block

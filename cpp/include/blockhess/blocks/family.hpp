@@ -18,6 +18,12 @@ Values wire(engine::Graph<T>& g, const block::Spec& s, const block::Dims& D, con
                    : s.pre_ln       ? wire_pre_ln(g, s, D, p, X, eps)
                                     : wire_post_ln(g, s, D, p, X, eps);
   if (!p.done()) throw std::logic_error("block: the wiring left parameters unused");
+  // The reverse pass names the stage where it overflows: behind the output's norm, or behind the
+  // FFN and the first norm (the attention-only block has neither).
+  if (v.ffn_sum >= 0) {
+    g.check_cotangent(v.ffn_sum, "block: the reverse pass through the output's norm");
+    g.check_cotangent(v.attention_sum, "block: the reverse pass through the FFN and the first norm");
+  }
   return v;
 }
 

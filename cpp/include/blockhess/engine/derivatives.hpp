@@ -76,26 +76,22 @@ void input_tangents(const Graph<T>& g, int x, index_t count, index_t work, Seed&
 }
 
 // d2 Z_o / dW_i dW_j for every output entry o: for each, the Hessian of Z_o (whose cotangent is the
-// unit vector e_o; reverse(gZ) runs the reverse pass) over W_i and W_j, assembled through `out` (a
+// unit vector e_o) over W_i and W_j, assembled through `out` (a
 // (P, P) target: HostHessian, or the GPU's DeviceHessian); then take(o, row, col, n_i, n_j) reads
 // its (i, j) block, which starts at (row, col).
-template <class T, class Reverse, class Out, class Take>
-void output_hessians(Graph<T>& g, int i, int j, Reverse&& reverse, Out& out, Take&& take) {
+template <class T, class Out, class Take>
+void output_hessians(Graph<T>& g, int i, int j, Out& out, Take&& take) {
   std::vector<bool> wrt(static_cast<size_t>(g.num_params()), false);
   wrt.at(static_cast<size_t>(i)) = wrt.at(static_cast<size_t>(j)) = true;
   g.select(wrt);
   g.push_factors(/*to_output=*/false);
-  std::vector<index_t> off(wrt.size(), 0);
-  for (size_t p = 0, total = 0; p < wrt.size(); ++p) {
-    off[p] = static_cast<index_t>(total);
-    if (wrt[p]) total += static_cast<size_t>(g.parameter(static_cast<int>(p)).size());
-  }
+  const std::vector<index_t> off = g.offsets(wrt);
   const index_t ni = g.parameter(i).size(), nj = g.parameter(j).size();
   const index_t m = g.tokens() * g.width(g.output());
   Buffer<T> gZ(m, T(0));
   for (index_t o = 0; o < m; ++o) {
     gZ[o] = T(1);
-    reverse(gZ.data());
+    g.reverse(gZ.data());
     assemble(g, g.curvature(), off, out);
     take(o, off[static_cast<size_t>(i)], off[static_cast<size_t>(j)], ni, nj);
     gZ[o] = T(0);
@@ -109,12 +105,12 @@ index_t pair_size(const Graph<T>& g, int i, int j) {
 }
 
 // The same in host memory, in the layout (tokens width(Z) n_i, n_j).
-template <class T, class Reverse>
-void output_hessian(Graph<T>& g, int i, int j, Reverse&& reverse, T* result) {
+template <class T>
+void output_hessian(Graph<T>& g, int i, int j, T* result) {
   const index_t P = pair_size(g, i, j);
   Buffer<T> H(P * P);
   HostHessian<T> target{H.data(), P};
-  output_hessians(g, i, j, reverse, target, [&](index_t o, index_t row, index_t col, index_t ni, index_t nj) {
+  output_hessians(g, i, j, target, [&](index_t o, index_t row, index_t col, index_t ni, index_t nj) {
     for (index_t a = 0; a < ni; ++a) std::copy_n(H.data() + (row + a) * P + col, nj, result + (o * ni + a) * nj);
   });
 }

@@ -29,6 +29,7 @@
 #include "blockhess/config.hpp"
 #include "blockhess/engine/factor.hpp"
 #include "blockhess/engine/terms.hpp"
+#include "blockhess/finite.hpp"
 
 namespace blockhess::engine {
 
@@ -177,6 +178,8 @@ class Graph {
     return nodes_.back()->output;
   }
   void set_output(int v) { output_ = v; }
+  // A value whose cotangent every reverse pass checks, named in the error (a stage of the wiring).
+  void check_cotangent(int v, std::string stage) { checked_.emplace_back(v, std::move(stage)); }
 
   // ---- what the nodes read and write ----
   int output() const { return output_; }
@@ -250,6 +253,7 @@ class Graph {
     std::copy_n(g_output, tokens() * width(output_), seed.data);
     for (auto it = nodes_.rbegin(); it != nodes_.rend(); ++it)
       if (varies((*it)->output)) (*it)->vjp(*this);
+    for (const auto& [v, stage] : checked_) require_finite(cotangent(v), tokens() * width(v), stage);
   }
 
   // The parameters whose factors are best formed together: a node's, or each of them alone where
@@ -269,6 +273,20 @@ class Graph {
   void select(const std::vector<bool>& selection) {
     if (selection.size() != params_.size()) throw std::logic_error("engine: one selection flag per parameter");
     selected_.assign(selection.begin(), selection.end());
+  }
+
+  // Where each parameter sits in the flattened vector of the ones `selection` flags, in the graph's
+  // order (one not flagged: where the next flagged one would); *total: their size.
+  std::vector<index_t> offsets(const std::vector<bool>& selection, index_t* total = nullptr) const {
+    if (selection.size() != params_.size()) throw std::logic_error("engine: one selection flag per parameter");
+    std::vector<index_t> off(params_.size(), 0);
+    index_t size = 0;
+    for (size_t p = 0; p < params_.size(); ++p) {
+      off[p] = size;
+      if (selection[p]) size += params_[p].size();
+    }
+    if (total) *total = size;
+    return off;
   }
 
   // The tangent factors of the selected parameters at every value, up to the output's producer's
@@ -350,6 +368,7 @@ class Graph {
   std::vector<T*> grad_out_;
   std::vector<char> selected_;
   std::vector<std::vector<Factor<T>>> factors_;
+  std::vector<std::pair<int, std::string>> checked_;
   int output_ = -1;
 };
 

@@ -1,0 +1,47 @@
+// A loss at the graph's output Z (tokens x width), averaged over the batch: the scalar every loss
+// derivative starts from. Like a node (graph.hpp), a head implements once what the engine asks of it:
+//   forward      the loss, and its gradient dl/dZ (the reverse pass's seed);
+//   curvature    its second derivative at Z as a site (terms.hpp): the outer (Gauss-Newton) part of
+//                the Hessian, J^T H_l J (docs/derivation.md §4.1);
+//   vjp_tangent  that second derivative applied to a tangent dZ: the Hessian-vector product's seed,
+//                with no d x d block formed.
+// A new loss is one head (heads/) and one entry of the registry (heads.hpp); nothing else switches
+// on a loss.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "blockhess/config.hpp"
+#include "blockhess/engine/graph.hpp"
+#include "blockhess/engine/terms.hpp"
+
+namespace blockhess::engine {
+
+// The full Hessian, its outer (Gauss-Newton) part or its functional part (docs/derivation.md §4.1).
+enum class Part : int { full = 0, outer = 1, functional = 2 };
+
+template <class T>
+class Head {
+ public:
+  virtual ~Head() = default;
+  // The loss at g's output (its forward pass done); writes dl/dZ, (tokens, width), into gZ.
+  virtual T forward(const Graph<T>& g, T* gZ) = 0;
+  // Its second derivative at Z, after forward: a Site, or a PooledSite where it couples tokens.
+  virtual void curvature(const Graph<T>& g, Terms<T>& terms) const = 0;
+  // dgZ = (d2l/dZ^2) dZ, after forward.
+  virtual void vjp_tangent(const Graph<T>& g, const T* dZ, T* dgZ) const = 0;
+  // Whether its site couples the tokens of a sample: the parameters' factors are then needed at Z
+  // itself (Graph::push_factors(true)), not pulled back through Z's producer.
+  virtual bool couples_tokens() const { return false; }
+};
+
+// A cross-entropy head's class index k, checked against its number of classes.
+inline void require_class(std::int64_t k, index_t classes) {
+  if (k < 0 || k >= classes)
+    throw std::invalid_argument("loss: class index " + std::to_string(k) + " is out of range [0, " +
+                                std::to_string(classes) + ")");
+}
+
+}  // namespace blockhess::engine

@@ -1,0 +1,71 @@
+// Cross-entropy per token, each row of Z a logit vector against its class:
+//   l = 1/(B L) sum_t [logsumexp(Z_t) - Z_t[class_t]]
+// formed in that form (softmax::cross_entropy_row), so large logit gaps stay finite. Separable over
+// tokens: its second derivative is the d x d block 1/(B L) (diag p_t - p_t p_t^T) per token,
+// p_t = softmax(Z_t), a site at Z.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+
+#include "blockhess/buffer.hpp"
+#include "blockhess/engine/head.hpp"
+#include "blockhess/softmax.hpp"
+
+namespace blockhess::engine {
+
+template <class T>
+class CrossEntropyHead final : public Head<T> {
+ public:
+  // classes: one per token, read while the head lives.
+  explicit CrossEntropyHead(const std::int64_t* classes) : classes_(classes) {
+    if (!classes_) throw std::invalid_argument("loss: cross_entropy needs integer class targets");
+  }
+
+  T forward(const Graph<T>& g, T* gZ) override {
+    const index_t n = g.tokens(), d = g.width(g.output());
+    const T* Z = g.value(g.output());
+    scale_ = T(1) / static_cast<T>(n);
+    p_.resize(static_cast<size_t>(n * d));
+    T value = 0;
+    for (index_t t = 0; t < n; ++t) {
+      const std::int64_t k = classes_[t];
+      require_class(k, d);
+      T* p = p_.data() + t * d;
+      value += scale_ * softmax::cross_entropy_row(Z + t * d, d, k, p);
+      for (index_t a = 0; a < d; ++a) gZ[t * d + a] = scale_ * (p[a] - (a == k ? T(1) : T(0)));
+    }
+    return value;
+  }
+
+  void curvature(const Graph<T>& g, Terms<T>& terms) const override {
+    const index_t n = g.tokens(), d = g.width(g.output());
+    auto omega = std::make_shared<Buffer<T>>(static_cast<size_t>(n * d * d));
+    for (index_t t = 0; t < n; ++t) {
+      const T* p = p_.data() + t * d;
+      T* O = omega->data() + t * d * d;
+      for (index_t a = 0; a < d; ++a)
+        for (index_t b = 0; b < d; ++b) O[a * d + b] = scale_ * ((a == b ? p[a] : T(0)) - p[a] * p[b]);
+    }
+    terms.sites.push_back(Site<T>{g.output(), std::move(omega), false});
+  }
+
+  // Per row: 1/(B L) (p * dz - p (p . dz)).
+  void vjp_tangent(const Graph<T>& g, const T* dZ, T* dgZ) const override {
+    const index_t n = g.tokens(), d = g.width(g.output());
+    for (index_t t = 0; t < n; ++t) {
+      const T* p = p_.data() + t * d;
+      T pdz = 0;
+      for (index_t a = 0; a < d; ++a) pdz += p[a] * dZ[t * d + a];
+      for (index_t a = 0; a < d; ++a) dgZ[t * d + a] = scale_ * p[a] * (dZ[t * d + a] - pdz);
+    }
+  }
+
+ private:
+  const std::int64_t* classes_;
+  T scale_ = 0;  // 1 / (B L)
+  Buffer<T> p_;  // softmax(Z_t), (tokens, d)
+};
+
+}  // namespace blockhess::engine

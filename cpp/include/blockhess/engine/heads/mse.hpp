@@ -1,0 +1,51 @@
+// Mean squared error against a float target: l = 1/(B L d) sum (Z - target)^2 (docs/derivation.md
+// §2.2; per sample 1/(L d) ||Z - target||_F^2). Its second derivative is 2/(B L d) I at every
+// token: a diagonal site at Z.
+#pragma once
+
+#include <memory>
+#include <stdexcept>
+
+#include "blockhess/buffer.hpp"
+#include "blockhess/engine/head.hpp"
+
+namespace blockhess::engine {
+
+template <class T>
+class MseHead final : public Head<T> {
+ public:
+  // target: (tokens, width) row-major, read while the head lives.
+  explicit MseHead(const T* target) : target_(target) {
+    if (!target_) throw std::invalid_argument("loss: mse needs a float target");
+  }
+
+  T forward(const Graph<T>& g, T* gZ) override {
+    const index_t n = g.tokens() * g.width(g.output());
+    const T* Z = g.value(g.output());
+    scale_ = T(1) / static_cast<T>(n);
+    T value = 0;
+    for (index_t k = 0; k < n; ++k) {
+      const T r = Z[k] - target_[k];
+      value += scale_ * r * r;
+      gZ[k] = 2 * scale_ * r;
+    }
+    return value;
+  }
+
+  void curvature(const Graph<T>& g, Terms<T>& terms) const override {
+    const index_t n = g.tokens() * g.width(g.output());
+    terms.sites.push_back(Site<T>{g.output(), std::make_shared<const Buffer<T>>(static_cast<size_t>(n), 2 * scale_), true});
+  }
+
+  void vjp_tangent(const Graph<T>& g, const T* dZ, T* dgZ) const override {
+    const index_t n = g.tokens() * g.width(g.output());
+    const T twice = 2 * scale_;
+    for (index_t k = 0; k < n; ++k) dgZ[k] = twice * dZ[k];
+  }
+
+ private:
+  const T* target_;
+  T scale_ = 0;  // 1 / (B L d)
+};
+
+}  // namespace blockhess::engine
