@@ -11,16 +11,19 @@
 
 #include "binding.hpp"
 #include "blockhess/block_model.hpp"
+#include "blockhess/registry.hpp"
 
 namespace blockhess::bind {
 
-// The spec as Python passes it (spec.py's BlockSpec._core): (pre_ln, rmsnorm, norm_affine, bias,
-// heads, out_proj, activation, causal, attention_only).
-using SpecTuple = std::tuple<bool, bool, bool, bool, index_t, bool, int, bool, bool>;
+// The spec as Python passes it (spec.py's BlockSpec._core): (norm_position, norm, norm_affine, bias,
+// heads, out_proj, activation, causal, attention_only), the choices as their registries' codes.
+using SpecTuple = std::tuple<int, int, bool, bool, index_t, bool, int, bool, bool>;
 
 inline block::Spec spec_of(const SpecTuple& t) {
   block::Spec s;
-  std::tie(s.pre_ln, s.rmsnorm, s.norm_affine, s.bias, s.heads, s.out_proj, std::ignore, s.causal, s.attention_only) = t;
+  std::tie(std::ignore, std::ignore, s.norm_affine, s.bias, s.heads, s.out_proj, std::ignore, s.causal, s.attention_only) = t;
+  s.norm_position = static_cast<block::NormPosition>(registry::checked(block::kNormPositions, std::get<0>(t), "norm_position"));
+  s.norm = static_cast<block::Norm>(registry::checked(block::kNorms, std::get<1>(t), "norm"));
   s.activation = activation::from_code(std::get<6>(t));
   return s;
 }
@@ -99,7 +102,7 @@ template <class T>
 block::Target<T> target(const Problem<T>& p, int kind, const optional_carray<T>& values,
                         const optional_carray<std::int64_t>& classes, const optional_carray<T>& head_weight,
                         const optional_carray<T>& head_bias) {
-  if (kind < 0 || kind >= static_cast<int>(heads::kNames.size())) throw std::invalid_argument("block: unknown loss kind");
+  registry::checked(heads::kNames, kind, "loss");
   const bool pooled = kind == heads::kPooledCrossEntropy;
   if ((kind == 0) != static_cast<bool>(values) || (kind != 0) != static_cast<bool>(classes))
     throw std::invalid_argument("block: mse needs values, cross_entropy and pooled_cross_entropy need classes");

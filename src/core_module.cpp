@@ -2,6 +2,7 @@
 #include "binding.hpp"
 #include "blockhess/activation.hpp"
 #include "blockhess/heads.hpp"
+#include "blockhess/params.hpp"
 
 #include "blockhess/version.hpp"
 
@@ -70,13 +71,15 @@ PYBIND11_MODULE(BLOCKHESS_MODULE_NAME, m, py::mod_gil_not_used()) {
     info["cplusplus"] = py::int_(static_cast<long>(__cplusplus));
     m.attr("build_info") = py::module_::import("types").attr("MappingProxyType")(info);
   }
-  // The registries by name (codes by position): activation.hpp's (BlockSpec's activations) and
-  // heads.hpp's (the functions' loss=).
+  // The registries by name (codes by position): BlockSpec's norm positions, norms (params.hpp) and
+  // activations (activation.hpp), and the functions' losses (heads.hpp).
   auto names = [](const auto& registry) {
     py::tuple t(registry.size());
     for (size_t k = 0; k < registry.size(); ++k) t[k] = py::str(registry[k]);
     return t;
   };
+  m.attr("norm_positions") = names(blockhess::block::kNormPositions);
+  m.attr("norms") = names(blockhess::block::kNorms);
   m.attr("activations") = names(blockhess::activation::kNames);
   m.attr("losses") = names(blockhess::heads::kNames);
   m.def("cpu_runs_x86_64_v3", &cpu_runs_x86_64_v3, "Whether this CPU runs the x86-64-v3 build.");

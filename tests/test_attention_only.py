@@ -198,7 +198,7 @@ def test_the_core_refuses_them_too():
 
     core = BlockSpec(attention_only=True)._core()
     assert [name for name, _ in _core.block_parameters(core, 4, 2, 4, 0)] == ["W_Q", "W_K", "W_V"]
-    for at in (0, 1, 2):  # pre_ln, rmsnorm, norm_affine
+    for at in (0, 1, 2):  # norm_position "pre", norm "rmsnorm", norm_affine
         with pytest.raises(ValueError, match="attention_only has no norms"):
             _core.block_parameters(core[:at] + (True,) + core[at + 1:], 4, 2, 4, 0)
     with pytest.raises(ValueError, match="attention_only has no norms"):

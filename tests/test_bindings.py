@@ -86,6 +86,25 @@ def test_cpp_invalid_argument_becomes_value_error():
         _core.softmax_forward(X, read_only)
 
 
+def test_registries_are_the_cores_and_refuse_unknown_codes():
+    """The names BlockSpec and loss= accept are the core's registries (params.hpp, activation.hpp,
+    heads.hpp), a name's code its index; a code the core does not have is a ValueError naming it."""
+    from blockhess import BlockSpec
+    from blockhess.spec import activation_names, loss_names, norm_names, norm_position_names
+
+    assert norm_position_names() == ("post", "pre") and norm_names() == ("layernorm", "rmsnorm")
+    assert "gelu_tanh" in activation_names() and "pooled_cross_entropy" in loss_names()
+    spec = BlockSpec(norm_position="pre", norm="rmsnorm", activation="silu")._core()
+    assert spec[:2] == (1, 1) and spec[6] == activation_names().index("silu")
+    core = BlockSpec()._core()
+    for at, kind in ((0, "norm_position"), (1, "norm"), (6, "activation")):
+        with pytest.raises(ValueError, match=f"{kind}: unknown code 9"):
+            _core.block_parameters(core[:at] + (9,) + core[at + 1:], 4, 2, 4, 8)
+    X, Wk = np.ones((1, 2, 4)), [np.ones((4, 2)), np.ones((4, 2)), np.ones((4, 4)), np.ones((4, 8)), np.ones((8, 4))]
+    with pytest.raises(ValueError, match="loss: unknown code 5"):
+        _core.loss_gradient(X, core, Wk, 0.0, 5, X, None, None)
+
+
 def test_bindings_release_the_gil():
     # While two threads run a long binding, this thread must keep running Python: with the GIL
     # held, its heartbeat would stall for a whole call.

@@ -13,7 +13,7 @@ import numpy as np
 
 from ._command_line import UsageError, check_seed
 from .block import BlockParams, _parameter_table
-from .spec import BlockSpec, activation_names, loss_names
+from .spec import BlockSpec, activation_names, loss_names, norm_names, norm_position_names
 
 
 @dataclass
@@ -123,8 +123,8 @@ def add_block_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eps", type=float, default=0.0,
                         help="LayerNorm epsilon (default 0, as in the paper; --d 1 needs eps > 0)")
     block = parser.add_argument_group("the block (defaults: the paper's post-LN block)")
-    block.add_argument("--norm-position", dest="norm_position", choices=("post", "pre"), default="post")
-    block.add_argument("--norm", choices=("layernorm", "rmsnorm"), default="layernorm")
+    block.add_argument("--norm-position", dest="norm_position", choices=norm_position_names(), default="post")
+    block.add_argument("--norm", choices=norm_names(), default="layernorm")
     block.add_argument("--affine", action="store_true", help="trainable gamma (and beta) in both norms")
     block.add_argument("--bias", action="store_true", help="a bias on every linear map")
     block.add_argument("--heads", type=int, default=1, help="attention heads (d_k per head; d_v = d / heads)")

@@ -12,8 +12,17 @@ import numpy as np
 from . import _core
 from ._validate import nonneg_scalar, positive_int
 
-_NORM_POSITIONS = ("post", "pre")
-_NORMS = ("layernorm", "rmsnorm")
+
+
+def norm_position_names() -> tuple[str, ...]:
+    """Where a BlockSpec's norms may sit: the core's registry (params.hpp), a name's code its index.
+    Read when needed, not at import, so that importing blockhess never depends on it."""
+    return tuple(_core.norm_positions)
+
+
+def norm_names() -> tuple[str, ...]:
+    """The norms a BlockSpec accepts: the core's registry (params.hpp), a name's code its index."""
+    return tuple(_core.norms)
 
 
 def activation_names() -> tuple[str, ...]:
@@ -60,7 +69,8 @@ class BlockSpec:
     attention_only: bool = False
 
     def __post_init__(self) -> None:
-        for name, allowed in (("norm_position", _NORM_POSITIONS), ("norm", _NORMS), ("activation", activation_names())):
+        for name, allowed in (("norm_position", norm_position_names()), ("norm", norm_names()),
+                              ("activation", activation_names())):
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"BlockSpec.{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
@@ -90,8 +100,9 @@ class BlockSpec:
 
     def _core(self) -> tuple[Any, ...]:
         """The tuple the core's bindings take (bind_block.cpp, SpecTuple)."""
-        return (self.norm_position == "pre", self.norm == "rmsnorm", self.norm_affine, self.bias, self.heads,
-                self.out_proj, activation_names().index(self.activation), self.causal, self.attention_only)
+        return (norm_position_names().index(self.norm_position), norm_names().index(self.norm), self.norm_affine,
+                self.bias, self.heads, self.out_proj, activation_names().index(self.activation), self.causal,
+                self.attention_only)
 
 
 PAPER_BLOCK = BlockSpec()

@@ -593,8 +593,8 @@ void check_family(std::mt19937_64& rng, const bh::block::Spec& spec, const bh::b
                   bool pooled = false) {
   namespace blk = bh::block;
   const std::string ctx = std::string("family ") + type_name<T>() +
-                          (spec.attention_only ? " attention-only" : spec.pre_ln ? " pre" : " post") +
-                          (spec.rmsnorm ? " rms" : "") + " heads=" + std::to_string(spec.heads) +
+                          (spec.attention_only ? " attention-only" : spec.norm_position == bh::block::NormPosition::pre ? " pre" : " post") +
+                          (spec.norm == bh::block::Norm::rmsnorm ? " rms" : "") + " heads=" + std::to_string(spec.heads) +
                           (pooled ? " pooled" : "");
   const auto shapes = blk::parameters(spec, D);
   std::vector<std::vector<T>> W;
@@ -786,10 +786,10 @@ void run_all(std::mt19937_64& rng) {
   everything.activation = bh::activation::Kind::gelu_tanh;
   check_family<T>(rng, everything, {5, 6, 3, 7, 2}, 2, T(1e-3));
   check_family<T>(rng, everything, {5, 6, 3, 7, 2}, 3, T(1e-3), /*pooled=*/true);
-  everything.pre_ln = true;
+  everything.norm_position = bh::block::NormPosition::pre;
   check_family<T>(rng, everything, {5, 6, 3, 7, 2}, 2, T(1e-3));
   check_family<T>(rng, everything, {5, 6, 3, 7, 2}, 1, T(1e-3), /*pooled=*/true);
-  everything.rmsnorm = true;
+  everything.norm = bh::block::Norm::rmsnorm;
   everything.activation = bh::activation::Kind::silu;
   check_family<T>(rng, everything, {4, 4, 2, 5, 0}, 1, T(1e-3));
   // The attention sublayer alone (the paper's Thm 1 layer) with every attention option; d_ff = 0:

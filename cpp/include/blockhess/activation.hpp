@@ -12,6 +12,7 @@
 #include <string>
 
 #include "blockhess/config.hpp"
+#include "blockhess/registry.hpp"
 
 namespace blockhess::activation {
 
@@ -21,20 +22,8 @@ enum class Kind : int { relu = 0, gelu = 1, gelu_tanh = 2, silu = 3 };
 // (blockhess._core.activations: BlockSpec, the command lines), so an activation is named only here.
 inline constexpr std::array<const char*, 4> kNames{"relu", "gelu", "gelu_tanh", "silu"};
 
-inline Kind parse(const std::string& name) {
-  std::string known;
-  for (size_t k = 0; k < kNames.size(); ++k) {
-    if (name == kNames[k]) return static_cast<Kind>(k);
-    known += (k ? ", " : "") + std::string(kNames[k]);
-  }
-  throw std::invalid_argument("activation: unknown '" + name + "' (one of " + known + ")");
-}
-
-inline Kind from_code(int code) {
-  if (code < 0 || code >= static_cast<int>(kNames.size()))
-    throw std::invalid_argument("activation: unknown code " + std::to_string(code));
-  return static_cast<Kind>(code);
-}
+inline Kind parse(const std::string& name) { return static_cast<Kind>(registry::parse(kNames, name, "activation")); }
+inline Kind from_code(int code) { return static_cast<Kind>(registry::checked(kNames, code, "activation")); }
 
 // Whether phi'' is zero almost everywhere (no curvature site).
 inline bool is_piecewise_linear(Kind k) { return k == Kind::relu; }

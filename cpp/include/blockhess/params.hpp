@@ -4,6 +4,7 @@
 // it through _core.block_parameters.
 #pragma once
 
+#include <array>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -17,9 +18,17 @@ namespace blockhess::block {
 // gamma (and beta), biases on every linear map, the number of heads, an output projection W_O,
 // the FFN's activation and a causal mask. attention_only: the self-attention sublayer alone
 // (Z = attn(X), the paper's Thm 1 setting: no residual, no norms, no FFN).
+// The registries of where the norms sit and which norm (a name's code is its index; Python reads
+// them: BlockSpec, the command lines). Each selects a wiring (blocks/family.hpp) or a node
+// (blocks/sublayers.hpp).
+enum class NormPosition : int { post = 0, pre = 1 };
+inline constexpr std::array<const char*, 2> kNormPositions{"post", "pre"};
+enum class Norm : int { layernorm = 0, rmsnorm = 1 };
+inline constexpr std::array<const char*, 2> kNorms{"layernorm", "rmsnorm"};
+
 struct Spec {
-  bool pre_ln = false;
-  bool rmsnorm = false;
+  NormPosition norm_position = NormPosition::post;
+  Norm norm = Norm::layernorm;
   bool norm_affine = false;
   bool bias = false;
   index_t heads = 1;
@@ -52,8 +61,9 @@ struct ParamShape {
 
 inline void check(const Spec& s, const Dims& D) {
   D.check(!s.attention_only);
-  if (s.attention_only && (s.pre_ln || s.rmsnorm || s.norm_affine || s.activation != activation::Kind::relu))
-    throw std::invalid_argument("block: attention_only has no norms and no FFN: pre_ln, rmsnorm, norm_affine and "
+  if (s.attention_only && (s.norm_position != NormPosition::post || s.norm != Norm::layernorm || s.norm_affine ||
+                           s.activation != activation::Kind::relu))
+    throw std::invalid_argument("block: attention_only has no norms and no FFN: norm_position, norm, norm_affine and "
                                 "activation must keep their defaults");
   if (s.heads < 1) throw std::invalid_argument("block: heads must be >= 1");
   if (D.value_width(s) < 1) throw std::invalid_argument("block: d_v must be >= 1");
@@ -83,7 +93,7 @@ inline std::vector<ParamShape> parameters(const Spec& s, const Dims& D) {
   auto norm = [&](const char* gamma, const char* beta) {
     if (!s.norm_affine) return;
     vector(gamma, d);
-    if (!s.rmsnorm) vector(beta, d);
+    if (s.norm != Norm::rmsnorm) vector(beta, d);
   };
   norm("gamma_1", "beta_1");
   matrix("W_1", d, dff);

@@ -15,7 +15,7 @@ Values wire(engine::Graph<T>& g, const block::Spec& s, const block::Dims& D, con
   block::check(s, D);
   ParamCursor p(g, block::parameters(s, D), weights, storage);
   const Values v = s.attention_only ? wire_attention_only(g, s, D, p, X)
-                   : s.pre_ln       ? wire_pre_ln(g, s, D, p, X, eps)
+                   : s.norm_position == block::NormPosition::pre ? wire_pre_ln(g, s, D, p, X, eps)
                                     : wire_post_ln(g, s, D, p, X, eps);
   if (!p.done()) throw std::logic_error("block: the wiring left parameters unused");
   // The reverse pass names the stage where it overflows: behind the output's norm, or behind the

@@ -90,7 +90,7 @@ template <class T>
 int norm(engine::Graph<T>& g, const block::Spec& s, ParamCursor& p, int k, int input, T eps) {
   const std::string gamma = "gamma_" + std::to_string(k), beta = "beta_" + std::to_string(k);
   std::vector<int> affine = p.take_present({gamma.c_str(), beta.c_str()});
-  if (s.rmsnorm) return g.add(std::make_unique<engine::RmsNormNode<T>>(eps), {input}, std::move(affine), g.width(input));
+  if (s.norm == block::Norm::rmsnorm) return g.add(std::make_unique<engine::RmsNormNode<T>>(eps), {input}, std::move(affine), g.width(input));
   return g.add(std::make_unique<engine::LayerNormNode<T>>(eps), {input}, std::move(affine), g.width(input));
 }
 
