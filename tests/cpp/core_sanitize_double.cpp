@@ -5,4 +5,5 @@ void sanitize::run_double(std::mt19937_64& rng) {
   run_all<double>(rng);
   check_block_output_derivatives(rng);
   check_block_errors(rng);
+  check_stack(rng);
 }

@@ -104,6 +104,24 @@ inline std::vector<ParamShape> parameters(const Spec& s, const Dims& D) {
   return out;
 }
 
+// The name prefix of layer l of a stack of `layers` blocks: "h.<l>.", or none for a lone block (its
+// names do not change).
+inline std::string layer_prefix(index_t layers, index_t l) {
+  return layers == 1 ? std::string() : "h." + std::to_string(l) + ".";
+}
+
+// The parameters of a stack of `layers` blocks: each layer's, prefixed, layer after layer.
+inline std::vector<ParamShape> parameters(const Spec& s, const Dims& D, index_t layers) {
+  if (layers < 1) throw std::invalid_argument("block: layers must be >= 1");
+  std::vector<ParamShape> out;
+  for (index_t l = 0; l < layers; ++l)
+    for (ParamShape p : parameters(s, D)) {
+      p.name = layer_prefix(layers, l) + p.name;
+      out.push_back(std::move(p));
+    }
+  return out;
+}
+
 // The parameters chosen for a derivative (wrt): one flag per parameter.
 using Selection = std::vector<bool>;
 

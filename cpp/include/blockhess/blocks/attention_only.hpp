@@ -8,11 +8,10 @@
 namespace blockhess::blocks {
 
 template <class T>
-Values wire_attention_only(engine::Graph<T>& g, const block::Spec& s, const block::Dims& D, ParamCursor& p, const T* X) {
+Values wire_attention_only(engine::Graph<T>& g, const block::Spec& s, const block::Dims& D, ParamCursor& p, int input) {
   Values v;  // attention_sum and ffn_sum stay -1: this block has neither
-  v.X = g.input(X, D.d);
+  v.X = input;
   v.Z = attention_sublayer(g, s, D, p, v.X);
-  g.set_output(v.Z);
   return v;
 }
 

@@ -8,9 +8,9 @@
 namespace blockhess::blocks {
 
 template <class T>
-Values wire_post_ln(engine::Graph<T>& g, const block::Spec& s, const block::Dims& D, ParamCursor& p, const T* X, T eps) {
+Values wire_post_ln(engine::Graph<T>& g, const block::Spec& s, const block::Dims& D, ParamCursor& p, int input, T eps) {
   Values v;
-  v.X = g.input(X, D.d);
+  v.X = input;
   const int F = attention_sublayer(g, s, D, p, v.X);
   v.attention_sum = g.add(std::make_unique<engine::ResidualNode<T>>("block: the residual X + F"), {v.X, F}, {}, D.d);
   const int Y = norm(g, s, p, 1, v.attention_sum, eps);
@@ -18,7 +18,6 @@ Values wire_post_ln(engine::Graph<T>& g, const block::Spec& s, const block::Dims
   v.ffn_sum = g.add(std::make_unique<engine::ResidualNode<T>>("block: the FFN output with its residual act(Y W_1) W_2 + Y"),
                     {G, Y}, {}, D.d);
   v.Z = norm(g, s, p, 2, v.ffn_sum, eps);
-  g.set_output(v.Z);
   return v;
 }
 

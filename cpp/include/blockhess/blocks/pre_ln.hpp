@@ -7,16 +7,15 @@
 namespace blockhess::blocks {
 
 template <class T>
-Values wire_pre_ln(engine::Graph<T>& g, const block::Spec& s, const block::Dims& D, ParamCursor& p, const T* X, T eps) {
+Values wire_pre_ln(engine::Graph<T>& g, const block::Spec& s, const block::Dims& D, ParamCursor& p, int input, T eps) {
   Values v;
-  v.X = g.input(X, D.d);
+  v.X = input;
   const int F = attention_sublayer(g, s, D, p, norm(g, s, p, 1, v.X, eps));
   v.attention_sum = g.add(std::make_unique<engine::ResidualNode<T>>("block: the residual X + F"), {v.X, F}, {}, D.d);
   const int G = ffn_sublayer(g, s, D, p, norm(g, s, p, 2, v.attention_sum, eps));
   v.ffn_sum = g.add(std::make_unique<engine::ResidualNode<T>>("block: the FFN output with its residual Y + ffn(N_2(Y))"),
                     {v.attention_sum, G}, {}, D.d);
   v.Z = v.ffn_sum;
-  g.set_output(v.Z);
   return v;
 }
 

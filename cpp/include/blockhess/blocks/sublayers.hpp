@@ -32,14 +32,18 @@ class ParamCursor {
     }
     taken_.assign(ids_.size(), false);
   }
+  // The block being wired takes the parameters named `prefix` + its own names (a stack's layer
+  // "h.3."; "" for a lone block).
+  void enter(std::string prefix) { prefix_ = std::move(prefix); }
   int take(const std::string& name) {
+    const std::string full = prefix_ + name;
     for (size_t k = 0; k < names_.size(); ++k)
-      if (names_[k] == name) {
-        if (taken_[k]) throw std::logic_error("block: the wiring takes " + name + " twice");
+      if (names_[k] == full) {
+        if (taken_[k]) throw std::logic_error("block: the wiring takes " + full + " twice");
         taken_[k] = true;
         return ids_[k];
       }
-    throw std::logic_error("block: the wiring asks for " + name + ", which the registry does not list");
+    throw std::logic_error("block: the wiring asks for " + full + ", which the registry does not list");
   }
   // The parameters among `names` that the spec has, in that order.
   std::vector<int> take_present(std::initializer_list<const char*> names) {
@@ -50,7 +54,7 @@ class ParamCursor {
   }
   bool has(const std::string& name) const {
     for (const std::string& n : names_)
-      if (n == name) return true;
+      if (n == prefix_ + name) return true;
     return false;
   }
   bool done() const {
@@ -63,6 +67,7 @@ class ParamCursor {
   std::vector<std::string> names_;
   std::vector<int> ids_;
   std::vector<bool> taken_;
+  std::string prefix_;
 };
 
 template <class T>
@@ -94,7 +99,8 @@ int norm(engine::Graph<T>& g, const block::Spec& s, ParamCursor& p, int k, int i
   return g.add(std::make_unique<engine::LayerNormNode<T>>(eps), {input}, std::move(affine), g.width(input));
 }
 
-// The values a caller may want by name (the reverse pass's checks name the stages they close).
+// The values a caller may want by name (the reverse pass's checks name the stages they close): X
+// is the block's input, Z its output.
 struct Values {
   int X = -1, attention_sum = -1, ffn_sum = -1, Z = -1;
 };
