@@ -127,7 +127,7 @@ def test_bad_input(rng):
 
 def test_dense_request_over_budget_is_refused(rng):
     X, WQ, WK, WV = _inputs(rng, 32, 16, 16, 16)  # dF/dX: (512, 512) doubles = 2 MiB
-    with blockhess.memory_budget(2**20):  # plus working memory: a forward tangent per thread
+    with blockhess.memory_budget(2**20):  # plus the working memory of its closed form
         with pytest.raises(MemoryError, match=r"needs 2\.\d\d MiB \(2\.00 MiB for the result.*budget of 1\.00 MiB"):
             blockhess.attention_jacobian(X, WQ, WK, WV, "X")
         assert blockhess.attention(X, WQ, WK, WV).shape == (32, 16)

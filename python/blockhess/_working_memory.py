@@ -23,14 +23,13 @@ def softmax(m: int, n: int, itemsize: int) -> int:
     return itemsize * m * n
 
 
-def attention(L: int, d: int, dk: int, dv: int, itemsize: int, wrt: str | None = None, threads: int = 1) -> int:
+def attention(L: int, d: int, dk: int, dv: int, itemsize: int, wrt: str | None = None) -> int:
     """components.hpp on the engine's attention node: copies of X and the weights, Q, K, V, the
     logits and A (L, L), F; for a weight's Jacobian its tangent factors at F (engine/derivatives.hpp
-    jacobian), for X one forward tangent per thread (input_tangents: dX, dQ, dK, dV, dA, dT, dF)."""
+    jacobian), for X the node's closed form's Q W_K^T and K W_Q^T (AttentionNode::input_jacobian)."""
     cache = 2 * L * L + L * (d + 2 * dk + 2 * dv) + d * (2 * dk + dv)
-    tangent = 2 * L * L + L * (2 * d + 2 * dk + 2 * dv)
     extra = {None: 0, "W_Q": L * dv * dk + dv * d * dk, "W_K": L * dk + L * dv * d + dv * d * d, "W_V": L * d,
-             "X": threads * tangent}[wrt]
+             "X": 2 * L * d}[wrt]
     return itemsize * (cache + extra)
 
 

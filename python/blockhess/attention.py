@@ -13,7 +13,6 @@ import numpy as np
 
 from . import _backend, _core, _gpu, _working_memory
 from ._interop import returns_callers_kind
-from ._threads import get_num_threads
 from ._validate import choice, common_dtype, contiguous, float_array, require_finite, require_output_fits
 
 _WRT = ("W_Q", "W_K", "W_V", "X")
@@ -75,7 +74,7 @@ def attention_jacobian(X: Any, W_Q: Any, W_K: Any, W_V: Any, wrt: str) -> np.nda
     shape = (L * d_v, n_wrt)
     what = f"the attention Jacobian with respect to {wrt}"
     require_output_fits(shape, dtype, what, "use fewer tokens",
-                        working=_working_memory.attention(L, d, d_k, d_v, dtype.itemsize, wrt, get_num_threads()))
+                        working=_working_memory.attention(L, d, d_k, d_v, dtype.itemsize, wrt))
     if _backend.on_device(X, W_Q, W_K, W_V):
         return require_finite(_gpu.attention_jacobian(X, W_Q, W_K, W_V, wrt), what)
     out = np.empty(shape, dtype=dtype)

@@ -24,14 +24,16 @@
 namespace blockhess::components {
 namespace detail {
 
-// A sublayer's graph after its forward pass: its input value and (FFN) its hidden units relu(Y W_1).
-// The parameters are the graph's 0, 1 (and 2), in the order of the function's arguments.
+// A sublayer's graph after its forward pass: its input value, (FFN) its hidden units relu(Y W_1),
+// (attention) its node. The parameters are the graph's 0, 1 (and 2), in the order of the function's
+// arguments.
 template <class T>
 struct Wired {
   Wired(const T* input_values, index_t L, index_t width)
       : graph(std::make_unique<engine::Graph<T>>(1, L)), input(graph->input(input_values, width)) {}
   std::unique_ptr<engine::Graph<T>> graph;
   int input = -1, hidden = -1;
+  const engine::AttentionNode<T>* attention = nullptr;
 };
 
 // Runs `compute`, reporting an overflow inside the engine as one of `what`: the nodes name their
@@ -68,7 +70,9 @@ Wired<T> attention(const T* X, const T* W_Q, const T* W_K, const T* W_V, const A
   const int wq = g.param("W_Q", s.d, s.dk, W_Q, engine::Storage::borrow);
   const int wk = g.param("W_K", s.d, s.dk, W_K, engine::Storage::borrow);
   const int wv = g.param("W_V", s.d, s.dv, W_V, engine::Storage::borrow);
-  g.set_output(g.add(std::make_unique<engine::AttentionNode<T>>(), {w.input}, {wq, wk, wv}, s.dv));
+  auto node = std::make_unique<engine::AttentionNode<T>>();
+  w.attention = node.get();
+  g.set_output(g.add(std::move(node), {w.input}, {wq, wk, wv}, s.dv));
   g.forward();
   return w;
 }
@@ -146,25 +150,11 @@ void attention_jacobian(const T* X, const T* W_Q, const T* W_K, const T* W_V, co
                         AttentionWrt wrt, T* J) {
   static const char* const name[] = {"W_Q", "W_K", "W_V", "X"};
   const std::string what = std::string("the attention Jacobian with respect to ") + name[static_cast<int>(wrt)];
-  const index_t rows = s.L * s.dv, cols = columns(s, wrt);
   FiniteRecord finite;  // every entry checked as it is written
   detail::named(what, [&] {
     auto w = detail::attention(X, W_Q, W_K, W_V, s);
-    if (wrt != AttentionWrt::X) {
-      engine::jacobian(*w.graph, static_cast<int>(wrt), J, &finite);  // the graph's parameter wrt
-      return;
-    }
-    // Column u d + b: the output's tangent when X[u, b] alone moves (docs/derivation.md §3.3).
-    engine::input_tangents(
-        *w.graph, w.input, cols, s.L * (s.d + s.L) * (2 * s.dk + s.dv),
-        [&](index_t k, T* dX) {
-          std::fill_n(dX, cols, T(0));
-          dX[k] = T(1);
-        },
-        [&](index_t k, const T* dF) {
-          for (index_t r = 0; r < rows; ++r) J[r * cols + k] = dF ? dF[r] : T(0);
-          if (dF) finite.check(dF, rows);
-        });
+    if (wrt == AttentionWrt::X) w.attention->input_jacobian(*w.graph, 0, J, &finite);  // its closed form
+    else engine::jacobian(*w.graph, static_cast<int>(wrt), J, &finite);  // the graph's parameter wrt
   });
   finite.require<T>(what);
 }

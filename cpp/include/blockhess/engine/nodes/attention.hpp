@@ -220,6 +220,46 @@ class AttentionNode final : public Node<T> {
       }
   }
 
+  // dF/dX of sample b in closed form (docs/derivation.md §3.3), after forward: J (L h d_v, L d), row
+  // t h d_v + i d_v + a, column u d + e. X enters V and both sides of T; per head i, with
+  // Qt = Q_i W_K,i^T (row t: W_K,i q_t) and Kt = K_i W_Q,i^T (row r: W_Q,i k_r):
+  //   dF_i[t,a]/dX[u,e] = A_i[t,u] (W_V,i[e,a] + s (V_i[u,a] - F_i[t,a]) Qt[t,e])
+  //                     + [u = t] s sum_r A_i[t,r] (V_i[r,a] - F_i[t,a]) Kt[r,e].
+  // Each row is written once and noted into `finite` while in cache. The forward tangents give the
+  // same columns at L d times the cost.
+  void input_jacobian(const Graph<T>& g, index_t b, T* J, FiniteRecord* finite = nullptr) const {
+    const index_t L = g.tokens_per_sample(), d = g.width(x()), cols = L * d;
+    const T* WV = g.weight(wv());
+    const T* F = g.value(this->output) + b * L * hv_;
+    const T* V = V_.data() + b * L * hv_;
+    Buffer<T> Qt(L * d), Kt(L * d);
+    for (index_t i = 0; i < heads_; ++i) {
+      MapM<T>(Qt.data(), L, d).noalias() = q(b, i, L) * W(g, wk()).middleCols(i * dk_, dk_).transpose();
+      MapM<T>(Kt.data(), L, d).noalias() = k(b, i, L) * W(g, wq()).middleCols(i * dk_, dk_).transpose();
+      const T* A = weights(b, i, L);
+      blockhess::detail::parallel_for(L, 2 * dv_ * cols, [&](index_t t) {
+        const T* at = A + t * L;
+        const T* qt = Qt.data() + t * d;
+        for (index_t a = i * dv_; a < (i + 1) * dv_; ++a) {
+          T* row = J + (t * hv_ + a) * cols;
+          const T fa = F[t * hv_ + a];
+          for (index_t u = 0; u < L; ++u) {  // through V and the key side of T
+            const T w = at[u], c = s_ * w * (V[u * hv_ + a] - fa);
+            T* block = row + u * d;
+            for (index_t e = 0; e < d; ++e) block[e] = w * WV[e * hv_ + a] + c * qt[e];
+          }
+          T* own = row + t * d;  // through the query side of T: token t only
+          for (index_t r = 0; r < L; ++r) {
+            const T c = s_ * at[r] * (V[r * hv_ + a] - fa);
+            const T* kr = Kt.data() + r * d;
+            for (index_t e = 0; e < d; ++e) own[e] += c * kr[e];
+          }
+          note_finite(finite, row, cols);
+        }
+      });
+    }
+  }
+
   void curvature(const Graph<T>& g, Terms<T>& terms) const override {
     const index_t B = g.samples(), L = g.tokens_per_sample(), n = g.tokens(), d = g.width(x());
     const T* gF = g.cotangent(this->output);
