@@ -76,9 +76,9 @@ void input_tangents(const Graph<T>& g, int x, index_t count, index_t work, Seed&
 }
 
 // d2 Z_o / dW_i dW_j for every output entry o: for each, the Hessian of Z_o (whose cotangent is the
-// unit vector e_o) over W_i and W_j, assembled through `out` (a
-// (P, P) target: HostHessian, or the GPU's DeviceHessian); then take(o, row, col, n_i, n_j) reads
-// its (i, j) block, which starts at (row, col).
+// unit vector e_o) over W_i and W_j, assembled through `out` (a (P, P) target: HostHessian, or the
+// GPU's DeviceHessian); then take(o, row, col, n_i, n_j) reads its (i, j) block, which starts at
+// (row, col).
 template <class T, class Out, class Take>
 void output_hessians(Graph<T>& g, int i, int j, Out& out, Take&& take) {
   std::vector<bool> wrt(static_cast<size_t>(g.num_params()), false);

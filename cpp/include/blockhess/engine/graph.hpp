@@ -271,14 +271,14 @@ class Graph {
 
   // The parameters the Hessian is taken with respect to (one flag per parameter).
   void select(const std::vector<bool>& selection) {
-    if (selection.size() != params_.size()) throw std::logic_error("engine: one selection flag per parameter");
+    require_one_flag_each(selection);
     selected_.assign(selection.begin(), selection.end());
   }
 
   // Where each parameter sits in the flattened vector of the ones `selection` flags, in the graph's
   // order (one not flagged: where the next flagged one would); *total: their size.
   std::vector<index_t> offsets(const std::vector<bool>& selection, index_t* total = nullptr) const {
-    if (selection.size() != params_.size()) throw std::logic_error("engine: one selection flag per parameter");
+    require_one_flag_each(selection);
     std::vector<index_t> off(params_.size(), 0);
     index_t size = 0;
     for (size_t p = 0; p < params_.size(); ++p) {
@@ -335,6 +335,12 @@ class Graph {
   }
 
  private:
+  void require_one_flag_each(const std::vector<bool>& selection) const {
+    if (selection.size() != params_.size())
+      throw std::invalid_argument("engine: wrt needs one flag per parameter (" + std::to_string(params_.size()) +
+                                  "), got " + std::to_string(selection.size()));
+  }
+
   // A Tangent with no value moving yet and no parameter selected.
   void start(Tangent<T>& tg) const {
     const size_t nv = width_.size(), np = params_.size();
