@@ -187,11 +187,11 @@ void bind_block(py::module_& m) {
         const block::Dims D{1, d, dk, dff, dv};
         block::check(s, D);
         py::list table;
-        for (const auto& p : block::parameters(s, D))
+        for (const auto& p : block::parameters(s, D, layers_of(spec)))
           table.append(py::make_tuple(p.name, p.vector ? py::tuple(py::make_tuple(p.cols)) : py::tuple(py::make_tuple(p.rows, p.cols))));
         return table;
       },
-      "The parameters of a block in the canonical order: [(name, shape)] (params.hpp).", py::arg("spec"),
+      "The parameters of a block (or a stack) in the canonical order: [(name, shape)] (params.hpp).", py::arg("spec"),
       py::arg("d"), py::arg("d_k"), py::arg("d_v"), py::arg("d_ff"));
   for_each_float([&](auto* tag) { bind_for<std::remove_pointer_t<decltype(tag)>>(m); });
 }

@@ -2,8 +2,7 @@
 // nodes is wired from names, run on X, and differentiated for the scalar l = <G, out>: its
 // gradient, the dense Hessian of the selected parameters (the nodes' curvature, since l is linear
 // in out) and the Hessian-vector product for the columns of V. engine_head puts a loss head
-// (heads.hpp) at the chain's output instead: the loss, its gradient, Hessian and products;
-// engine_stack wires a stack of blocks of the family (blocks/family.hpp) with a head.
+// (heads.hpp) at the chain's output instead: the loss, its gradient, Hessian and products.
 //   "linear"            out = cur W (takes the next parameter)
 //   "linear_bias"       out = cur W + b (takes two: W, then b of shape (1, w_out))
 //   "relu", "gelu", "gelu_tanh", "silu"   out = phi(cur) (activation.hpp)
@@ -16,14 +15,12 @@
 //   "attention_bias"    with biases: takes W_Q, b_Q, W_K, b_K, W_V, b_V (biases (1, width))
 //   "attention_2heads"  two heads (W_Q, W_K, W_V each split into two blocks of columns), with biases
 #include "binding.hpp"
-#include "block_problem.hpp"
 
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
 
-#include "blockhess/blocks/family.hpp"
 #include "blockhess/engine/assemble.hpp"
 #include "blockhess/engine/loss.hpp"
 #include "blockhess/engine/graph.hpp"
@@ -149,32 +146,6 @@ py::tuple engine_chain(const std::vector<std::string>& kinds, const carray<T>& X
   return py::make_tuple(out, grad, H, HV);
 }
 
-// The loss of a wired graph (its forward pass not yet run) with the head of `target`: (its output,
-// the loss, the gradient of every parameter, the dense loss Hessian over wrt (or an empty one unless
-// dense), the Hessian-vector products with the columns of V over wrt).
-template <class T>
-py::tuple loss_derivatives(std::unique_ptr<engine::Graph<T>> graph, const heads::Target<T>& target,
-                           const std::vector<bool>& wrt, bool dense, const carray<T>& V) {
-  using namespace engine;
-  index_t P_all = 0, P = 0;
-  graph->offsets(std::vector<bool>(wrt.size(), true), &P_all);
-  const index_t columns = columns_of(*graph, wrt, V, &P), H_size = dense ? P : 0;
-  py::array_t<T> Z({graph->samples(), graph->tokens_per_sample(), graph->width(graph->output())}), grad(P_all),
-      H({H_size, H_size}), HV({P, columns});
-  T value = 0;
-  {
-    py::gil_scoped_release release;
-    graph->forward();
-    std::copy_n(graph->value(graph->output()), Z.size(), Z.mutable_data());
-    reverse_loss(*graph, *heads::make(target), grad.mutable_data());
-    if (dense) loss_hessian(*graph, *heads::make(target), Part::full, wrt, H.mutable_data());
-    const LossOperator<T> op(std::move(graph), heads::make(target), Part::full, wrt);
-    value = op.loss_value();
-    op.apply_columns(V.data(), columns, HV.mutable_data());
-  }
-  return py::make_tuple(Z, value, grad, H, HV);
-}
-
 // The chain with a loss head at its output (heads.hpp: loss is a code of the registry, with its
 // target): the loss, its gradient, the dense loss Hessian of the selected parameters (the head's
 // curvature and the nodes') and the Hessian-vector product for the columns of V.
@@ -192,38 +163,21 @@ py::tuple engine_head(const std::vector<std::string>& kinds, const carray<T>& X,
     target.classifier = {classifier_weight->data(), classifier_bias->data(), static_cast<index_t>(classifier_bias->size())};
     require_shape(*classifier_weight, {graph->width(graph->output()), target.classifier.classes}, "W_C");
   }
-  return py::tuple(loss_derivatives(std::move(graph), target, wrt, /*dense=*/true, V)[py::slice(1, 5, 1)]);  // no Z
-}
-
-// A stack of `layers` blocks of the family (blocks/family.hpp: wire_stack) with a loss head: its
-// output, the loss, its gradient, the dense loss Hessian over wrt (compute_hessian) and the
-// Hessian-vector product for the columns of V over wrt. weights: one array per
-// block::parameters(spec, dims, layers) entry (vectors 1-D).
-template <class T>
-py::tuple engine_stack(const SpecTuple& spec_tuple, index_t layers, const carray<T>& X, index_t dk, index_t dv,
-                       index_t dff, const std::vector<carray<T>>& weights, T eps, int loss,
-                       const optional_carray<T>& values, const optional_carray<std::int64_t>& classes,
-                       const std::vector<bool>& wrt, bool compute_hessian, const carray<T>& V) {
-  using namespace engine;
-  if (X.ndim() != 3) throw std::invalid_argument("engine_stack: X must be (B, L, d)");
-  const block::Spec spec = spec_of(spec_tuple);
-  const block::Dims D{X.shape(1), X.shape(2), dk, dff, dv};
-  block::check(spec, D);
-  const auto shapes = block::parameters(spec, D, layers);
-  if (weights.size() != shapes.size()) throw std::invalid_argument("engine_stack: one array per parameter");
-  std::vector<const T*> data;
-  for (size_t k = 0; k < shapes.size(); ++k) {
-    if (shapes[k].vector) require_shape(weights[k], {shapes[k].cols}, shapes[k].name.c_str());
-    else require_shape(weights[k], {shapes[k].rows, shapes[k].cols}, shapes[k].name.c_str());
-    data.push_back(weights[k].data());
+  index_t P_all = 0, P = 0;
+  graph->offsets(std::vector<bool>(wrt.size(), true), &P_all);
+  const index_t columns = columns_of(*graph, wrt, V, &P);
+  py::array_t<T> grad(P_all), H({P, P}), HV({P, columns});
+  T value = 0;
+  {
+    py::gil_scoped_release release;
+    graph->forward();
+    engine::reverse_loss(*graph, *heads::make(target), grad.mutable_data());
+    engine::loss_hessian(*graph, *heads::make(target), engine::Part::full, wrt, H.mutable_data());
+    const engine::LossOperator<T> op(std::move(graph), heads::make(target), engine::Part::full, wrt);
+    value = op.loss_value();
+    op.apply_columns(V.data(), columns, HV.mutable_data());
   }
-  auto graph = std::make_unique<Graph<T>>(X.shape(0), X.shape(1));
-  blocks::wire_stack(*graph, spec, D, layers, X.data(), data, eps);
-  heads::Target<T> target;
-  target.loss = loss;
-  target.values = data_or_null(values);
-  target.classes = data_or_null(classes);
-  return loss_derivatives(std::move(graph), target, wrt, compute_hessian, V);
+  return py::make_tuple(value, grad, H, HV);
 }
 
 }  // namespace
@@ -239,11 +193,6 @@ void bind_engine(py::module_& m) {
           py::arg("values").noconvert().none(true), py::arg("classes").noconvert().none(true),
           py::arg("classifier_weight").noconvert().none(true), py::arg("classifier_bias").noconvert().none(true),
           py::arg("wrt"), py::arg("V").noconvert());
-    m.def("engine_stack", &engine_stack<T>, "A stack of blocks with a loss head and its derivatives (tests).",
-          py::arg("spec"), py::arg("layers"), py::arg("X").noconvert(), py::arg("d_k"), py::arg("d_v"), py::arg("d_ff"),
-          py::arg("weights"), py::arg("eps"), py::arg("loss"), py::arg("values").noconvert().none(true),
-          py::arg("classes").noconvert().none(true), py::arg("wrt"), py::arg("compute_hessian"),
-          py::arg("V").noconvert());
   });
 }
 

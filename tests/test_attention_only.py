@@ -84,7 +84,7 @@ def test_parameters_and_spec():
     assert BlockParams.random(SPECS["plain"], d=D, d_k=2, d_ff=99).names == ("W_Q", "W_K", "W_V")  # d_ff ignored
     assert params.d_ff == 0 and "d_ff" not in repr(params)
     assert not spec.is_paper_block and not SPECS["plain"].is_paper_block
-    assert spec._core()[-1] is True and BlockSpec()._core()[-1] is False
+    assert spec._core()[8] is True and BlockSpec()._core()[8] is False
     with pytest.raises(TypeError, match="d_ff"):
         BlockParams.random(BlockSpec(), d=D, d_k=2)  # a whole block still needs it
     with pytest.raises(ValueError, match="unexpected W_1"):

@@ -45,6 +45,7 @@ from .hvp import HessianOperator, hessian_operator, loss_hvp
 from .dataset import DatasetHessianOperator, dataset_hessian_operator
 from . import spectrum
 from .spec import BlockSpec
+from .model import ModelSpec
 from .from_torch import from_torch
 
 __version__ = _version("blockhess")
@@ -53,6 +54,7 @@ __all__ = [
     # the Transformer block and its loss
     "BlockParams",
     "BlockSpec",
+    "ModelSpec",
     "from_torch",
     "HessianOperator",
     "hessian_operator",

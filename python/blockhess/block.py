@@ -64,8 +64,7 @@ class BlockParams:
     def from_arrays(cls, spec: BlockSpec, arrays: dict[str, Any]) -> BlockParams:
         """The parameters of ``spec`` from a dict name -> array (NumPy, CuPy or torch); missing,
         extra or mis-shaped arrays are a ValueError that names them."""
-        if not isinstance(spec, BlockSpec):
-            raise TypeError(f"spec must be a blockhess.BlockSpec, got {type(spec).__name__}")
+        _check_spec(spec)
         if not isinstance(arrays, dict):
             raise TypeError(f"arrays must be a dict of name -> array, got {type(arrays).__name__}")
         params = cls.__new__(cls)
@@ -79,8 +78,7 @@ class BlockParams:
         biases N(0, 0.1^2)); d_v defaults to d / heads (d_k and d_v are per head). d_ff is required
         unless ``spec.attention_only`` (which has no FFN and ignores it). Sizes are integers >= 1 of
         any integer type, ``seed`` an integer >= 0."""
-        if not isinstance(spec, BlockSpec):
-            raise TypeError(f"spec must be a blockhess.BlockSpec, got {type(spec).__name__}")
+        _check_spec(spec)
         d, d_k = positive_int(d, "d"), positive_int(d_k, "d_k")
         if spec.attention_only:
             d_ff = 0
@@ -113,18 +111,20 @@ class BlockParams:
             if len(shape) == 2:
                 a = rng.standard_normal(shape) / np.sqrt(shape[0])
             else:
-                a = (1.0 if name.startswith("gamma") else 0.0) + 0.1 * rng.standard_normal(shape)
+                a = (1.0 if name.rsplit(".", 1)[-1].startswith("gamma") else 0.0) + 0.1 * rng.standard_normal(shape)
             arrays[name] = a.astype(dtype)
         return cls.from_arrays(spec, arrays)
 
     def _init(self, spec: BlockSpec, given: dict[str, Any]) -> None:
         self.spec = spec
-        # The sizes come from W_Q, W_V and W_1 (an attention-only block has no W_1: d_ff = 0).
-        sized = ("W_Q", "W_V") if spec.attention_only else ("W_Q", "W_V", "W_1")
+        # The sizes come from (the first layer's) W_Q, W_V and W_1 (an attention-only block has no
+        # W_1: d_ff = 0).
+        first_layer = spec.layer_prefix(0)
+        sized = tuple(first_layer + n for n in (("W_Q", "W_V") if spec.attention_only else ("W_Q", "W_V", "W_1")))
         for name in sized:
             if name not in given:
                 raise ValueError(f"the parameters of {spec!r} include {name}; got {', '.join(map(str, given)) or 'none'}")
-        first = {n: float_array(given[n], n, ndim=2) for n in sized}
+        first = {n[len(first_layer):]: float_array(given[n], n, ndim=2) for n in sized}
         d, qk_columns = first["W_Q"].shape
         # Without an output projection the heads' values fill the width d exactly.
         v_columns = first["W_V"].shape[1] if spec.out_proj else d
@@ -220,6 +220,13 @@ class BlockParams:
         return params
 
 
+def _check_spec(spec: Any) -> None:
+    from .model import ModelSpec  # model.py builds on spec.py only; imported here to keep it so
+
+    if not isinstance(spec, (BlockSpec, ModelSpec)):
+        raise TypeError(f"spec must be a blockhess.BlockSpec or ModelSpec, got {type(spec).__name__}")
+
+
 def _param_index(params: BlockParams, name: Any) -> int:
     if name not in params.names:
         raise ValueError(f"parameter name must be one of {', '.join(params.names)}, got {name!r}")
@@ -270,7 +277,7 @@ def _on_gpu(X3: Any, params: BlockParams, head: Any = (None, None)) -> bool:
 
 def _family_size(params: BlockParams) -> dict[str, int]:
     """What the working-memory estimates need beyond the paper's sizes (_working_memory.py)."""
-    return {"heads": params.spec.heads, "P": params.size}
+    return {"heads": params.spec.heads, "P": params.size, "layers": params.spec.n_layers}
 
 
 def _eps(eps: Any, params: BlockParams) -> float:

@@ -102,7 +102,16 @@ class BlockSpec:
         """The tuple the core's bindings take (bind_block.cpp, SpecTuple)."""
         return (norm_position_names().index(self.norm_position), norm_names().index(self.norm), self.norm_affine,
                 self.bias, self.heads, self.out_proj, activation_names().index(self.activation), self.causal,
-                self.attention_only)
+                self.attention_only, 1)  # one layer
+
+    @property
+    def n_layers(self) -> int:
+        """One: a block is a one-layer stack (model.py's ModelSpec has more)."""
+        return 1
+
+    def layer_prefix(self, layer: int) -> str:
+        """A lone block's parameters have no layer prefix (a stack's: model.py's ModelSpec)."""
+        return ""
 
 
 PAPER_BLOCK = BlockSpec()
