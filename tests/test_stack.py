@@ -2,7 +2,7 @@
 wire_stack): each block wired on the previous one's output, its parameters prefixed by layer
 ("h.0.W_Q", ...). Forward, the loss's gradient and the Hessian-vector product need no new
 mathematics, so the public functions on a stack must equal torch autograd of the stacked blocks,
-written from their definition (the torch reference's family_block, one block after another):
+written from their definition (the torch reference's stack: its family_block, one after another):
 float64, relative error <= 1e-10. The dense Hessian and diagonal of a layer whose parameters reach
 another block's attention through its input are not in the factored form yet (a ValueError says
 so); the last layer's are, and must match too.
@@ -20,21 +20,13 @@ import torch
 import reference as ref
 import blockhess
 from blockhess import BlockParams, BlockSpec, ModelSpec
-from blockhess._torch_reference import family_block
+from blockhess._torch_reference import stack
 
 GPT2_LIKE = BlockSpec(norm_position="pre", norm_affine=True, bias=True, heads=2, out_proj=True,
                       activation="gelu_tanh", causal=True)
 SPECS = {"paper": BlockSpec(), "gpt2-like": GPT2_LIKE,
          "post-rms-silu": BlockSpec(norm="rmsnorm", norm_affine=True, activation="silu", heads=2)}
 L, d, dk, dff, EPS = 4, 6, 3, 7, 1e-5
-
-
-def _torch_stack(X, spec: ModelSpec, tensors):
-    Z = X
-    for layer in range(spec.n_layers):
-        prefix = spec.layer_prefix(layer)
-        Z = family_block(Z, spec.block, {n[len(prefix):]: t for n, t in tensors.items() if n.startswith(prefix)}, EPS)
-    return Z
 
 
 def _problem(rng, spec: ModelSpec, loss: str, B: int = 2):
@@ -44,7 +36,7 @@ def _problem(rng, spec: ModelSpec, loss: str, B: int = 2):
 
     def scalar(v):
         tensors = {n: v[s].reshape(shape) for (n, s), shape in zip(params.slices().items(), params.shapes)}
-        return ref.block_loss(_torch_stack(ref.t(X), spec, tensors), torch.as_tensor(target), loss)
+        return ref.block_loss(stack(ref.t(X), spec, tensors, EPS), torch.as_tensor(target), loss)
 
     return params, X, target, scalar, ref.t(params.flatten())
 

@@ -256,12 +256,25 @@ def family_block(X, spec, named, eps=None, *, fused=False):
     return Y + _ffn(norm(Y, 2), spec, get)
 
 
+def stack(X, spec, named, eps=None, *, fused=False):
+    """Z of a stack of blocks (a blockhess.ModelSpec; a BlockSpec is one block): each layer's block
+    on the previous one's output, with that layer's parameters (named with its prefix, h.<l>.)."""
+    block = getattr(spec, "block", spec)
+    Z = X
+    for layer in range(spec.n_layers):
+        prefix = spec.layer_prefix(layer)
+        own = {n[len(prefix):]: t for n, t in named.items() if n.startswith(prefix)}
+        Z = family_block(Z, block, own, eps, fused=fused)
+    return Z
+
+
 def family_of_flat(X, spec, names, shapes, eps=None):
-    """Z as a function of the flat vector of every parameter (in blockhess's canonical order)."""
+    """Z as a function of the flat vector of every parameter (in blockhess's canonical order), for a
+    block or a stack."""
     sizes = [math.prod(s) for s in shapes]
 
     def output_of(v):
         pieces = v.split(sizes)
-        return family_block(X, spec, {n: p.reshape(s) for n, p, s in zip(names, pieces, shapes)}, eps)
+        return stack(X, spec, {n: p.reshape(s) for n, p, s in zip(names, pieces, shapes)}, eps)
 
     return output_of
