@@ -187,7 +187,7 @@ void bind_block(py::module_& m) {
         const block::Dims D{1, d, dk, dff, dv};
         block::check(s, D);
         py::list table;
-        for (const auto& p : block::parameters(s, D, layers_of(spec)))
+        for (const auto& p : block::parameters(s, D, stack_of(spec)))
           table.append(py::make_tuple(p.name, p.vector ? py::tuple(py::make_tuple(p.cols)) : py::tuple(py::make_tuple(p.rows, p.cols))));
         return table;
       },

@@ -16,43 +16,44 @@
 namespace blockhess::bind {
 
 // The spec as Python passes it (spec.py's BlockSpec._core, model.py's ModelSpec._core): (norm_position,
-// norm, norm_affine, bias, heads, out_proj, activation, causal, attention_only, layers), the choices
-// as their registries' codes; layers blocks of that spec stacked (1: the block itself).
-using SpecTuple = std::tuple<int, int, bool, bool, index_t, bool, int, bool, bool, index_t>;
+// norm, norm_affine, bias, heads, out_proj, activation, causal, attention_only, layers, final_norm),
+// the choices as their registries' codes; layers blocks of that spec stacked (1: the block itself),
+// and a final norm.
+using SpecTuple = std::tuple<int, int, bool, bool, index_t, bool, int, bool, bool, index_t, bool>;
 
 inline block::Spec spec_of(const SpecTuple& t) {
   block::Spec s;
   std::tie(std::ignore, std::ignore, s.norm_affine, s.bias, s.heads, s.out_proj, std::ignore, s.causal, s.attention_only,
-           std::ignore) = t;
+           std::ignore, std::ignore) = t;
   s.norm_position = static_cast<block::NormPosition>(registry::checked(block::kNormPositions, std::get<0>(t), "norm_position"));
   s.norm = static_cast<block::Norm>(registry::checked(block::kNorms, std::get<1>(t), "norm"));
   s.activation = activation::from_code(std::get<6>(t));
   return s;
 }
 
-inline index_t layers_of(const SpecTuple& t) {
-  const index_t layers = std::get<9>(t);
-  if (layers < 1) throw std::invalid_argument("block: layers must be >= 1, got " + std::to_string(layers));
-  return layers;
+inline block::Stack stack_of(const SpecTuple& t) {
+  const block::Stack stack{std::get<9>(t), std::get<10>(t)};
+  if (stack.layers < 1) throw std::invalid_argument("block: layers must be >= 1, got " + std::to_string(stack.layers));
+  return stack;
 }
 
 template <class T>
 struct Problem {
   block::Spec spec;
   block::Dims dims;
-  index_t layers = 1;
+  block::Stack stack;
   index_t B = 0;
   std::vector<const T*> weights;
 
   // The blocks at X, for one call: the weights are the caller's arrays, alive until it returns.
   block::Model<T> evaluate(const T* X, T eps) const {
-    return block::Model<T>::stack(spec, dims, layers, B, X, weights, eps, engine::Storage::borrow);
+    return block::Model<T>::stack(spec, dims, stack, B, X, weights, eps, engine::Storage::borrow);
   }
   // For an object that outlives the call (the Hessian operator): a copy of the weights.
   block::Model<T> evaluate_kept(const T* X, T eps) const {
-    return block::Model<T>::stack(spec, dims, layers, B, X, weights, eps);
+    return block::Model<T>::stack(spec, dims, stack, B, X, weights, eps);
   }
-  std::vector<block::ParamShape> shapes() const { return block::parameters(spec, dims, layers); }
+  std::vector<block::ParamShape> shapes() const { return block::parameters(spec, dims, stack); }
 };
 
 // The sizes from X and the weights (d_k from W_Q, d_v from W_V, d_ff from W_1; 0 for an
@@ -62,16 +63,16 @@ Problem<T> problem(const carray<T>& X, const SpecTuple& spec, const std::vector<
   if (X.ndim() != 3) throw std::invalid_argument("block: X must be (B, L, d)");
   Problem<T> p;
   p.spec = spec_of(spec);
-  p.layers = layers_of(spec);
+  p.stack = stack_of(spec);
   p.B = X.shape(0);
   p.dims.L = X.shape(1);
   p.dims.d = X.shape(2);
-  const auto names = block::parameters(p.spec, block::Dims{1, 1, 1, 1, 1}, p.layers);
+  const auto names = block::parameters(p.spec, block::Dims{1, 1, 1, 1, 1}, p.stack);
   if (weights.size() != names.size())
     throw std::invalid_argument("block: " + std::to_string(names.size()) + " parameters expected, got " +
                                 std::to_string(weights.size()));
   auto cols_of = [&](const char* own_name) {  // the first layer's
-    const std::string name = block::layer_prefix(p.layers, 0) + own_name;
+    const std::string name = block::layer_prefix(p.stack.layers, 0) + own_name;
     for (size_t k = 0; k < names.size(); ++k)
       if (names[k].name == name) {
         if (weights[k].ndim() != 2) throw std::invalid_argument("block: " + name + " must be 2-D");

@@ -48,6 +48,11 @@ def test_a_stack_names_its_layers_and_one_layer_is_the_block():
     assert params.names == tuple(f"h.{l}.{n}" for l in range(3) for n in one.names)
     assert params.size == 3 * one.size
     assert np.all(np.abs(params["h.2.gamma_1"] - 1) < 0.5)  # gamma starts near 1 in every layer
+    normed = BlockParams.random(ModelSpec(GPT2_LIKE, n_layers=3, final_norm=True), d=d, d_k=dk, d_ff=dff)
+    assert normed.names[-2:] == ("ln_f.gamma", "ln_f.beta") and normed.size == params.size + 2 * d
+    rms = ModelSpec(BlockSpec(norm="rmsnorm", norm_affine=True), n_layers=2, final_norm=True)
+    assert BlockParams.random(rms, d=d, d_k=dk, d_ff=dff).names[-1] == "ln_f.gamma"  # RMSNorm has no beta
+    assert BlockParams.random(ModelSpec(n_layers=2, final_norm=True), d=d, d_k=dk, d_ff=dff).names[-1] == "h.1.W_2"
     single = BlockParams.random(ModelSpec(GPT2_LIKE), d=d, d_k=dk, d_ff=dff, seed=3)
     assert single.names == one.names and ModelSpec(GPT2_LIKE).layer_prefix(0) == ""
     X = np.random.default_rng(0).standard_normal((2, L, d))
@@ -56,10 +61,10 @@ def test_a_stack_names_its_layers_and_one_layer_is_the_block():
 
 
 @pytest.mark.parametrize("spec_name", sorted(SPECS))
-@pytest.mark.parametrize("layers", [2, 3])
+@pytest.mark.parametrize("layers,final_norm", [(2, False), (3, False), (2, True)])
 @pytest.mark.parametrize("loss", ["mse", "cross_entropy"])
-def test_stack_loss_gradient_and_hvp_match_autograd(rng, spec_name, layers, loss):
-    spec = ModelSpec(SPECS[spec_name], n_layers=layers)
+def test_stack_loss_gradient_and_hvp_match_autograd(rng, spec_name, layers, final_norm, loss):
+    spec = ModelSpec(SPECS[spec_name], n_layers=layers, final_norm=final_norm)
     params, X, target, scalar, flat = _problem(rng, spec, loss)
     V = rng.standard_normal((params.size, 2))
     # Hessian-vector products of the reference: forward over reverse, one column at a time.
@@ -73,10 +78,12 @@ def test_stack_loss_gradient_and_hvp_match_autograd(rng, spec_name, layers, loss
 
 
 @pytest.mark.parametrize("spec_name", sorted(SPECS))
-def test_the_last_layers_dense_hessian_and_diagonal_match_autograd(rng, spec_name):
-    spec = ModelSpec(SPECS[spec_name], n_layers=2)
+@pytest.mark.parametrize("final_norm", [False, True])
+def test_the_last_layers_dense_hessian_and_diagonal_match_autograd(rng, spec_name, final_norm):
+    """The last layer's parameters and the final norm's (token-local above it)."""
+    spec = ModelSpec(SPECS[spec_name], n_layers=2, final_norm=final_norm)
     params, X, target, scalar, flat = _problem(rng, spec, "cross_entropy")
-    last = tuple(n for n in params.names if n.startswith("h.1."))
+    last = tuple(n for n in params.names if n.startswith(("h.1.", "ln_f.")))
     chosen = np.concatenate([np.arange(params.slices()[n].start, params.slices()[n].stop) for n in last])
     ref_H = torch.func.hessian(scalar)(flat).numpy()[np.ix_(chosen, chosen)]
     H = blockhess.loss_hessian(X, target, params, loss="cross_entropy", eps=EPS, wrt=last)
@@ -111,6 +118,10 @@ def test_bad_model_specs_are_refused():
         ModelSpec("paper")
     with pytest.raises(ValueError, match="n_layers"):
         ModelSpec(BlockSpec(), n_layers=0)
+    with pytest.raises(TypeError, match="final_norm must be a bool"):
+        ModelSpec(BlockSpec(), final_norm=1)
+    with pytest.raises(ValueError, match="attention_only"):
+        ModelSpec(BlockSpec(attention_only=True), n_layers=2, final_norm=True)
     with pytest.raises(TypeError, match="BlockSpec or ModelSpec"):
         BlockParams.random("paper", d=4, d_k=2, d_ff=4)
 

@@ -233,6 +233,14 @@ def _ffn(U, spec, get):
     return _linear(_ACTIVATIONS[spec.activation](_linear(U, get, "W_1", "b_1")), get, "W_2", "b_2")
 
 
+def _norm(u, spec, gamma, beta, eps, fused):
+    """The spec's norm of the rows of u: RMSNorm (times gamma) or LayerNorm (gamma, beta)."""
+    if spec.norm == "rmsnorm":
+        z = u / torch.sqrt((u * u).mean(-1, keepdim=True) + eps)
+        return z * gamma if gamma is not None else z
+    return layernorm(u, eps, gamma, beta, fused=fused)
+
+
 def family_block(X, spec, named, eps=None, *, fused=False):
     """Z of any block of the family, from its definition (the BlockSpec docstring): ``named`` maps
     parameter names (blockhess's registry) to tensors; X is (L, d) or (B, L, d). fused: LayerNorm
@@ -241,11 +249,7 @@ def family_block(X, spec, named, eps=None, *, fused=False):
     get = named.get
 
     def norm(u, k):
-        gamma, beta = get(f"gamma_{k}"), get(f"beta_{k}")
-        if spec.norm == "rmsnorm":
-            z = u / torch.sqrt((u * u).mean(-1, keepdim=True) + eps)
-            return z * gamma if gamma is not None else z
-        return layernorm(u, eps, gamma, beta, fused=fused)
+        return _norm(u, spec, get(f"gamma_{k}"), get(f"beta_{k}"), eps, fused)
 
     if spec.attention_only:  # the lone self-attention layer: no residual, no norms, no FFN
         return _attention(X, spec, get)
@@ -258,13 +262,17 @@ def family_block(X, spec, named, eps=None, *, fused=False):
 
 def stack(X, spec, named, eps=None, *, fused=False):
     """Z of a stack of blocks (a blockhess.ModelSpec; a BlockSpec is one block): each layer's block
-    on the previous one's output, with that layer's parameters (named with its prefix, h.<l>.)."""
+    on the previous one's output, with that layer's parameters (named with its prefix, h.<l>.), then
+    the final norm (ln_f.gamma, ln_f.beta) if the spec has one."""
     block = getattr(spec, "block", spec)
     Z = X
     for layer in range(spec.n_layers):
         prefix = spec.layer_prefix(layer)
         own = {n[len(prefix):]: t for n, t in named.items() if n.startswith(prefix)}
         Z = family_block(Z, block, own, eps, fused=fused)
+    if getattr(spec, "final_norm", False):
+        Z = _norm(Z, block, named.get("ln_f.gamma"), named.get("ln_f.beta"), block.eps if eps is None else eps,
+                  fused)
     return Z
 
 

@@ -1,18 +1,23 @@
 """A stack of Transformer blocks: :class:`ModelSpec`, a frozen, hashable value. ``n_layers`` blocks of
 one :class:`BlockSpec`, each on the previous one's output (the core wires them: ``blocks/family.hpp``,
-``wire_stack``); the parameters of layer l are the block's, named ``h.<l>.<name>`` (``h.0.W_Q``, ...),
-layer after layer. One layer is the block itself, with its own names.
+``wire_stack``), then optionally a final norm of the block's kind (GPT-2's ``ln_f``,
+``nn.TransformerEncoder``'s ``norm``). The parameters of layer l are the block's, named
+``h.<l>.<name>`` (``h.0.W_Q``, ...), layer after layer, then the final norm's ``ln_f.gamma`` (and
+``ln_f.beta``) where the block's norms are affine. One layer is the block itself, with its own names.
 
 Every function that takes a block's parameters takes a stack's (``BlockParams.random(ModelSpec(...),
 ...)``, ``from_arrays``): the loss, its gradient and its Hessian-vector products cover every layer
 exactly; the dense Hessian and its diagonal cover the last layer's parameters so far (``wrt=``): a
 lower layer's reach the next block's attention through its input, which the per-token factors do not
-cover yet (docs/derivation.md §4.3), and asking for them is a ValueError that says so.
+cover yet (docs/derivation.md §4.3), and asking for them is a ValueError that says so. The final
+norm's parameters are token-local above the last layer: the dense Hessian covers them too.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import numpy as np
 
 from ._validate import positive_int
 from .spec import PAPER_BLOCK, BlockSpec
@@ -23,15 +28,21 @@ _BLOCK_OPTIONS = frozenset({"heads", "out_proj", "attention_only", "norm_positio
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """``n_layers`` blocks of ``block``, stacked."""
+    """``n_layers`` blocks of ``block``, stacked, and a final norm when ``final_norm``."""
 
     block: BlockSpec = PAPER_BLOCK
     n_layers: int = 1
+    final_norm: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.block, BlockSpec):
             raise TypeError(f"ModelSpec.block must be a blockhess.BlockSpec, got {type(self.block).__name__}")
         object.__setattr__(self, "n_layers", positive_int(self.n_layers, "ModelSpec.n_layers"))
+        if not isinstance(self.final_norm, (bool, np.bool_)):
+            raise TypeError(f"ModelSpec.final_norm must be a bool, got {self.final_norm!r}")
+        object.__setattr__(self, "final_norm", bool(self.final_norm))
+        if self.final_norm and self.block.attention_only:
+            raise ValueError("ModelSpec.final_norm=True means nothing with an attention_only block (it has no norms)")
 
     def __getattr__(self, name: str):
         """The block's options that the functions read of a spec (heads, out_proj, ...)."""
@@ -41,12 +52,13 @@ class ModelSpec:
 
     @property
     def is_paper_block(self) -> bool:
-        return self.n_layers == 1 and self.block.is_paper_block
+        return self.n_layers == 1 and not self.final_norm and self.block.is_paper_block
 
     def layer_prefix(self, layer: int) -> str:
         """The name prefix of a layer's parameters: "h.<layer>.", or none for a lone block (params.hpp)."""
         return "" if self.n_layers == 1 else f"h.{layer}."
 
     def _core(self) -> tuple:
-        """The tuple the core's bindings take (block_problem.hpp, SpecTuple): the block's, its layers."""
-        return (*self.block._core()[:-1], self.n_layers)
+        """The tuple the core's bindings take (block_problem.hpp, SpecTuple): the block's, its layers and
+        final norm."""
+        return (*self.block._core()[:-2], self.n_layers, self.final_norm)

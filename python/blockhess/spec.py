@@ -102,7 +102,7 @@ class BlockSpec:
         """The tuple the core's bindings take (bind_block.cpp, SpecTuple)."""
         return (norm_position_names().index(self.norm_position), norm_names().index(self.norm), self.norm_affine,
                 self.bias, self.heads, self.out_proj, activation_names().index(self.activation), self.causal,
-                self.attention_only, 1)  # one layer
+                self.attention_only, 1, False)  # one layer, no final norm
 
     @property
     def n_layers(self) -> int:

@@ -711,9 +711,10 @@ inline void check_block_output_derivatives(std::mt19937_64& rng) {
   }
 }
 
-// A stack of three GPT-2-like blocks through Model::stack: H v against central differences of the
-// gradient (every layer), the last layer's dense Hessian against the operator on that layer, and a
-// lower layer's dense Hessian refused (its parameters reach another block's attention).
+// A stack of three GPT-2-like blocks and a final norm through Model::stack: H v against central
+// differences of the gradient (every parameter), the dense Hessian of the last layer and the final
+// norm against the operator on them, and a lower layer's dense Hessian refused (its parameters reach
+// another block's attention).
 inline void check_stack(std::mt19937_64& rng) {
   namespace blk = bh::block;
   blk::Spec spec;
@@ -722,11 +723,12 @@ inline void check_stack(std::mt19937_64& rng) {
   spec.heads = 2;
   spec.activation = bh::activation::Kind::gelu_tanh;
   const blk::Dims D{4, 6, 3, 7, 3};
-  const index_t layers = 3, B = 2;
+  const blk::Stack stack{3, /*final_norm=*/true};
+  const index_t B = 2;
   const double eps = 1e-5;
-  const std::string ctx = "stack of 3 blocks double";
-  const auto shapes = blk::parameters(spec, D, layers);
-  CHECK(shapes.front().name == "h.0.W_Q" && shapes.back().name == "h.2.beta_2", ctx + " prefixed names");
+  const std::string ctx = "stack of 3 blocks and ln_f double";
+  const auto shapes = blk::parameters(spec, D, stack);
+  CHECK(shapes.front().name == "h.0.W_Q" && shapes.back().name == "ln_f.beta", ctx + " prefixed names");
   std::vector<std::vector<double>> W;
   for (const auto& p : shapes) W.push_back(randn<double>(rng, p.size(), 1.0 / std::sqrt(static_cast<double>(p.rows))));
   const auto X = randn<double>(rng, B * D.L * D.d), target = randn<double>(rng, B * D.L * D.d);
@@ -735,7 +737,7 @@ inline void check_stack(std::mt19937_64& rng) {
   auto model_at = [&](const std::vector<std::vector<double>>& weights) {
     std::vector<const double*> w;
     for (const auto& a : weights) w.push_back(a.data());
-    return blk::Model<double>::stack(spec, D, layers, B, X.data(), w, eps);
+    return blk::Model<double>::stack(spec, D, stack, B, X.data(), w, eps);
   };
   index_t P = 0;
   for (const auto& p : shapes) P += p.size();
@@ -755,7 +757,7 @@ inline void check_stack(std::mt19937_64& rng) {
   CHECK(all_finite(Hv) && rel_diff(fd, Hv, 1e-9) < 1e-5, ctx + " finite differences of the gradient = H v");
 
   blk::Selection last(shapes.size(), false);
-  for (size_t p = 0; p < shapes.size(); ++p) last[p] = shapes[p].name.rfind("h.2.", 0) == 0;
+  for (size_t p = 0; p < shapes.size(); ++p) last[p] = shapes[p].name.rfind("h.2.", 0) == 0 || shapes[p].name.rfind("ln_f.", 0) == 0;
   index_t Pl = 0;
   for (size_t p = 0; p < shapes.size(); ++p) Pl += last[p] ? shapes[p].size() : 0;
   std::vector<double> H(Pl * Pl), HV(Pl), ref(Pl, 0.0);
@@ -764,7 +766,7 @@ inline void check_stack(std::mt19937_64& rng) {
   blk::LossHessianOperator<double>(model_at(W), mse, blk::Part::full, last).apply(u.data(), HV.data());
   for (index_t i = 0; i < Pl; ++i)
     for (index_t j = 0; j < Pl; ++j) ref[i] += H[i * Pl + j] * u[j];
-  CHECK(rel_diff(HV, ref) < 1e-12, ctx + " the last layer's dense Hessian = its operator");
+  CHECK(rel_diff(HV, ref) < 1e-12, ctx + " the last layer's and ln_f's dense Hessian = its operator");
   blk::Selection first(shapes.size(), false);
   first[0] = true;  // h.0.W_Q: under layers 1 and 2's attention
   CHECK(throws<std::invalid_argument>([&] { model_at(W).loss_hessian(mse, blk::Part::full, first, H.data()); }),

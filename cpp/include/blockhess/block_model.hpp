@@ -41,12 +41,13 @@ class Model {
  public:
   Model(const Spec& spec, const Dims& dims, index_t samples, const T* X, const std::vector<const T*>& weights, T eps,
         engine::Storage storage = engine::Storage::copy);
-  // `layers` blocks of the spec, each on the previous one's output; weights: one array per
-  // parameters(spec, dims, layers) entry (each layer's, prefixed "h.<l>."). Gradients and
-  // Hessian-vector products cover every layer; a dense Hessian or diagonal, the parameters of the
-  // last layer (a lower layer's reach another block's attention through its input, which the
-  // per-token factors do not cover yet: std::invalid_argument).
-  static Model stack(const Spec& spec, const Dims& dims, index_t layers, index_t samples, const T* X,
+  // A stack of blocks of the spec (params.hpp's Stack: its layers, each on the previous one's
+  // output, and a final norm); weights: one array per parameters(spec, dims, stack) entry (each
+  // layer's, prefixed "h.<l>.", then ln_f's). Gradients and Hessian-vector products cover every
+  // parameter; a dense Hessian or diagonal, those of the last layer and the final norm (a lower
+  // layer's reach another block's attention through its input, which the per-token factors do not
+  // cover yet: std::invalid_argument).
+  static Model stack(const Spec& spec, const Dims& dims, const Stack& stack, index_t samples, const T* X,
                      const std::vector<const T*>& weights, T eps, engine::Storage storage = engine::Storage::copy);
   Model(Model&&) noexcept;
   Model& operator=(Model&&) noexcept;
@@ -73,7 +74,7 @@ class Model {
 
  private:
   friend class LossHessianOperator<T>;
-  Model(const Spec& spec, const Dims& dims, index_t layers, index_t samples, const T* X,
+  Model(const Spec& spec, const Dims& dims, const Stack& stack, index_t samples, const T* X,
         const std::vector<const T*>& weights, T eps, engine::Storage storage);
   std::vector<ParamShape> shapes_;
   std::unique_ptr<engine::Graph<T>> graph_;

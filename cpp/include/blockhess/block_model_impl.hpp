@@ -13,22 +13,22 @@
 namespace blockhess::block {
 
 template <class T>
-Model<T>::Model(const Spec& spec, const Dims& dims, index_t layers, index_t samples, const T* X,
+Model<T>::Model(const Spec& spec, const Dims& dims, const Stack& stack, index_t samples, const T* X,
                 const std::vector<const T*>& weights, T eps, engine::Storage storage)
-    : shapes_(parameters(spec, dims, layers)) {
+    : shapes_(parameters(spec, dims, stack)) {
   dims.check(!spec.attention_only);
   graph_ = std::make_unique<engine::Graph<T>>(samples, dims.L);
-  blocks::wire_stack(*graph_, spec, dims, layers, X, weights, eps, storage);
+  blocks::wire_stack(*graph_, spec, dims, stack, X, weights, eps, storage);
   graph_->forward();
 }
 template <class T>
 Model<T>::Model(const Spec& spec, const Dims& dims, index_t samples, const T* X, const std::vector<const T*>& weights,
                 T eps, engine::Storage storage)
-    : Model(spec, dims, 1, samples, X, weights, eps, storage) {}
+    : Model(spec, dims, Stack{}, samples, X, weights, eps, storage) {}
 template <class T>
-Model<T> Model<T>::stack(const Spec& spec, const Dims& dims, index_t layers, index_t samples, const T* X,
+Model<T> Model<T>::stack(const Spec& spec, const Dims& dims, const Stack& stack, index_t samples, const T* X,
                          const std::vector<const T*>& weights, T eps, engine::Storage storage) {
-  return Model(spec, dims, layers, samples, X, weights, eps, storage);
+  return Model(spec, dims, stack, samples, X, weights, eps, storage);
 }
 template <class T>
 Model<T>::Model(Model&&) noexcept = default;

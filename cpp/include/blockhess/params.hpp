@@ -71,6 +71,14 @@ inline void check(const Spec& s, const Dims& D) {
     throw std::invalid_argument("block: without out_proj, heads * d_v must equal d");
 }
 
+// A norm's parameters, when the spec's norms have them: gamma (d), and beta (d) for a LayerNorm.
+inline void norm_parameters(const Spec& s, index_t d, const std::string& gamma, const std::string& beta,
+                            std::vector<ParamShape>& out) {
+  if (!s.norm_affine) return;
+  out.push_back({gamma, 1, d, true});
+  if (s.norm != Norm::rmsnorm) out.push_back({beta, 1, d, true});
+}
+
 // The parameters of a block, in the canonical order: W_Q, b_Q, W_K, b_K, W_V, b_V, W_O, b_O,
 // gamma_1, beta_1, W_1, b_1, W_2, b_2, gamma_2, beta_2 (each only where the spec has it; an
 // attention-only block stops after b_O).
@@ -90,17 +98,12 @@ inline std::vector<ParamShape> parameters(const Spec& s, const Dims& D) {
     if (s.bias) vector("b_O", d);
   }
   if (s.attention_only) return out;
-  auto norm = [&](const char* gamma, const char* beta) {
-    if (!s.norm_affine) return;
-    vector(gamma, d);
-    if (s.norm != Norm::rmsnorm) vector(beta, d);
-  };
-  norm("gamma_1", "beta_1");
+  norm_parameters(s, d, "gamma_1", "beta_1", out);
   matrix("W_1", d, dff);
   if (s.bias) vector("b_1", dff);
   matrix("W_2", dff, d);
   if (s.bias) vector("b_2", d);
-  norm("gamma_2", "beta_2");
+  norm_parameters(s, d, "gamma_2", "beta_2", out);
   return out;
 }
 
@@ -110,15 +113,26 @@ inline std::string layer_prefix(index_t layers, index_t l) {
   return layers == 1 ? std::string() : "h." + std::to_string(l) + ".";
 }
 
-// The parameters of a stack of `layers` blocks: each layer's, prefixed, layer after layer.
-inline std::vector<ParamShape> parameters(const Spec& s, const Dims& D, index_t layers) {
-  if (layers < 1) throw std::invalid_argument("block: layers must be >= 1");
+// A stack: `layers` blocks of a spec, each on the previous one's output, then (final_norm) a norm of
+// the spec's kind, with its own parameters ln_f.gamma (and ln_f.beta) where the spec's norms have
+// them (GPT-2's ln_f, nn.TransformerEncoder's norm).
+struct Stack {
+  index_t layers = 1;
+  bool final_norm = false;
+};
+
+// The parameters of a stack: each layer's, prefixed, layer after layer; then the final norm's.
+inline std::vector<ParamShape> parameters(const Spec& s, const Dims& D, const Stack& stack) {
+  if (stack.layers < 1) throw std::invalid_argument("block: layers must be >= 1");
+  if (stack.final_norm && s.attention_only)
+    throw std::invalid_argument("block: attention_only has no norms, so a stack of it has no final norm");
   std::vector<ParamShape> out;
-  for (index_t l = 0; l < layers; ++l)
+  for (index_t l = 0; l < stack.layers; ++l)
     for (ParamShape p : parameters(s, D)) {
-      p.name = layer_prefix(layers, l) + p.name;
+      p.name = layer_prefix(stack.layers, l) + p.name;
       out.push_back(std::move(p));
     }
+  if (stack.final_norm) norm_parameters(s, D.d, "ln_f.gamma", "ln_f.beta", out);
   return out;
 }
 

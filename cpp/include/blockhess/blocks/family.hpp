@@ -1,6 +1,6 @@
 // Blocks of the family (params.hpp's Spec) wired onto an engine graph: one block on any value of
 // width d (wire_block), which chains; a lone block on its input X (wire); a stack of blocks, each
-// taking its own layer's parameters (wire_stack).
+// taking its own layer's parameters, and its final norm (wire_stack).
 #pragma once
 
 #include <string>
@@ -27,19 +27,24 @@ Values wire_block(engine::Graph<T>& g, const block::Spec& s, const block::Dims& 
   return v;
 }
 
-// `layers` blocks of the spec on X, the output of each the input of the next (layers = 1: the
-// block itself). weights: one array per block::parameters(s, D, layers) entry, in that order.
-// Returns the values of the last block.
+// The stack's blocks on X, the output of each the input of the next (one layer: the block itself),
+// then its final norm if it has one. weights: one array per block::parameters(s, D, stack) entry,
+// in that order. Returns the values of the last block, Z the stack's output.
 template <class T>
-Values wire_stack(engine::Graph<T>& g, const block::Spec& s, const block::Dims& D, index_t layers, const T* X,
-                  const std::vector<const T*>& weights, T eps, engine::Storage storage = engine::Storage::copy) {
+Values wire_stack(engine::Graph<T>& g, const block::Spec& s, const block::Dims& D, const block::Stack& stack,
+                  const T* X, const std::vector<const T*>& weights, T eps,
+                  engine::Storage storage = engine::Storage::copy) {
   block::check(s, D);
-  ParamCursor p(g, block::parameters(s, D, layers), weights, storage);
+  ParamCursor p(g, block::parameters(s, D, stack), weights, storage);
   Values v;
   v.Z = g.input(X, D.d);
-  for (index_t l = 0; l < layers; ++l) {
-    p.enter(block::layer_prefix(layers, l));
+  for (index_t l = 0; l < stack.layers; ++l) {
+    p.enter(block::layer_prefix(stack.layers, l));
     v = wire_block(g, s, D, p, v.Z, eps);
+  }
+  if (stack.final_norm) {
+    p.enter("");
+    v.Z = norm(g, s, p, "ln_f.gamma", "ln_f.beta", v.Z, eps);
   }
   if (!p.done()) throw std::logic_error("block: the wiring left parameters unused");
   g.set_output(v.Z);
@@ -50,7 +55,7 @@ Values wire_stack(engine::Graph<T>& g, const block::Spec& s, const block::Dims& 
 template <class T>
 Values wire(engine::Graph<T>& g, const block::Spec& s, const block::Dims& D, const T* X,
             const std::vector<const T*>& weights, T eps, engine::Storage storage = engine::Storage::copy) {
-  return wire_stack(g, s, D, 1, X, weights, eps, storage);
+  return wire_stack(g, s, D, block::Stack{}, X, weights, eps, storage);
 }
 
 }  // namespace blockhess::blocks

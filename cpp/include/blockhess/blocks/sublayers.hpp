@@ -90,13 +90,20 @@ int ffn_sublayer(engine::Graph<T>& g, const block::Spec& s, const block::Dims& D
                p.take_present({"W_2", "b_2"}), D.d);
 }
 
-// Norm k (1 or 2), LayerNorm or RMSNorm, with its gamma_k (and beta_k) when the spec has them.
+// A norm of the spec's kind, LayerNorm or RMSNorm, with its parameters `gamma` (and `beta`) when the
+// spec has them.
 template <class T>
-int norm(engine::Graph<T>& g, const block::Spec& s, ParamCursor& p, int k, int input, T eps) {
-  const std::string gamma = "gamma_" + std::to_string(k), beta = "beta_" + std::to_string(k);
+int norm(engine::Graph<T>& g, const block::Spec& s, ParamCursor& p, const std::string& gamma,
+         const std::string& beta, int input, T eps) {
   std::vector<int> affine = p.take_present({gamma.c_str(), beta.c_str()});
   if (s.norm == block::Norm::rmsnorm) return g.add(std::make_unique<engine::RmsNormNode<T>>(eps), {input}, std::move(affine), g.width(input));
   return g.add(std::make_unique<engine::LayerNormNode<T>>(eps), {input}, std::move(affine), g.width(input));
+}
+
+// The block's norm k (1 or 2), with its gamma_k (and beta_k).
+template <class T>
+int norm(engine::Graph<T>& g, const block::Spec& s, ParamCursor& p, int k, int input, T eps) {
+  return norm(g, s, p, "gamma_" + std::to_string(k), "beta_" + std::to_string(k), input, eps);
 }
 
 // The values a caller may want by name (the reverse pass's checks name the stages they close): X
