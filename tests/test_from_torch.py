@@ -4,6 +4,7 @@ of the same loss as a function of the module's own parameters (mapped to blockhe
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import numpy as np
@@ -86,7 +87,7 @@ def test_encoder_layer_refusals_and_warnings():
         blockhess.from_torch(torch.nn.TransformerEncoderLayer(4, 2, activation=torch.tanh, dtype=torch.float64).eval())
     with pytest.raises(ValueError, match="without bias"):
         blockhess.from_torch(torch.nn.TransformerEncoderLayer(4, 2, bias=False, dtype=torch.float64).eval())
-    with pytest.raises(TypeError, match="TransformerEncoderLayer or a transformers GPT2Block"):
+    with pytest.raises(TypeError, match="TransformerEncoderLayer, a torch.nn.TransformerEncoder or a transformers GPT2Block"):
         blockhess.from_torch(torch.nn.Linear(3, 3))
 
 
@@ -124,3 +125,62 @@ def test_gpt2_block(rng):
     assert ref.rel_err(blockhess.block_forward(X, params), Z_module) <= 1e-12
     H = blockhess.loss_hessian(X, target, params)
     assert ref.rel_err(H, _hessian_of_module(call, to_module, params, X, target)) <= 1e-10
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("final_norm", [False, True])
+def test_a_transformer_encoder_is_a_model_spec(norm_first, final_norm):
+    """nn.TransformerEncoder: its layers as a stack (h.<l>.*), its norm as the final norm (ln_f.*);
+    every parameter once (params.size = the module's), and the forward, loss and gradient of the
+    imported stack against the module's own through torch autograd."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(8, 2, dim_feedforward=12, dropout=0.0, activation="gelu",
+                                             norm_first=norm_first, batch_first=True, dtype=torch.float64)
+    norm = torch.nn.LayerNorm(8, dtype=torch.float64) if final_norm else None
+    encoder = torch.nn.TransformerEncoder(layer, num_layers=2, norm=norm, enable_nested_tensor=False).eval()
+    spec, params = blockhess.from_torch(encoder)
+    assert isinstance(spec, blockhess.ModelSpec) and spec.n_layers == 2 and spec.final_norm == final_norm
+    assert params.size == sum(p.numel() for p in encoder.parameters())
+    assert params.names[0] == "h.0.W_Q" and (params.names[-1] == "ln_f.beta") == final_norm
+    X = torch.randn(2, 5, 8, dtype=torch.float64)
+    target = torch.randn(2, 5, 8, dtype=torch.float64)
+    encoder.train()  # the differentiable forward (its fused inference path is not); no dropout
+    names = [n for n, _ in encoder.named_parameters()]
+    flat = torch.cat([p.detach().reshape(-1) for p in encoder.parameters()])
+    shapes = [p.shape for p in encoder.parameters()]
+
+    def module_loss(v):
+        tensors = dict(zip(names, (t.reshape(s) for t, s in zip(v.split([s.numel() for s in shapes]), shapes))))
+        return ((torch.func.functional_call(encoder, tensors, (X,)) - target) ** 2).mean()
+
+    eps = layer.norm1.eps
+    module_Z = torch.func.functional_call(encoder, dict(zip(names, encoder.parameters())), (X,)).detach().numpy()
+    assert np.allclose(blockhess.block_forward(X, params, eps=eps).numpy(), module_Z, rtol=0, atol=1e-12)
+    value = blockhess.loss_value(X, target, params, eps=eps)
+    assert abs(value - float(module_loss(flat))) <= 1e-13 * abs(value)
+    # The module's gradient, laid out as blockhess's by the importer's own reader (a linear map:
+    # slices and transposes), against blockhess's gradient of the imported stack.
+    from blockhess.from_torch import _encoder
+
+    holder = copy.deepcopy(encoder)
+    with torch.no_grad():
+        for p, g in zip(holder.parameters(), torch.func.grad(module_loss)(flat).split([s.numel() for s in shapes])):
+            p.copy_(g.reshape(p.shape))
+    _, arrays, _ = _encoder(holder, torch.float64)
+    module_grad = blockhess.BlockParams.from_arrays(spec, arrays).flatten()
+    ours = blockhess.loss_gradient(X, target, params, eps=eps).numpy()
+    assert np.linalg.norm(ours - module_grad) <= 1e-12 * np.linalg.norm(module_grad)
+
+
+def test_an_encoder_the_stack_cannot_represent_is_refused():
+    layer = torch.nn.TransformerEncoderLayer(8, 2, dim_feedforward=12, dropout=0.0, batch_first=True,
+                                             dtype=torch.float64)
+    mixed = torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False).eval()
+    mixed.layers[1] = torch.nn.TransformerEncoderLayer(8, 2, dim_feedforward=12, dropout=0.0, activation="gelu",
+                                                       batch_first=True, dtype=torch.float64)
+    with pytest.raises(ValueError, match="layers 0 and 1 of the TransformerEncoder differ"):
+        blockhess.from_torch(mixed)
+    rms = torch.nn.TransformerEncoder(layer, num_layers=2, norm=torch.nn.RMSNorm(8, dtype=torch.float64),
+                                      enable_nested_tensor=False).eval()
+    with pytest.raises(ValueError, match="a LayerNorm and a RMSNorm"):
+        blockhess.from_torch(rms)

@@ -1,7 +1,9 @@
 """Import a block from PyTorch: ``spec, params = blockhess.from_torch(module)``.
 
 Supported: ``torch.nn.TransformerEncoderLayer`` (any ``nhead``, ``norm_first`` either way,
-``batch_first`` either way) and Hugging Face ``transformers``' ``GPT2Block`` (pre-LN, causal,
+``batch_first`` either way), ``torch.nn.TransformerEncoder`` (its layers, all of one configuration, and
+its final ``norm`` if it has one: a :class:`blockhess.ModelSpec`) and Hugging Face ``transformers``'
+``GPT2Block`` (pre-LN, causal,
 Conv1D weights; eager or sdpa attention), with ``torch.nn.LayerNorm`` or ``torch.nn.RMSNorm`` norms
 and the activations relu, gelu (erf), gelu (tanh) or silu, functions or modules.
 
@@ -29,6 +31,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .block import BlockParams, block_forward
+from .model import ModelSpec
 from .spec import BlockSpec
 
 # The float64 rerun and blockhess's forward differ by rounding only (about 1e-15 relative); a
@@ -38,19 +41,22 @@ _VERIFY_RTOL = 1e-9
 _VERIFY_SHAPE = (2, 5)  # (B, L) of the random input
 
 
-def from_torch(module: Any) -> tuple[BlockSpec, BlockParams]:
-    """(spec, params) of a ``torch.nn.TransformerEncoderLayer`` or a ``transformers`` ``GPT2Block``,
-    verified against the module's own forward before they are returned."""
+def from_torch(module: Any) -> tuple[BlockSpec | ModelSpec, BlockParams]:
+    """(spec, params) of a ``torch.nn.TransformerEncoderLayer``, a ``torch.nn.TransformerEncoder`` (a
+    ModelSpec) or a ``transformers`` ``GPT2Block``, verified against the module's own forward before
+    they are returned."""
     import torch
 
     gpt2 = sys.modules.get("transformers.models.gpt2.modeling_gpt2")  # imported if module is a GPT2Block
     if isinstance(module, torch.nn.TransformerEncoderLayer):
         read, run = _encoder_layer, _run_encoder_layer
+    elif isinstance(module, torch.nn.TransformerEncoder):
+        read, run = _encoder, _run_encoder
     elif gpt2 is not None and isinstance(module, gpt2.GPT2Block):
         read, run = _gpt2_block, _run_gpt2_block
     else:
-        raise TypeError(f"from_torch takes a torch.nn.TransformerEncoderLayer or a transformers GPT2Block, "
-                        f"got {type(module).__name__}")
+        raise TypeError(f"from_torch takes a torch.nn.TransformerEncoderLayer, a torch.nn.TransformerEncoder or a "
+                        f"transformers GPT2Block, got {type(module).__name__}")
     dtype = _parameter_dtype(module)
     spec, arrays, norms = read(module, dtype)
     params = BlockParams.from_arrays(spec, {k: np.ascontiguousarray(v) for k, v in arrays.items()})
@@ -228,6 +234,42 @@ def _run_encoder_layer(call: Callable[..., Any], layer: Any, X: Any) -> Any:
     # forward is the deterministic one.
     layer.training = True
     if layer.self_attn.batch_first:  # what runs: the attention's layout (the layer passes its input on)
+        return call(X)
+    return call(X.transpose(0, 1)).transpose(0, 1)
+
+
+def _encoder(encoder: Any, dtype: Any) -> tuple[ModelSpec, dict[str, np.ndarray], dict[str, Any]]:
+    """Its layers, each read as a TransformerEncoderLayer (one configuration for all), and its final norm."""
+    import torch
+
+    _require_types(encoder, {"": torch.nn.TransformerEncoder})
+    layers = list(encoder.layers)
+    if not layers:
+        raise ValueError("from_torch: the TransformerEncoder has no layers")
+    reads = [_encoder_layer(layer, dtype) for layer in layers]
+    block, _, norms = reads[0]
+    for k, (spec, _, _) in enumerate(reads[1:], start=1):
+        if spec != block:
+            raise ValueError(f"from_torch: layers 0 and {k} of the TransformerEncoder differ ({block!r} and {spec!r}); "
+                             "a ModelSpec stacks blocks of one spec")
+    spec = ModelSpec(block, n_layers=len(layers), final_norm=encoder.norm is not None)
+    arrays = {spec.layer_prefix(k) + name: a for k, (_, own, _) in enumerate(reads) for name, a in own.items()}
+    if encoder.norm is not None:  # of the layers' kind, affine alike and with their eps
+        _norms({"layers.0.norm1": layers[0].norm1, "norm": encoder.norm}, int(layers[0].self_attn.embed_dim))
+        if encoder.norm.weight is not None:
+            arrays["ln_f.gamma"] = _array(encoder.norm.weight)
+        if getattr(encoder.norm, "bias", None) is not None:
+            arrays["ln_f.beta"] = _array(encoder.norm.bias)
+    return spec, arrays, norms
+
+
+def _run_encoder(call: Callable[..., Any], encoder: Any, X: Any) -> Any:
+    # As for one layer (_run_encoder_layer): training flags keep the fused inference paths out (the
+    # encoder's own checks its flag and its layers'); the dropouts stay in eval mode (_verify).
+    encoder.training = True
+    for layer in encoder.layers:
+        layer.training = True
+    if encoder.layers[0].self_attn.batch_first:
         return call(X)
     return call(X.transpose(0, 1)).transpose(0, 1)
 
