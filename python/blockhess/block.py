@@ -16,6 +16,7 @@ import numpy as np
 from . import _backend, _core, _gpu, _working_memory
 from ._interop import as_array, is_torch_tensor, returns_callers_kind, to_torch
 from ._validate import _xp as _array_module
+from .model import ModelSpec
 from .spec import PAPER_BLOCK, BlockSpec, loss_names
 from ._validate import (
     FLOAT_DTYPES,
@@ -221,8 +222,6 @@ class BlockParams:
 
 
 def _check_spec(spec: Any) -> None:
-    from .model import ModelSpec  # model.py builds on spec.py only; imported here to keep it so
-
     if not isinstance(spec, (BlockSpec, ModelSpec)):
         raise TypeError(f"spec must be a blockhess.BlockSpec or ModelSpec, got {type(spec).__name__}")
 

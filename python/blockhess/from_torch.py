@@ -233,6 +233,11 @@ def _run_encoder_layer(call: Callable[..., Any], layer: Any, X: Any) -> Any:
     # training flag keeps it out; its dropouts and attention stay in eval mode (_verify), so the
     # forward is the deterministic one.
     layer.training = True
+    return _in_layout(call, layer, X)
+
+
+def _in_layout(call: Callable[..., Any], layer: Any, X: Any) -> Any:
+    """call on X (B, L, d) in the layout the layer's attention runs in, the result back in (B, L, d)."""
     if layer.self_attn.batch_first:  # what runs: the attention's layout (the layer passes its input on)
         return call(X)
     return call(X.transpose(0, 1)).transpose(0, 1)
@@ -269,9 +274,7 @@ def _run_encoder(call: Callable[..., Any], encoder: Any, X: Any) -> Any:
     encoder.training = True
     for layer in encoder.layers:
         layer.training = True
-    if encoder.layers[0].self_attn.batch_first:
-        return call(X)
-    return call(X.transpose(0, 1)).transpose(0, 1)
+    return _in_layout(call, encoder.layers[0], X)
 
 
 def _gpt2_block(block: Any, dtype: Any) -> tuple[BlockSpec, dict[str, np.ndarray], dict[str, Any]]:

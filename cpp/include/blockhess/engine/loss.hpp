@@ -138,7 +138,6 @@ class LossOperator {
 
   index_t size() const { return size_; }
   T loss_value() const { return value_; }
-  const Graph<T>& graph() const { return *g_; }
 
   // out = H v for one vector v of length size().
   void apply(const T* v, T* out) const {
