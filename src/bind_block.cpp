@@ -18,54 +18,55 @@ namespace {
 template <class T>
 void bind_for(py::module_& m) {
   using A = const carray<T>&;
+  using Input = const py::array&;  // X (B, L, d) of T, or a language model's int64 token ids (B, L)
   using Weights = const std::vector<carray<T>>&;
   using opt_classes = optional_carray<std::int64_t>;
 
   m.def(
       "block_forward",
-      [](A X, const SpecTuple& spec, Weights W, T eps, carray<T>& out) {
+      [](Input X, const SpecTuple& spec, Weights W, T eps, carray<T>& out) {
         const auto p = problem(X, spec, W);
-        require_shape(out, {p.B, p.dims.L, p.dims.d}, "out");
+        require_shape(out, {p.B, p.dims.L, p.output_width()}, "out");
         T* o = mutable_ptr(out);
         py::gil_scoped_release release;
-        const auto e = p.evaluate(X.data(), eps);
-        std::copy_n(e.output(), p.B * p.dims.L * p.dims.d, o);
+        const auto e = p.evaluate(eps);
+        std::copy_n(e.output(), p.B * p.dims.L * p.output_width(), o);
       },
-      py::arg("X").noconvert(), py::arg("spec"), py::arg("weights"), py::arg("eps"), py::arg("out").noconvert());
+      py::arg("X").noconvert(), py::arg("spec"), py::arg("weights").noconvert(), py::arg("eps"), py::arg("out").noconvert());
 
   m.def(
       "block_jacobian",
-      [](A X, const SpecTuple& spec, Weights W, T eps, int param, carray<T>& out) {
+      [](Input X, const SpecTuple& spec, Weights W, T eps, int param, carray<T>& out) {
         const auto p = problem(X, spec, W);
         const auto shapes = p.shapes();
         if (p.B != 1) throw std::invalid_argument("block_jacobian: one sample only");
         if (param < 0 || param >= static_cast<int>(shapes.size())) throw std::invalid_argument("block_jacobian: bad param");
-        require_shape(out, {p.dims.L * p.dims.d, shapes[param].size()}, "out");
+        require_shape(out, {p.dims.L * p.output_width(), shapes[param].size()}, "out");
         T* o = mutable_ptr(out);
         py::gil_scoped_release release;
-        auto e = p.evaluate(X.data(), eps);
+        auto e = p.evaluate(eps);
         e.jacobian(param, o);
       },
-      py::arg("X").noconvert(), py::arg("spec"), py::arg("weights"), py::arg("eps"), py::arg("param"),
+      py::arg("X").noconvert(), py::arg("spec"), py::arg("weights").noconvert(), py::arg("eps"), py::arg("param"),
       py::arg("out").noconvert());
 
   m.def(
       "block_output_hessian",
-      [](A X, const SpecTuple& spec, Weights W, T eps, int i, int j, carray<T>& out) {
+      [](Input X, const SpecTuple& spec, Weights W, T eps, int i, int j, carray<T>& out) {
         const auto p = output_hessian_problem(X, spec, W, i, j);
         const auto shapes = p.shapes();
-        require_shape(out, {p.dims.L * p.dims.d * shapes[i].size(), shapes[j].size()}, "out");
+        require_shape(out, {p.dims.L * p.output_width() * shapes[i].size(), shapes[j].size()}, "out");
         T* o = mutable_ptr(out);
         py::gil_scoped_release release;
-        auto e = p.evaluate(X.data(), eps);
+        auto e = p.evaluate(eps);
         e.output_hessian(i, j, o);
       },
-      py::arg("X").noconvert(), py::arg("spec"), py::arg("weights"), py::arg("eps"), py::arg("i"), py::arg("j"),
+      py::arg("X").noconvert(), py::arg("spec"), py::arg("weights").noconvert(), py::arg("eps"), py::arg("i"), py::arg("j"),
       py::arg("out").noconvert());
 
   m.def(
       "loss_gradient",
-      [](A X, const SpecTuple& spec, Weights W, T eps, int kind, const optional_carray<T>& values,
+      [](Input X, const SpecTuple& spec, Weights W, T eps, int kind, const optional_carray<T>& values,
          const opt_classes& classes, std::optional<carray<T>> out, const optional_carray<T>& head_weight,
          const optional_carray<T>& head_bias) {
         const auto p = problem(X, spec, W);
@@ -78,10 +79,10 @@ void bind_for(py::module_& m) {
         }
         const auto tgt = target<T>(p, kind, values, classes, head_weight, head_bias);
         py::gil_scoped_release release;
-        auto e = p.evaluate(X.data(), eps);
+        auto e = p.evaluate(eps);
         return e.loss_gradient(tgt, o);
       },
-      py::arg("X").noconvert(), py::arg("spec"), py::arg("weights"), py::arg("eps"), py::arg("kind"),
+      py::arg("X").noconvert(), py::arg("spec"), py::arg("weights").noconvert(), py::arg("eps"), py::arg("kind"),
       py::arg("values").noconvert().none(true), py::arg("classes").noconvert().none(true),
       py::arg("out").noconvert().none(true), py::arg("head_weight").noconvert().none(true) = py::none(),
       py::arg("head_bias").noconvert().none(true) = py::none());
@@ -89,34 +90,34 @@ void bind_for(py::module_& m) {
   // The dense loss Hessian (out: (P, P)) and its diagonal (out: (P,)), over the parameters in wrt.
   m.def(
       "loss_hessian",
-      [](A X, const SpecTuple& spec, Weights W, T eps, int kind, const optional_carray<T>& values,
+      [](Input X, const SpecTuple& spec, Weights W, T eps, int kind, const optional_carray<T>& values,
          const opt_classes& classes, int part, const std::vector<bool>& wrt, carray<T>& out,
          const optional_carray<T>& head_weight, const optional_carray<T>& head_bias) {
         const auto c = curvature_call<T>(X, spec, W, kind, values, classes, part, wrt, head_weight, head_bias);
         require_shape(out, {c.P, c.P}, "out");
         T* o = mutable_ptr(out);
         py::gil_scoped_release release;
-        auto e = c.problem.evaluate(X.data(), eps);
+        auto e = c.problem.evaluate(eps);
         return e.loss_hessian(c.target, c.part, c.wrt, o);
       },
-      py::arg("X").noconvert(), py::arg("spec"), py::arg("weights"), py::arg("eps"), py::arg("kind"),
+      py::arg("X").noconvert(), py::arg("spec"), py::arg("weights").noconvert(), py::arg("eps"), py::arg("kind"),
       py::arg("values").noconvert().none(true), py::arg("classes").noconvert().none(true), py::arg("part"),
       py::arg("wrt"), py::arg("out").noconvert(), py::arg("head_weight").noconvert().none(true) = py::none(),
       py::arg("head_bias").noconvert().none(true) = py::none());
 
   m.def(
       "loss_hessian_diagonal",
-      [](A X, const SpecTuple& spec, Weights W, T eps, int kind, const optional_carray<T>& values,
+      [](Input X, const SpecTuple& spec, Weights W, T eps, int kind, const optional_carray<T>& values,
          const opt_classes& classes, int part, const std::vector<bool>& wrt, carray<T>& out,
          const optional_carray<T>& head_weight, const optional_carray<T>& head_bias) {
         const auto c = curvature_call<T>(X, spec, W, kind, values, classes, part, wrt, head_weight, head_bias);
         require_shape(out, {c.P}, "out");
         T* o = mutable_ptr(out);
         py::gil_scoped_release release;
-        auto e = c.problem.evaluate(X.data(), eps);
+        auto e = c.problem.evaluate(eps);
         return e.loss_hessian_diagonal(c.target, c.part, c.wrt, o);
       },
-      py::arg("X").noconvert(), py::arg("spec"), py::arg("weights"), py::arg("eps"), py::arg("kind"),
+      py::arg("X").noconvert(), py::arg("spec"), py::arg("weights").noconvert(), py::arg("eps"), py::arg("kind"),
       py::arg("values").noconvert().none(true), py::arg("classes").noconvert().none(true), py::arg("part"),
       py::arg("wrt"), py::arg("out").noconvert(), py::arg("head_weight").noconvert().none(true) = py::none(),
       py::arg("head_bias").noconvert().none(true) = py::none());
@@ -124,7 +125,7 @@ void bind_for(py::module_& m) {
   // One product H V (V of shape (P,) or (P, k)), the weights read in place: loss_hvp.
   m.def(
       "loss_hvp",
-      [](A X, const SpecTuple& spec, Weights W, T eps, int kind, const optional_carray<T>& values,
+      [](Input X, const SpecTuple& spec, Weights W, T eps, int kind, const optional_carray<T>& values,
          const opt_classes& classes, int part, const std::vector<bool>& wrt, A V, carray<T>& out,
          const optional_carray<T>& head_weight, const optional_carray<T>& head_bias) {
         const auto c = curvature_call<T>(X, spec, W, kind, values, classes, part, wrt, head_weight, head_bias);
@@ -134,9 +135,9 @@ void bind_for(py::module_& m) {
         else require_shape(out, {c.P}, "out");
         T* o = mutable_ptr(out);
         py::gil_scoped_release release;
-        block::LossHessianOperator<T>(c.problem.evaluate(X.data(), eps), c.target, c.part, c.wrt).apply_columns(V.data(), k, o);
+        block::LossHessianOperator<T>(c.problem.evaluate(eps), c.target, c.part, c.wrt).apply_columns(V.data(), k, o);
       },
-      py::arg("X").noconvert(), py::arg("spec"), py::arg("weights"), py::arg("eps"), py::arg("kind"),
+      py::arg("X").noconvert(), py::arg("spec"), py::arg("weights").noconvert(), py::arg("eps"), py::arg("kind"),
       py::arg("values").noconvert().none(true), py::arg("classes").noconvert().none(true), py::arg("part"),
       py::arg("wrt"), py::arg("V").noconvert(), py::arg("out").noconvert(),
       py::arg("head_weight").noconvert().none(true) = py::none(), py::arg("head_bias").noconvert().none(true) = py::none());
@@ -147,7 +148,7 @@ void bind_for(py::module_& m) {
   // module_local: every instruction-set build of the core (_core_portable, _core_x86_64_v3, ...)
   // binds this same C++ type.
   py::class_<Operator>(m, sizeof(T) == 8 ? "HessianOperator64" : "HessianOperator32", py::module_local())
-      .def(py::init([](A X, const SpecTuple& spec, Weights W, T eps, int kind, const optional_carray<T>& values,
+      .def(py::init([](Input X, const SpecTuple& spec, Weights W, T eps, int kind, const optional_carray<T>& values,
                        const opt_classes& classes, int part, const std::vector<bool>& wrt,
                        const optional_carray<T>& head_weight, const optional_carray<T>& head_bias) {
              const auto p = problem(X, spec, W);
@@ -155,9 +156,9 @@ void bind_for(py::module_& m) {
              if (part < 0 || part > 2) throw std::invalid_argument("HessianOperator: bad part");
              const auto tgt = target<T>(p, kind, values, classes, head_weight, head_bias);
              py::gil_scoped_release release;
-             return new Operator(p.evaluate_kept(X.data(), eps), tgt, static_cast<block::Part>(part), sel);
+             return new Operator(p.evaluate_kept(eps), tgt, static_cast<block::Part>(part), sel);
            }),
-           py::arg("X").noconvert(), py::arg("spec"), py::arg("weights"), py::arg("eps"), py::arg("kind"), py::arg("values").noconvert().none(true), py::arg("classes").noconvert().none(true),
+           py::arg("X").noconvert(), py::arg("spec"), py::arg("weights").noconvert(), py::arg("eps"), py::arg("kind"), py::arg("values").noconvert().none(true), py::arg("classes").noconvert().none(true),
            py::arg("part"), py::arg("wrt"), py::arg("head_weight").noconvert().none(true) = py::none(),
            py::arg("head_bias").noconvert().none(true) = py::none())
       .def_property_readonly("size", &Operator::size)

@@ -1,7 +1,8 @@
 // What every block binding checks before it computes, shared by _core (bind_block.cpp) and _cuda
 // (cuda_block.cpp): the spec, the sizes, the weights against the registry, the selection, the loss
 // target and the part. X is (B, L, d); weights hold one array per parameter in the registry's
-// canonical order (vectors 1-D).
+// canonical order (vectors 1-D). A language model (a spec with a vocabulary) reads token ids
+// instead: X is (B, L) int64.
 #pragma once
 
 #include <cstdint>
@@ -16,15 +17,16 @@
 namespace blockhess::bind {
 
 // The spec as Python passes it (spec.py's BlockSpec._core, model.py's ModelSpec._core): (norm_position,
-// norm, norm_affine, bias, heads, out_proj, activation, causal, attention_only, layers, final_norm),
-// the choices as their registries' codes; layers blocks of that spec stacked (1: the block itself),
-// and a final norm.
-using SpecTuple = std::tuple<int, int, bool, bool, index_t, bool, int, bool, bool, index_t, bool>;
+// norm, norm_affine, bias, heads, out_proj, activation, causal, attention_only, layers, final_norm,
+// vocab, positions, lm_head), the choices as their registries' codes; then the model (params.hpp's
+// Stack): layers blocks of that spec stacked (1: the block itself), a final norm, and for a
+// language model its vocabulary, learned positions and tied LM head (0, 0, false: none).
+using SpecTuple = std::tuple<int, int, bool, bool, index_t, bool, int, bool, bool, index_t, bool, index_t, index_t, bool>;
 
 inline block::Spec spec_of(const SpecTuple& t) {
   block::Spec s;
   std::tie(std::ignore, std::ignore, s.norm_affine, s.bias, s.heads, s.out_proj, std::ignore, s.causal, s.attention_only,
-           std::ignore, std::ignore) = t;
+           std::ignore, std::ignore, std::ignore, std::ignore, std::ignore) = t;
   s.norm_position = static_cast<block::NormPosition>(registry::checked(block::kNormPositions, std::get<0>(t), "norm_position"));
   s.norm = static_cast<block::Norm>(registry::checked(block::kNorms, std::get<1>(t), "norm"));
   s.activation = activation::from_code(std::get<6>(t));
@@ -32,7 +34,7 @@ inline block::Spec spec_of(const SpecTuple& t) {
 }
 
 inline block::Stack stack_of(const SpecTuple& t) {
-  const block::Stack stack{std::get<9>(t), std::get<10>(t)};
+  const block::Stack stack{std::get<9>(t), std::get<10>(t), std::get<11>(t), std::get<12>(t), std::get<13>(t)};
   if (stack.layers < 1) throw std::invalid_argument("block: layers must be >= 1, got " + std::to_string(stack.layers));
   return stack;
 }
@@ -43,43 +45,63 @@ struct Problem {
   block::Dims dims;
   block::Stack stack;
   index_t B = 0;
+  const T* X = nullptr;               // (B, L, d), or
+  const std::int64_t* ids = nullptr;  // a language model's token ids (B, L)
   std::vector<const T*> weights;
 
-  // The blocks at X, for one call: the weights are the caller's arrays, alive until it returns.
-  block::Model<T> evaluate(const T* X, T eps) const {
-    return block::Model<T>::stack(spec, dims, stack, B, X, weights, eps, engine::Storage::borrow);
-  }
-  // For an object that outlives the call (the Hessian operator): a copy of the weights.
-  block::Model<T> evaluate_kept(const T* X, T eps) const {
-    return block::Model<T>::stack(spec, dims, stack, B, X, weights, eps);
-  }
+  // The model at its input, for one call: the input and weights are the caller's arrays, alive
+  // until it returns.
+  block::Model<T> evaluate(T eps) const { return make(eps, engine::Storage::borrow); }
+  // For an object that outlives the call (the Hessian operator): a copy of the input and weights.
+  block::Model<T> evaluate_kept(T eps) const { return make(eps, engine::Storage::copy); }
   std::vector<block::ParamShape> shapes() const { return block::parameters(spec, dims, stack); }
+  // The width of the output: d, or the LM head's vocabulary.
+  index_t output_width() const { return stack.lm_head ? stack.vocab : dims.d; }
+
+ private:
+  block::Model<T> make(T eps, engine::Storage storage) const {
+    if (ids) return block::Model<T>::language_model(spec, dims, stack, B, ids, weights, eps, storage);
+    return block::Model<T>::stack(spec, dims, stack, B, X, weights, eps, storage);
+  }
 };
 
 // The sizes from X and the weights (d_k from W_Q, d_v from W_V, d_ff from W_1; 0 for an
 // attention-only block, which has none), then every shape checked against the registry.
+// The sizes from X (or the token ids) and the weights (d from W_Q's rows, d_k from its columns, d_v
+// from W_V, d_ff from W_1; 0 for an attention-only block, which has none), then every shape
+// checked against the registry. X: the weights' dtype, C-contiguous (B, L, d); a language model's,
+// int64 (B, L).
 template <class T>
-Problem<T> problem(const carray<T>& X, const SpecTuple& spec, const std::vector<carray<T>>& weights) {
-  if (X.ndim() != 3) throw std::invalid_argument("block: X must be (B, L, d)");
+Problem<T> problem(const py::array& X, const SpecTuple& spec, const std::vector<carray<T>>& weights) {
   Problem<T> p;
   p.spec = spec_of(spec);
   p.stack = stack_of(spec);
+  if (p.stack.reads_tokens()) {
+    if (!py::isinstance<carray<std::int64_t>>(X)) throw py::type_error("model: X must be C-contiguous int64 token ids");
+    if (X.ndim() != 2) throw std::invalid_argument("model: X must be token ids (B, L)");
+    p.ids = static_cast<const std::int64_t*>(X.data());
+  } else {
+    if (!py::isinstance<carray<T>>(X)) throw py::type_error("block: X must be C-contiguous, of the weights' dtype");
+    if (X.ndim() != 3) throw std::invalid_argument("block: X must be (B, L, d)");
+    p.X = static_cast<const T*>(X.data());
+  }
   p.B = X.shape(0);
   p.dims.L = X.shape(1);
-  p.dims.d = X.shape(2);
   const auto names = block::parameters(p.spec, block::Dims{1, 1, 1, 1, 1}, p.stack);
   if (weights.size() != names.size())
     throw std::invalid_argument("block: " + std::to_string(names.size()) + " parameters expected, got " +
                                 std::to_string(weights.size()));
-  auto cols_of = [&](const char* own_name) {  // the first layer's
+  auto shape_of = [&](const char* own_name, int axis) {  // the first layer's
     const std::string name = block::layer_prefix(p.stack.layers, 0) + own_name;
     for (size_t k = 0; k < names.size(); ++k)
       if (names[k].name == name) {
         if (weights[k].ndim() != 2) throw std::invalid_argument("block: " + name + " must be 2-D");
-        return static_cast<index_t>(weights[k].shape(1));
+        return static_cast<index_t>(weights[k].shape(axis));
       }
     throw std::logic_error("block: no parameter named " + name);
   };
+  auto cols_of = [&](const char* own_name) { return shape_of(own_name, 1); };
+  p.dims.d = p.ids ? shape_of("W_Q", 0) : static_cast<index_t>(X.shape(2));
   if (p.spec.heads < 1) throw std::invalid_argument("block: heads must be >= 1");
   p.dims.dk = cols_of("W_Q") / p.spec.heads;
   p.dims.dv = cols_of("W_V") / p.spec.heads;
@@ -97,7 +119,7 @@ Problem<T> problem(const carray<T>& X, const SpecTuple& spec, const std::vector<
 
 // block_output_hessian's problem: one sample, and i, j naming parameters of the spec.
 template <class T>
-Problem<T> output_hessian_problem(const carray<T>& X, const SpecTuple& spec, const std::vector<carray<T>>& weights,
+Problem<T> output_hessian_problem(const py::array& X, const SpecTuple& spec, const std::vector<carray<T>>& weights,
                                   int i, int j) {
   Problem<T> p = problem(X, spec, weights);
   const int count = static_cast<int>(p.shapes().size());
@@ -124,7 +146,10 @@ block::Target<T> target(const Problem<T>& p, int kind, const optional_carray<T>&
     throw std::invalid_argument("block: pooled_cross_entropy, and only it, needs a head (W_C, b_C)");
   block::Target<T> t;
   t.loss = kind;
-  index_t classes_range = p.dims.d;
+  const bool next_token = kind == heads::kNextToken;
+  if (next_token && !p.stack.lm_head)
+    throw std::invalid_argument("block: next_token is the loss of a language model's logits (an LM head)");
+  index_t classes_range = p.output_width();
   if (pooled) {
     if (head_weight->ndim() != 2) throw std::invalid_argument("block: W_C must be 2-D (d, classes)");
     t.classifier.classes = static_cast<index_t>(head_weight->shape(1));
@@ -134,13 +159,14 @@ block::Target<T> target(const Problem<T>& p, int kind, const optional_carray<T>&
     t.classifier.bias = head_bias->data();
     classes_range = t.classifier.classes;
   }
-  if (values) require_shape(*values, {p.B, p.dims.L, p.dims.d}, "target");
+  if (values) require_shape(*values, {p.B, p.dims.L, p.output_width()}, "target");
   if (classes) {
     if (pooled) require_shape(*classes, {p.B}, "target");
     else require_shape(*classes, {p.B, p.dims.L}, "target");
     const std::int64_t* c = classes->data();
     for (index_t k = 0; k < static_cast<index_t>(classes->size()); ++k)
-      if (c[k] < 0 || c[k] >= classes_range) throw std::invalid_argument("block: class index out of range");
+      if ((c[k] < 0 || c[k] >= classes_range) && !(next_token && c[k] == engine::kIgnoredClass))
+        throw std::invalid_argument("block: class index out of range");
   }
   t.values = data_or_null(values);
   t.classes = data_or_null(classes);
@@ -159,7 +185,7 @@ struct CurvatureCall {
 };
 
 template <class T>
-CurvatureCall<T> curvature_call(const carray<T>& X, const SpecTuple& spec, const std::vector<carray<T>>& W, int kind,
+CurvatureCall<T> curvature_call(const py::array& X, const SpecTuple& spec, const std::vector<carray<T>>& W, int kind,
                                 const optional_carray<T>& values, const optional_carray<std::int64_t>& classes,
                                 int part, const std::vector<bool>& wrt, const optional_carray<T>& head_weight,
                                 const optional_carray<T>& head_bias) {

@@ -33,7 +33,7 @@ void bind_for(py::module_& m, const char* suffix) {
         if (P != c.P) throw std::invalid_argument("blockhess._cuda: out is not (P, P) for this selection");
         if (out == 0) throw std::invalid_argument("blockhess._cuda: out is null");
         py::gil_scoped_release release;
-        auto e = c.problem.evaluate(X.data(), eps);
+        auto e = c.problem.evaluate(eps);
         cuda::DeviceHessian<T> H{reinterpret_cast<T*>(out), c.P, stream};
         return engine::loss_hessian_into(e.graph(), *heads::make(c.target), c.part, c.wrt, H);
       },
@@ -50,7 +50,7 @@ void bind_for(py::module_& m, const char* suffix) {
         const auto p = output_hessian_problem(X, spec, W, i, j);
         if (out == 0) throw std::invalid_argument("blockhess._cuda: out is null");
         py::gil_scoped_release release;
-        auto e = p.evaluate(X.data(), eps);
+        auto e = p.evaluate(eps);
         const index_t P = engine::pair_size(e.graph(), i, j);
         cuda::DeviceArray<T> scratch(static_cast<size_t>(P * P), stream);
         cuda::DeviceHessian<T> H{scratch.data(), P, stream};

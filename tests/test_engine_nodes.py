@@ -245,6 +245,9 @@ def test_heads_match_autograd(rng, chain, loss, B):
         values = rng.standard_normal((B, 4, width))
     elif loss == "cross_entropy":
         classes_arg = rng.integers(0, width, size=(B, 4))
+    elif loss == "next_token":  # labels, some ignored (-100); the loss reads each token's next one
+        classes_arg = rng.integers(0, width, size=(B, 4))
+        classes_arg[:, 2] = -100
     else:
         classes_arg = rng.integers(0, classes, size=B)
         W_C, b_C = rng.standard_normal((width, classes)), rng.standard_normal(classes)

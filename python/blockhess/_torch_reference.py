@@ -28,7 +28,7 @@ from torch.func import grad, hessian, jacrev, jvp, vjp
 
 from .block import PARAM_NAMES  # the parameter registry (params.hpp), the one table of names
 from .spec import PAPER_BLOCK
-LOSSES = ("mse", "cross_entropy", "pooled_cross_entropy")
+LOSSES = ("mse", "cross_entropy", "pooled_cross_entropy", "next_token")
 PARTS = ("full", "outer", "functional")
 
 
@@ -84,6 +84,9 @@ def loss(Z, target, kind, head=None):
         W_C, b_C = (torch.as_tensor(a, dtype=Z.dtype, device=Z.device) for a in head)
         logits = Z.mean(-2) @ W_C + b_C
         return torch.nn.functional.cross_entropy(logits.reshape(-1, W_C.shape[1]), target.reshape(-1))
+    if kind == "next_token":  # the causal-LM loss: position i's logits against label i + 1, -100 ignored
+        return torch.nn.functional.cross_entropy(Z[..., :-1, :].reshape(-1, Z.shape[-1]),
+                                                 target[..., 1:].reshape(-1), ignore_index=-100)
     raise ValueError(f"kind must be one of {LOSSES}, got {kind!r}")
 
 
@@ -263,9 +266,15 @@ def family_block(X, spec, named, eps=None, *, fused=False):
 def stack(X, spec, named, eps=None, *, fused=False):
     """Z of a stack of blocks (a blockhess.ModelSpec; a BlockSpec is one block): each layer's block
     on the previous one's output, with that layer's parameters (named with its prefix, h.<l>.), then
-    the final norm (ln_f.gamma, ln_f.beta) if the spec has one."""
+    the final norm (ln_f.gamma, ln_f.beta) if the spec has one. A language model's X is token ids:
+    their rows of wte, plus wpe's first L rows; with an LM head its output is the logits Z wte^T (the
+    one tensor wte used twice, so that autograd sums both uses)."""
     block = getattr(spec, "block", spec)
     Z = X
+    if spec.reads_tokens:
+        Z = named["wte"][X]
+        if spec.n_positions:
+            Z = Z + named["wpe"][: X.shape[-1]]
     for layer in range(spec.n_layers):
         prefix = spec.layer_prefix(layer)
         own = {n[len(prefix):]: t for n, t in named.items() if n.startswith(prefix)}
@@ -273,6 +282,8 @@ def stack(X, spec, named, eps=None, *, fused=False):
     if getattr(spec, "final_norm", False):
         Z = _norm(Z, block, named.get("ln_f.gamma"), named.get("ln_f.beta"), block.eps if eps is None else eps,
                   fused)
+    if getattr(spec, "lm_head", False):
+        Z = Z @ named["wte"].T
     return Z
 
 

@@ -46,13 +46,15 @@ def ffn(L: int, d: int, f: int, e: int, itemsize: int, what: str | None = None, 
 
 
 def block(B: int, L: int, d: int, dk: int, dff: int, itemsize: int, *, hessian: bool, outer: bool = True,
-          heads: int = 1, P: int | None = None, pooled: bool = False, layers: int = 1) -> int:
+          heads: int = 1, P: int | None = None, pooled: bool = False, layers: int = 1, vocab: int = 0) -> int:
     """block_model.hpp on the engine (engine/graph.hpp, blocks/post_ln.hpp), the head (engine/heads/): the values and
     caches of the forward pass, the reverse pass's cotangents, the loss derivatives, and for a
     Hessian the per-token factors at every value, the sites' Omegas and kron::accumulate's chunks.
     For the family: dk per head, every (L, L) array once per head, P the spec's parameter count.
     pooled (a pooled head's outer part, assemble.hpp's accumulate_pooled): the factors at Z too, and
-    two (samples, d, P) slabs of token-summed Jacobians, a few samples at a time."""
+    two (samples, d, P) slabs of token-summed Jacobians, a few samples at a time. vocab: a language
+    model's LM head (engine/nodes/unembedding.hpp): its logits, their cotangent, the head's softmax
+    and gradient, (tokens, vocab) each, and Z's site over the vocabulary (the outer part)."""
     n = B * L
     dk, B_heads = heads * dk, B * heads  # all heads' query columns; the (L, L) arrays of every head
     P = 2 * d * dk + d * d + 2 * d * dff if P is None else P
@@ -62,7 +64,8 @@ def block(B: int, L: int, d: int, dk: int, dff: int, itemsize: int, *, hessian: 
     # of the last layer's parameters, the only ones a dense Hessian covers so far.)
     forward = P + layers * (3 * B_heads * L * L + n * (7 * d + 3 * dff + 2 * dk + d + 2))
     reverse = layers * (2 * B_heads * L * L + n * (6 * d + 2 * dff + 2 * dk + d))  # every value's cotangent, gA, gT
-    loss = n * d * (d + 1 if outer else 1)
+    width = vocab or d  # Z's: the logits' with an LM head
+    loss = n * width * (width + 1 if outer else 1) + 4 * n * vocab
     total = forward + reverse + loss
     if hessian:
         attention = dk + 2 * d  # the three attention weights' matrix sides
@@ -78,17 +81,18 @@ def block(B: int, L: int, d: int, dk: int, dff: int, itemsize: int, *, hessian: 
 
 
 def hvp(B: int, L: int, d: int, dk: int, dff: int, itemsize: int, columns: int, threads: int, *, heads: int = 1,
-        P: int | None = None, layers: int = 1) -> int:
+        P: int | None = None, layers: int = 1, vocab: int = 0) -> int:
     """engine/loss.hpp's LossOperator: the operator keeps the forward caches, the loss gradient and the reverse pass;
     each product in flight (one per thread) holds the tangents of the values and of their
     cotangents (engine::Tangent) and a copy of its column and product."""
     n = B * L
-    kept = block(B, L, d, dk, dff, itemsize, hessian=False, outer=False, heads=heads, P=P, layers=layers) // itemsize
+    kept = block(B, L, d, dk, dff, itemsize, hessian=False, outer=False, heads=heads, P=P, layers=layers,
+                 vocab=vocab) // itemsize
     dk, B = heads * dk, B * heads
     P = 2 * d * dk + d * d + 2 * d * dff if P is None else P
     values = layers * n * (8 * d + 2 * dff)  # every varying value, once as a tangent and once as a cotangent's
     attention = layers * (2 * B * L * L + n * (2 * dk + d) + 2 * L * L + L * (2 * dk + d))
-    per_product = 2 * values + attention + 2 * P
+    per_product = 2 * values + attention + 2 * P + 2 * n * vocab  # the logits' tangent and its cotangent's
     return itemsize * (kept + per_product * max(1, min(columns, threads)))
 
 
@@ -100,7 +104,7 @@ _GROUPS = (("W_Q", "b_Q", "W_K", "b_K", "W_V", "b_V"), ("W_O", "b_O"), ("gamma_1
 
 def hessian_diagonal(B: int, L: int, d: int, dk: int, dff: int, itemsize: int, selected: list[tuple[str, tuple[int, ...]]],
                      *, heads: int = 1, P: int | None = None, pooled: bool = False, pre_ln: bool = False,
-                     layers: int = 1) -> int:
+                     layers: int = 1, vocab: int = 0) -> int:
     """engine/diagonal.hpp through engine/loss.hpp: the forward and reverse passes, the sites' Omegas,
     and the factors of one group of selected parameters at a time (the largest group counts), at
     every value downstream of each, its matrix side at most the larger of its two dimensions (heads
@@ -112,8 +116,9 @@ def hessian_diagonal(B: int, L: int, d: int, dk: int, dff: int, itemsize: int, s
     of a GPT-2-sized block at L = 32 (pre-LN): W_K 1.27 GB against 1.55 estimated, all six attention
     parameters 1.28 against 1.55, gamma_1 1.75 against 1.92, every parameter 3.45 against 3.51."""
     n = B * L
-    kept = block(B, L, d, dk, dff, itemsize, hessian=False, outer=False, heads=heads, P=P, layers=layers) // itemsize
-    omegas = 4 * n * d * d + 2 * B * heads * L * L * L  # the last layer's (the only one the diagonal covers so far)
+    kept = block(B, L, d, dk, dff, itemsize, hessian=False, outer=False, heads=heads, P=P, layers=layers,
+                 vocab=vocab) // itemsize
+    omegas = 4 * n * d * d + n * vocab * vocab + 2 * B * heads * L * L * L  # the last layer's (the only one the diagonal covers so far)
     hv = max(d, heads * dk)  # the attention output's width (h d_v; d without W_O)
 
     def factors_of(name: str, shape: tuple[int, ...]) -> int:

@@ -43,6 +43,7 @@ def _parameter_table(spec: BlockSpec, d: int, d_k: int, d_v: int, d_ff: int) -> 
 
 
 PARAM_NAMES = tuple(name for name, _ in _parameter_table(PAPER_BLOCK, 1, 1, 1, 1))  # the paper's block
+_EMBEDDINGS = ("wte", "wpe")  # a language model's (params.hpp)
 _PARTS = {"full": 0, "outer": 1, "functional": 2}
 
 
@@ -75,8 +76,9 @@ class BlockParams:
     @classmethod
     def random(cls, spec: BlockSpec = PAPER_BLOCK, *, d: int, d_k: int, d_ff: int | None = None,
                d_v: int | None = None, seed: int = 0, dtype: Any = np.float64) -> BlockParams:
-        """Random parameters of ``spec`` (weights ~ N(0, 1/fan_in); gamma 1 + N(0, 0.1^2), beta and
-        biases N(0, 0.1^2)); d_v defaults to d / heads (d_k and d_v are per head). d_ff is required
+        """Random parameters of ``spec`` (weights ~ N(0, 1/fan_in); a language model's embeddings wte
+        and wpe N(0, 1), as ``torch.nn.Embedding``'s; gamma 1 + N(0, 0.1^2), beta and biases
+        N(0, 0.1^2)); d_v defaults to d / heads (d_k and d_v are per head). d_ff is required
         unless ``spec.attention_only`` (which has no FFN and ignores it). Sizes are integers >= 1 of
         any integer type, ``seed`` an integer >= 0."""
         _check_spec(spec)
@@ -109,7 +111,9 @@ class BlockParams:
         rng = np.random.default_rng(seed)
         arrays = {}
         for name, shape in _parameter_table(spec, d, d_k, d_v, d_ff):
-            if len(shape) == 2:
+            if name in _EMBEDDINGS:
+                a = rng.standard_normal(shape)
+            elif len(shape) == 2:
                 a = rng.standard_normal(shape) / np.sqrt(shape[0])
             else:
                 a = (1.0 if name.rsplit(".", 1)[-1].startswith("gamma") else 0.0) + 0.1 * rng.standard_normal(shape)
@@ -276,7 +280,8 @@ def _on_gpu(X3: Any, params: BlockParams, head: Any = (None, None)) -> bool:
 
 def _family_size(params: BlockParams) -> dict[str, int]:
     """What the working-memory estimates need beyond the paper's sizes (_working_memory.py)."""
-    return {"heads": params.spec.heads, "P": params.size, "layers": params.spec.n_layers}
+    return {"heads": params.spec.heads, "P": params.size, "layers": params.spec.n_layers,
+            "vocab": params.spec.vocab_size if params.spec.lm_head else 0}
 
 
 def _eps(eps: Any, params: BlockParams) -> float:
@@ -293,7 +298,10 @@ def _check_params(params: Any) -> BlockParams:
 def _batch(X: Any, params: BlockParams, *, single: bool = False, promote_with: tuple[Any, ...] = ()):
     """(X3, weights, dtype, shape): X as a C-contiguous (B, L, d) array in the common dtype of X,
     the weights and the float arrays in ``promote_with`` (a float target), the weights in that
-    dtype, and X's own shape, (L, d) or (B, L, d)."""
+    dtype, and X's own shape, (L, d) or (B, L, d). A language model's X is token ids, (L,) or
+    (B, L): X3 is then their (B, L) int64 array, and the dtype the weights' and ``promote_with``'s."""
+    if params.spec.reads_tokens:
+        return _tokens(X, params, single, promote_with)
     X = float_array(X, "X", ndim=(2,) if single else (2, 3))
     if X.shape[-1] != params.d:
         raise ValueError(f"X has {X.shape[-1]} features (shape {tuple(X.shape)}) but W_Q has d = {params.d} rows")
@@ -305,14 +313,59 @@ def _batch(X: Any, params: BlockParams, *, single: bool = False, promote_with: t
     return contiguous(X.reshape((1, *X.shape)) if X.ndim == 2 else X, dtype), weights, dtype, tuple(X.shape)
 
 
-def _target(target: Any, loss: str, X3: np.ndarray, batched: bool, dtype: np.dtype, classes: int | None = None):
+def _tokens(X: Any, params: BlockParams, single: bool, promote_with: tuple[Any, ...]):
+    """_batch for a language model: X the token ids, each in [0, vocab_size), at most n_positions
+    per sample where the model has learned positions."""
+    spec = params.spec
+    ids = as_array(X, "X")
+    if ids is None or not hasattr(ids, "dtype"):
+        ids = np.asarray(X)
+    if _backend.on_device(ids):
+        raise TypeError("a language model runs on the CPU so far; pass its token ids as a NumPy array or CPU tensor")
+    if np.dtype(ids.dtype).kind not in "iu":
+        raise TypeError(f"X must hold integer token ids for a language model, got dtype {ids.dtype}")
+    if ids.ndim not in ((1,) if single else (1, 2)):
+        raise ValueError(f"X must be token ids of shape (L,){'' if single else ' or (B, L)'}, got shape {tuple(ids.shape)}")
+    if ids.size == 0:
+        raise ValueError(f"X must hold at least one token, got shape {tuple(ids.shape)}")
+    if int(ids.min()) < 0 or int(ids.max()) >= spec.vocab_size:
+        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+        raise ValueError(f"token id {bad} is out of range: ids must lie in [0, {spec.vocab_size}) (wte's rows)")
+    if spec.n_positions and ids.shape[-1] > spec.n_positions:
+        raise ValueError(f"X has {ids.shape[-1]} tokens per sample, but wpe has only n_positions = "
+                         f"{spec.n_positions} rows")
+    dtype = common_dtype(*params.arrays, *promote_with)
+    weights = tuple(contiguous(w, dtype) for w in params.arrays)
+    ids3 = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1, ids.shape[-1])
+    return ids3, weights, dtype, tuple(ids.shape)
+
+
+def _sizes(X3: Any, params: BlockParams) -> tuple[int, int, int]:
+    """(B, L, d) of a batch from _batch (a language model's X3 holds ids, no d)."""
+    return int(X3.shape[0]), int(X3.shape[1]), params.d
+
+
+def _output_width(params: BlockParams) -> int:
+    """The width of the model's output Z: d, or a language model's vocabulary (its LM head's logits)."""
+    return params.spec.vocab_size if params.spec.lm_head else params.d
+
+
+def _batched(shape: tuple[int, ...], params: BlockParams) -> bool:
+    """Whether X (its own shape, from _batch) was a batch."""
+    return len(shape) == (2 if params.spec.reads_tokens else 3)
+
+
+def _target(target: Any, loss: str, X3: np.ndarray, batched: bool, dtype: np.dtype, classes: int | None = None,
+            width: int | None = None):
     """(values, classes) for the binding; exactly one is an array. ``classes``: the number of
-    classes of a pooled head (its W_C's columns)."""
-    B, L, d = X3.shape
+    classes of a pooled head (its W_C's columns); ``width``: Z's (d, or a language model's logits')."""
+    B, L = X3.shape[:2]
+    d = X3.shape[2] if width is None else width
     if loss == "mse":
         full = (B, L, d) if batched else (L, d)
         if tuple(target.shape) != full:
-            raise ValueError(f"target must have the shape of X, {full}, for loss='mse', got {tuple(target.shape)}")
+            of = "X" if X3.ndim == 3 and X3.shape[2] == d else "the model's output Z"
+            raise ValueError(f"target must have the shape of {of}, {full}, for loss='mse', got {tuple(target.shape)}")
         return contiguous(target, dtype).reshape(B, L, d), None
     pooled = loss == "pooled_cross_entropy"
     target = as_array(target, "target")
@@ -326,18 +379,28 @@ def _target(target: Any, loss: str, X3: np.ndarray, batched: bool, dtype: np.dty
         raise TypeError(f"target must hold integer class indices for loss={loss!r}, got dtype {target.dtype}")
     if pooled:
         want, what = ((B,) if batched else ()), "one class per sample"
+    elif loss == "next_token":
+        want, what = ((B, L) if batched else (L,)), "one label per token, the loss reading the next one's"
     else:
         want, what = ((B, L) if batched else (L,)), "one class per token"
     if tuple(target.shape) != want:
         raise ValueError(f"target must have shape {want} ({what}) for loss={loss!r}, got {tuple(target.shape)}")
     n_classes = classes if pooled else d
-    if target.size and (int(target.min()) < 0 or int(target.max()) >= n_classes):
-        bad = int(target.min()) if int(target.min()) < 0 else int(target.max())
+    # next_token's labels of -100 are ignored (Hugging Face's ignore_index), as is every sample's first
+    counted = target[target != _IGNORED] if loss == "next_token" else target
+    if counted.size and (int(counted.min()) < 0 or int(counted.max()) >= n_classes):
+        bad = int(counted.min()) if int(counted.min()) < 0 else int(counted.max())
         where = (f"the head's W_C has {n_classes} columns" if pooled
-                 else f"the rows of Z have d = {d} logits")
-        raise ValueError(f"class index {bad} is out of range: classes must lie in [0, {n_classes}) ({where})")
+                 else f"the rows of Z have {n_classes} logits")
+        ignored = " or -100 (ignored)" if loss == "next_token" else ""
+        raise ValueError(f"class index {bad} is out of range: classes must lie in [0, {n_classes}){ignored} ({where})")
+    if loss == "next_token" and L > 1 and not np.any(np.asarray(target).reshape(B, L)[:, 1:] != _IGNORED):
+        raise ValueError("loss='next_token' needs a label that is not -100 at some position after the first")
     shape = (B,) if pooled else (B, L)
     return None, _array_module(target).ascontiguousarray(target, dtype=np.int64).reshape(shape)
+
+
+_IGNORED = -100  # a next_token label that counts for nothing (engine/heads/cross_entropy.hpp)
 
 
 def _head(head: Any, loss: str, d: int) -> tuple[Any, Any]:
@@ -363,14 +426,15 @@ def block_forward(X: Any, params: BlockParams, *, eps: float | None = None) -> n
     params = _check_params(params)
     eps = _eps(eps, params)
     X3, W, dtype, shape = _batch(X, params)
-    B, L, d = X3.shape
-    require_output_fits(X3.shape, dtype, "the block output", "pass fewer samples or tokens at a time",
+    B, L, d = _sizes(X3, params)
+    width = _output_width(params)
+    require_output_fits((B, L, width), dtype, "the block output", "pass fewer samples or tokens at a time",
                         working=_working_memory.block(B, L, d, params.d_k, params.d_ff, dtype.itemsize, hessian=False, **_family_size(params)))
     if _on_gpu(X3, params):
         return require_finite(_gpu.block_forward(X3, W, eps), "the block output Z").reshape(shape)
-    out = np.empty_like(X3)
+    out = np.empty((B, L, width), dtype=dtype)
     _core.block_forward(X3, params.spec._core(), list(W), eps, out)  # the core names any forward stage that overflows
-    return out.reshape(shape)
+    return out.reshape((*shape[:-1], width) if not params.spec.reads_tokens else (*shape, width))
 
 
 @returns_callers_kind
@@ -380,8 +444,8 @@ def block_jacobian(X: Any, params: BlockParams, wrt: str, *, eps: float | None =
     p = _param_index(params, wrt)
     eps = _eps(eps, params)
     X3, W, dtype, _ = _batch(X, params, single=True)
-    L, d = X3.shape[1:]
-    shape = (L * d, params.sizes[p])
+    _, L, d = _sizes(X3, params)
+    shape = (L * _output_width(params), params.sizes[p])
     working = _working_memory.block(1, L, d, params.d_k, params.d_ff, dtype.itemsize, hessian=True, outer=False, **_family_size(params))
     require_output_fits(shape, dtype, f"the block Jacobian with respect to {wrt}", "use loss_gradient or a smaller L",
                         working=working)
@@ -404,8 +468,8 @@ def block_output_hessian(X: Any, params: BlockParams, wrt_i: str, wrt_j: str, *,
     i, j = _param_index(params, wrt_i), _param_index(params, wrt_j)
     eps = _eps(eps, params)
     X3, W, dtype, _ = _batch(X, params, single=True)
-    L, d = X3.shape[1:]
-    shape = (L * d * params.sizes[i], params.sizes[j])
+    _, L, d = _sizes(X3, params)
+    shape = (L * _output_width(params) * params.sizes[i], params.sizes[j])
     pair = params.sizes[i] + (params.sizes[j] if i != j else 0)
     working = _working_memory.block(1, L, d, params.d_k, params.d_ff, dtype.itemsize, hessian=True, **_family_size(params)) + pair**2 * dtype.itemsize
     require_output_fits(shape, dtype, f"d2Z/d{wrt_i}d{wrt_j}", "use loss_hessian, which contracts it with the loss",
@@ -423,13 +487,16 @@ def _loss_inputs(X, target, params, loss, eps, promote_with=(), head=None):
     params = _check_params(params)
     loss = choice(loss, "loss", loss_names())
     eps = _eps(eps, params)
+    if loss == "next_token" and not params.spec.lm_head:
+        raise ValueError("loss='next_token' is the loss of a language model's logits: a ModelSpec with lm_head=True")
     if loss == "mse":  # a float target takes part in the dtype promotion like every other array
         target = float_array(target, "target")
     W_C, b_C = _head(head, loss, params.d)
     floats = (target,) if loss == "mse" else (W_C, b_C) if W_C is not None else ()
     X3, W, dtype, shape = _batch(X, params, promote_with=(*floats, *promote_with))
     _backend.on_device(X3, target, W_C, b_C)  # TypeError for a target or head on the other side of X
-    values, classes = _target(target, loss, X3, len(shape) == 3, dtype, None if W_C is None else W_C.shape[1])
+    values, classes = _target(target, loss, X3, _batched(shape, params), dtype, None if W_C is None else W_C.shape[1],
+                              width=_output_width(params))
     head = (contiguous(W_C, dtype), contiguous(b_C, dtype))
     return params, X3, W, dtype, eps, loss_names().index(loss), values, classes, head
 
@@ -439,7 +506,7 @@ def loss_value(X: Any, target: Any, params: BlockParams, *, loss: str = "mse", e
                head: Any = None) -> float:
     """The loss of the block output: mean over the batch of the per-sample loss."""
     params, X3, W, dtype, eps, kind, values, classes, head = _loss_inputs(X, target, params, loss, eps, head=head)
-    B, L, d = X3.shape
+    B, L, d = _sizes(X3, params)
     require_output_fits((1,), dtype, "the loss", "pass fewer samples at a time",
                         working=_working_memory.block(B, L, d, params.d_k, params.d_ff, dtype.itemsize, hessian=False, **_family_size(params)))
     if _on_gpu(X3, params, head):
@@ -460,7 +527,7 @@ def loss_gradient(X: Any, target: Any, params: BlockParams, *, loss: str = "mse"
     per sample, shape () or (B,). A batch X (B, L, d) gives the gradient of the batch-mean loss.
     """
     params, X3, W, dtype, eps, kind, values, classes, head = _loss_inputs(X, target, params, loss, eps, head=head)
-    B, L, d = X3.shape
+    B, L, d = _sizes(X3, params)
     require_output_fits((params.size,), dtype, "the loss gradient", "pass fewer samples at a time",
                         working=_working_memory.block(B, L, d, params.d_k, params.d_ff, dtype.itemsize, hessian=False, **_family_size(params)))
     if _on_gpu(X3, params, head):
@@ -501,7 +568,7 @@ def loss_hessian(
     part_code = _PARTS[choice(part, "part", tuple(_PARTS))]
     layout = choice(layout, "layout", ("dense", "blocks"))
     names, selected, P = _selection(params, wrt)
-    B, L, d = X3.shape
+    B, L, d = _sizes(X3, params)
     working = _working_memory.block(B, L, d, params.d_k, params.d_ff, dtype.itemsize, hessian=True,
                                     outer=part != "functional", pooled=loss == "pooled_cross_entropy",
                                     **_family_size(params))

@@ -16,7 +16,7 @@ from ._curvature_operator import CurvatureOperator
 from ._interop import holds_torch, returns_callers_kind
 from ._threads import get_num_threads
 from ._validate import choice, contiguous, float_array, require_output_fits
-from .block import _PARTS, BlockParams, _family_size, _loss_inputs, _selected_sizes, _selection
+from .block import _PARTS, BlockParams, _family_size, _loss_inputs, _selected_sizes, _selection, _sizes
 from .spec import loss_names
 
 
@@ -52,7 +52,7 @@ class HessianOperator(CurvatureOperator):
 
     def _compute_diagonal(self) -> np.ndarray:
         problem, params = self._problem, self._problem.params
-        B, L, d = problem.X3.shape
+        B, L, d = _sizes(problem.X3, params)
         chosen = [(n, shape) for n, shape, keep in zip(params.names, params.shapes, problem.selected) if keep]
         working = _working_memory.hessian_diagonal(B, L, d, params.d_k, params.d_ff, problem.dtype.itemsize, chosen,
                                                    pooled=problem.loss == "pooled_cross_entropy",
@@ -152,7 +152,8 @@ def _products_working(problem: _Problem, columns: int) -> int:
     """Bytes that products with ``columns`` columns hold besides their (P, columns) result: the
     core's (the operator's caches and the products in flight) and the columns' copy in the
     problem's dtype (_vectors)."""
-    params, (B, L, d), itemsize = problem.params, problem.X3.shape, problem.dtype.itemsize
+    params, itemsize = problem.params, problem.dtype.itemsize
+    B, L, d = _sizes(problem.X3, params)
     core = _working_memory.hvp(B, L, d, params.d_k, params.d_ff, itemsize, columns, get_num_threads(),
                                **_family_size(params))
     return core + problem.P * columns * itemsize

@@ -1,16 +1,25 @@
-"""A stack of Transformer blocks: :class:`ModelSpec`, a frozen, hashable value. ``n_layers`` blocks of
+"""A model of Transformer blocks: :class:`ModelSpec`, a frozen, hashable value. ``n_layers`` blocks of
 one :class:`BlockSpec`, each on the previous one's output (the core wires them: ``blocks/family.hpp``,
 ``wire_stack``), then optionally a final norm of the block's kind (GPT-2's ``ln_f``,
 ``nn.TransformerEncoder``'s ``norm``). The parameters of layer l are the block's, named
 ``h.<l>.<name>`` (``h.0.W_Q``, ...), layer after layer, then the final norm's ``ln_f.gamma`` (and
 ``ln_f.beta``) where the block's norms are affine. One layer is the block itself, with its own names.
 
+A language model (``vocab_size > 0``, GPT-2's shape) reads integer token ids X of shape (L,) or
+(B, L): its input is their rows of the embedding ``wte`` (vocab_size, d), plus with
+``n_positions > 0`` the learned positions ``wpe`` (n_positions, d), row i for position i. With
+``lm_head`` its output is the logits ``Z wte^T`` (B, L, vocab_size): the LM head tied to the
+embedding, as GPT-2's, one parameter counted once, its gradient and curvature summed over both
+uses. Its loss is ``loss="next_token"`` (Hugging Face's causal-LM loss) or a per-token one. The
+parameters start with ``wte`` and ``wpe``.
+
 Every function that takes a block's parameters takes a stack's (``BlockParams.random(ModelSpec(...),
 ...)``, ``from_arrays``): the loss, its gradient and its Hessian-vector products cover every layer
 exactly; the dense Hessian and its diagonal cover the last layer's parameters so far (``wrt=``): a
-lower layer's reach the next block's attention through its input, which the per-token factors do not
-cover yet (docs/derivation.md §4.3), and asking for them is a ValueError that says so. The final
-norm's parameters are token-local above the last layer: the dense Hessian covers them too.
+lower layer's (and the embedding's) reach the next block's attention through its input, which the
+per-token factors do not cover yet (docs/derivation.md §4.3), and asking for them is a ValueError
+that says so. The final norm's parameters are token-local above the last layer: the dense Hessian
+covers them too.
 """
 
 from __future__ import annotations
@@ -19,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._validate import positive_int
+from ._validate import integer, positive_int
 from .spec import PAPER_BLOCK, BlockSpec
 
 
@@ -28,11 +37,16 @@ _BLOCK_OPTIONS = frozenset({"heads", "out_proj", "attention_only", "norm_positio
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """``n_layers`` blocks of ``block``, stacked, and a final norm when ``final_norm``."""
+    """``n_layers`` blocks of ``block``, stacked, and a final norm when ``final_norm``; for a
+    language model, a token embedding of ``vocab_size`` rows, ``n_positions`` learned positions and
+    an ``lm_head`` tied to the embedding."""
 
     block: BlockSpec = PAPER_BLOCK
     n_layers: int = 1
     final_norm: bool = False
+    vocab_size: int = 0
+    n_positions: int = 0
+    lm_head: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.block, BlockSpec):
@@ -41,6 +55,14 @@ class ModelSpec:
         if not isinstance(self.final_norm, (bool, np.bool_)):
             raise TypeError(f"ModelSpec.final_norm must be a bool, got {self.final_norm!r}")
         object.__setattr__(self, "final_norm", bool(self.final_norm))
+        for name in ("vocab_size", "n_positions"):
+            object.__setattr__(self, name, integer(getattr(self, name), f"ModelSpec.{name}", least=0))
+        if not isinstance(self.lm_head, (bool, np.bool_)):
+            raise TypeError(f"ModelSpec.lm_head must be a bool, got {self.lm_head!r}")
+        object.__setattr__(self, "lm_head", bool(self.lm_head))
+        if not self.vocab_size and (self.n_positions or self.lm_head):
+            raise ValueError("ModelSpec: learned positions (n_positions) and an lm_head need a token embedding "
+                             "(vocab_size > 0)")
         if self.final_norm and self.block.attention_only:
             raise ValueError("ModelSpec.final_norm=True means nothing with an attention_only block (it has no norms)")
 
@@ -52,13 +74,19 @@ class ModelSpec:
 
     @property
     def is_paper_block(self) -> bool:
-        return self.n_layers == 1 and not self.final_norm and self.block.is_paper_block
+        return self.n_layers == 1 and not self.final_norm and not self.vocab_size and self.block.is_paper_block
+
+    @property
+    def reads_tokens(self) -> bool:
+        """Whether X is token ids (a language model) rather than (B, L, d) floats."""
+        return self.vocab_size > 0
 
     def layer_prefix(self, layer: int) -> str:
         """The name prefix of a layer's parameters: "h.<layer>.", or none for a lone block (params.hpp)."""
         return "" if self.n_layers == 1 else f"h.{layer}."
 
     def _core(self) -> tuple:
-        """The tuple the core's bindings take (block_problem.hpp, SpecTuple): the block's, its layers and
-        final norm."""
-        return (*self.block._core()[:-2], self.n_layers, self.final_norm)
+        """The tuple the core's bindings take (block_problem.hpp, SpecTuple): the block's, then the
+        model's (params.hpp's Stack)."""
+        return (*self.block._core()[:-5], self.n_layers, self.final_norm, self.vocab_size, self.n_positions,
+                self.lm_head)

@@ -102,12 +102,22 @@ class BlockSpec:
         """The tuple the core's bindings take (bind_block.cpp, SpecTuple)."""
         return (norm_position_names().index(self.norm_position), norm_names().index(self.norm), self.norm_affine,
                 self.bias, self.heads, self.out_proj, activation_names().index(self.activation), self.causal,
-                self.attention_only, 1, False)  # one layer, no final norm
+                self.attention_only, 1, False, 0, 0, False)  # one layer; no final norm, embedding or LM head
 
     @property
     def n_layers(self) -> int:
         """One: a block is a one-layer stack (model.py's ModelSpec has more)."""
         return 1
+
+    @property
+    def reads_tokens(self) -> bool:
+        """False: a block reads (B, L, d) floats (a language model's ModelSpec reads token ids)."""
+        return False
+
+    # A block has no embedding, learned positions or LM head (a language model's ModelSpec has).
+    vocab_size = property(lambda self: 0)
+    n_positions = property(lambda self: 0)
+    lm_head = property(lambda self: False)
 
     def layer_prefix(self, layer: int) -> str:
         """A lone block's parameters have no layer prefix (a stack's: model.py's ModelSpec)."""

@@ -773,6 +773,79 @@ inline void check_stack(std::mt19937_64& rng) {
         ctx + " a lower layer's dense Hessian refused");
 }
 
+// A language model through Model::language_model: token ids, wte and wpe, two blocks, ln_f and the LM
+// head tied to wte (one parameter written by two nodes through the graph's slots), under the
+// next-token loss with ignored labels: H v against central differences of the gradient (every
+// parameter), the last layer's dense Hessian against the operator, the embedding's refused, and bad
+// ids and all-ignored labels refused.
+inline void check_language_model(std::mt19937_64& rng) {
+  namespace blk = bh::block;
+  blk::Spec spec;
+  spec.norm_position = blk::NormPosition::pre;
+  spec.norm_affine = spec.bias = spec.out_proj = spec.causal = true;
+  spec.heads = 2;
+  spec.activation = bh::activation::Kind::gelu_tanh;
+  const blk::Dims D{5, 6, 3, 7, 3};
+  const blk::Stack stack{2, /*final_norm=*/true, /*vocab=*/9, /*positions=*/7, /*lm_head=*/true};
+  const index_t B = 2;
+  const double eps = 1e-5;
+  const std::string ctx = "language model double";
+  const auto shapes = blk::parameters(spec, D, stack);
+  CHECK(shapes[0].name == "wte" && shapes[1].name == "wpe" && shapes.back().name == "ln_f.beta", ctx + " names");
+  std::vector<std::vector<double>> W;
+  for (const auto& p : shapes) W.push_back(randn<double>(rng, p.size(), p.name[0] == 'w' ? 1.0 : 1.0 / std::sqrt(static_cast<double>(p.rows))));
+  std::vector<std::int64_t> ids(B * D.L), labels(B * D.L);
+  for (index_t t = 0; t < B * D.L; ++t) ids[t] = labels[t] = static_cast<std::int64_t>(rng() % 9);
+  labels[3] = -100;
+  blk::Target<double> next;
+  next.loss = bh::heads::kNextToken;
+  next.classes = labels.data();
+  auto model_at = [&](const std::vector<std::vector<double>>& weights, const std::vector<std::int64_t>& at) {
+    std::vector<const double*> w;
+    for (const auto& a : weights) w.push_back(a.data());
+    return blk::Model<double>::language_model(spec, D, stack, B, at.data(), w, eps);
+  };
+  index_t P = 0;
+  for (const auto& p : shapes) P += p.size();
+  const blk::Selection all(shapes.size(), true);
+  const auto v = randn<double>(rng, P);
+  std::vector<double> Hv(P), gp(P), gm(P), fd(P);
+  blk::LossHessianOperator<double>(model_at(W, ids), next, blk::Part::full, all).apply(v.data(), Hv.data());
+  const double h = 1e-5;
+  for (double step : {h, -h}) {
+    auto moved = W;
+    index_t k = 0;
+    for (auto& a : moved)
+      for (double& x : a) x += step * v[k++];
+    model_at(moved, ids).loss_gradient(next, (step > 0 ? gp : gm).data());
+  }
+  for (index_t i = 0; i < P; ++i) fd[i] = (gp[i] - gm[i]) / (2 * h);
+  CHECK(all_finite(Hv) && rel_diff(fd, Hv, 1e-9) < 1e-5, ctx + " finite differences of the gradient = H v");
+
+  blk::Selection last(shapes.size(), false);
+  for (size_t p = 0; p < shapes.size(); ++p) last[p] = shapes[p].name.rfind("h.1.", 0) == 0 || shapes[p].name.rfind("ln_f.", 0) == 0;
+  index_t Pl = 0;
+  for (size_t p = 0; p < shapes.size(); ++p) Pl += last[p] ? shapes[p].size() : 0;
+  std::vector<double> H(Pl * Pl), HV(Pl), ref(Pl, 0.0);
+  model_at(W, ids).loss_hessian(next, blk::Part::full, last, H.data());
+  const auto u = randn<double>(rng, Pl);
+  blk::LossHessianOperator<double>(model_at(W, ids), next, blk::Part::full, last).apply(u.data(), HV.data());
+  for (index_t i = 0; i < Pl; ++i)
+    for (index_t j = 0; j < Pl; ++j) ref[i] += H[i * Pl + j] * u[j];
+  CHECK(rel_diff(HV, ref) < 1e-12, ctx + " the last layer's dense Hessian = its operator");
+  blk::Selection embedding(shapes.size(), false);
+  embedding[0] = true;
+  CHECK(throws<std::invalid_argument>([&] { model_at(W, ids).loss_hessian(next, blk::Part::full, embedding, H.data()); }),
+        ctx + " the embedding's dense Hessian refused");
+  auto bad = ids;
+  bad[4] = 9;
+  CHECK(throws<std::invalid_argument>([&] { model_at(W, bad); }), ctx + " a token id out of range refused");
+  std::vector<std::int64_t> ignored(B * D.L, -100);
+  next.classes = ignored.data();
+  CHECK(throws<std::invalid_argument>([&] { model_at(W, ids).loss_gradient(next, gp.data()); }),
+        ctx + " every label ignored refused");
+}
+
 // Bad input must end in the documented exceptions, without leaking what was allocated before.
 inline void check_block_errors(std::mt19937_64& rng) {
   namespace blk = bh::block;

@@ -10,6 +10,7 @@
 // none of the engine.
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <vector>
 
@@ -49,6 +50,12 @@ class Model {
   // cover yet: std::invalid_argument).
   static Model stack(const Spec& spec, const Dims& dims, const Stack& stack, index_t samples, const T* X,
                      const std::vector<const T*>& weights, T eps, engine::Storage storage = engine::Storage::copy);
+  // A language model (stack.vocab > 0) at the token ids (samples x L, each in [0, vocab)): its
+  // parameters start with wte (and wpe); with stack.lm_head its output is the logits (tokens, vocab).
+  // Dense Hessians and diagonals over wte or wpe are refused like a lower layer's.
+  static Model language_model(const Spec& spec, const Dims& dims, const Stack& stack, index_t samples,
+                              const std::int64_t* ids, const std::vector<const T*>& weights, T eps,
+                              engine::Storage storage = engine::Storage::copy);
   Model(Model&&) noexcept;
   Model& operator=(Model&&) noexcept;
   ~Model();
@@ -56,7 +63,8 @@ class Model {
   const std::vector<ParamShape>& shapes() const { return shapes_; }
   index_t samples() const { return graph_->samples(); }
   index_t tokens() const { return graph_->tokens(); }
-  const T* output() const { return graph_->value(graph_->output()); }  // Z: (tokens, d)
+  const T* output() const { return graph_->value(graph_->output()); }  // Z: (tokens, output_width())
+  index_t output_width() const { return graph_->width(graph_->output()); }  // d, or the LM head's vocab
 
   // dZ/dW_p for one sample: (L d, n_p).
   void jacobian(int p, T* J);
@@ -74,7 +82,7 @@ class Model {
 
  private:
   friend class LossHessianOperator<T>;
-  Model(const Spec& spec, const Dims& dims, const Stack& stack, index_t samples, const T* X,
+  Model(const Spec& spec, const Dims& dims, const Stack& stack, index_t samples, const T* X, const std::int64_t* ids,
         const std::vector<const T*>& weights, T eps, engine::Storage storage);
   std::vector<ParamShape> shapes_;
   std::unique_ptr<engine::Graph<T>> graph_;

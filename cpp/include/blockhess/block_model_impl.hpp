@@ -3,6 +3,7 @@
 // made by the registry (heads.hpp).
 #pragma once
 
+#include <stdexcept>
 #include <utility>
 
 #include "blockhess/block_model.hpp"
@@ -14,21 +15,29 @@ namespace blockhess::block {
 
 template <class T>
 Model<T>::Model(const Spec& spec, const Dims& dims, const Stack& stack, index_t samples, const T* X,
-                const std::vector<const T*>& weights, T eps, engine::Storage storage)
+                const std::int64_t* ids, const std::vector<const T*>& weights, T eps, engine::Storage storage)
     : shapes_(parameters(spec, dims, stack)) {
   dims.check(!spec.attention_only);
   graph_ = std::make_unique<engine::Graph<T>>(samples, dims.L);
-  blocks::wire_stack(*graph_, spec, dims, stack, X, weights, eps, storage);
+  blocks::wire_stack(*graph_, spec, dims, stack, blocks::Input<T>{X, ids}, weights, eps, storage);
   graph_->forward();
 }
 template <class T>
 Model<T>::Model(const Spec& spec, const Dims& dims, index_t samples, const T* X, const std::vector<const T*>& weights,
                 T eps, engine::Storage storage)
-    : Model(spec, dims, Stack{}, samples, X, weights, eps, storage) {}
+    : Model(spec, dims, Stack{}, samples, X, nullptr, weights, eps, storage) {}
 template <class T>
 Model<T> Model<T>::stack(const Spec& spec, const Dims& dims, const Stack& stack, index_t samples, const T* X,
                          const std::vector<const T*>& weights, T eps, engine::Storage storage) {
-  return Model(spec, dims, stack, samples, X, weights, eps, storage);
+  if (stack.reads_tokens()) throw std::invalid_argument("model: a language model reads token ids (language_model)");
+  return Model(spec, dims, stack, samples, X, nullptr, weights, eps, storage);
+}
+template <class T>
+Model<T> Model<T>::language_model(const Spec& spec, const Dims& dims, const Stack& stack, index_t samples,
+                                  const std::int64_t* ids, const std::vector<const T*>& weights, T eps,
+                                  engine::Storage storage) {
+  if (!stack.reads_tokens()) throw std::invalid_argument("model: token ids need a stack with an embedding (vocab > 0)");
+  return Model(spec, dims, stack, samples, nullptr, ids, weights, eps, storage);
 }
 template <class T>
 Model<T>::Model(Model&&) noexcept = default;

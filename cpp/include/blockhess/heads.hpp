@@ -12,12 +12,14 @@
 #include "blockhess/config.hpp"
 #include "blockhess/engine/heads/cross_entropy.hpp"
 #include "blockhess/engine/heads/mse.hpp"
+#include "blockhess/engine/heads/next_token.hpp"
 #include "blockhess/engine/heads/pooled_cross_entropy.hpp"
 
 namespace blockhess::heads {
 
-inline constexpr std::array<const char*, 3> kNames{"mse", "cross_entropy", "pooled_cross_entropy"};
+inline constexpr std::array<const char*, 4> kNames{"mse", "cross_entropy", "pooled_cross_entropy", "next_token"};
 inline constexpr int kPooledCrossEntropy = 2;  // the head that takes a classifier and one class per sample
+inline constexpr int kNextToken = 3;           // labels (samples, L), shifted, -100 ignored
 
 // The fixed classifier of pooled_cross_entropy: W_C (d, classes) row-major and b_C (classes).
 template <class T>
@@ -28,7 +30,8 @@ struct Classifier {
 };
 
 // What a loss is measured against: float targets (mse: (tokens, d)) or class indices
-// (cross_entropy: one per token; pooled_cross_entropy: one per sample, through `classifier`).
+// (cross_entropy: one per token; pooled_cross_entropy: one per sample, through `classifier`;
+// next_token: each token's label, the loss reading the next one's).
 // The head reads them when its forward pass runs.
 template <class T>
 struct Target {
@@ -48,6 +51,8 @@ std::unique_ptr<engine::Head<T>> make(const Target<T>& t) {
     case kPooledCrossEntropy:
       return std::make_unique<engine::PooledCrossEntropyHead<T>>(t.classes, t.classifier.weight, t.classifier.bias,
                                                                  t.classifier.classes);
+    case kNextToken:
+      return std::make_unique<engine::NextTokenHead<T>>(t.classes);
     default:
       throw std::invalid_argument("loss: unknown code " + std::to_string(t.loss) + " (0 to " +
                                   std::to_string(kNames.size() - 1) + ")");

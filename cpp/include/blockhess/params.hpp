@@ -113,20 +113,37 @@ inline std::string layer_prefix(index_t layers, index_t l) {
   return layers == 1 ? std::string() : "h." + std::to_string(l) + ".";
 }
 
-// A stack: `layers` blocks of a spec, each on the previous one's output, then (final_norm) a norm of
+// A model: `layers` blocks of a spec, each on the previous one's output, then (final_norm) a norm of
 // the spec's kind, with its own parameters ln_f.gamma (and ln_f.beta) where the spec's norms have
-// them (GPT-2's ln_f, nn.TransformerEncoder's norm).
+// them (GPT-2's ln_f, nn.TransformerEncoder's norm). A language model (vocab > 0) reads token ids:
+// its input is their rows of the embedding wte (vocab, d), plus with `positions` > 0 the learned
+// positions wpe (positions, d); with lm_head its output is the logits Z wte^T (the LM head tied to
+// the embedding, as GPT-2's: one parameter, used twice).
 struct Stack {
   index_t layers = 1;
   bool final_norm = false;
+  index_t vocab = 0;
+  index_t positions = 0;
+  bool lm_head = false;
+
+  bool reads_tokens() const { return vocab > 0; }
+  void check(const Spec& s) const {
+    if (layers < 1) throw std::invalid_argument("block: layers must be >= 1");
+    if (final_norm && s.attention_only)
+      throw std::invalid_argument("block: attention_only has no norms, so a stack of it has no final norm");
+    if (vocab < 0 || positions < 0) throw std::invalid_argument("model: vocab and positions must be >= 0");
+    if (!reads_tokens() && (positions > 0 || lm_head))
+      throw std::invalid_argument("model: learned positions and an LM head need a token embedding (vocab > 0)");
+  }
 };
 
-// The parameters of a stack: each layer's, prefixed, layer after layer; then the final norm's.
+// The parameters of a model: the embedding's (wte, wpe), each layer's, prefixed, layer after layer;
+// then the final norm's. The tied LM head has none of its own.
 inline std::vector<ParamShape> parameters(const Spec& s, const Dims& D, const Stack& stack) {
-  if (stack.layers < 1) throw std::invalid_argument("block: layers must be >= 1");
-  if (stack.final_norm && s.attention_only)
-    throw std::invalid_argument("block: attention_only has no norms, so a stack of it has no final norm");
+  stack.check(s);
   std::vector<ParamShape> out;
+  if (stack.reads_tokens()) out.push_back({"wte", stack.vocab, D.d, false});
+  if (stack.positions > 0) out.push_back({"wpe", stack.positions, D.d, false});
   for (index_t l = 0; l < stack.layers; ++l)
     for (ParamShape p : parameters(s, D)) {
       p.name = layer_prefix(stack.layers, l) + p.name;

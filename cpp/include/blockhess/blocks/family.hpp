@@ -1,14 +1,19 @@
 // Blocks of the family (params.hpp's Spec) wired onto an engine graph: one block on any value of
-// width d (wire_block), which chains; a lone block on its input X (wire); a stack of blocks, each
-// taking its own layer's parameters, and its final norm (wire_stack).
+// width d (wire_block), which chains; a lone block on its input X (wire); a model (params.hpp's
+// Stack): its input or token embedding, its blocks, each taking its own layer's parameters, its
+// final norm and its tied LM head (wire_stack).
 #pragma once
 
+#include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "blockhess/blocks/attention_only.hpp"
 #include "blockhess/blocks/post_ln.hpp"
 #include "blockhess/blocks/pre_ln.hpp"
+#include "blockhess/engine/nodes/embedding.hpp"
+#include "blockhess/engine/nodes/unembedding.hpp"
 
 namespace blockhess::blocks {
 
@@ -27,25 +32,52 @@ Values wire_block(engine::Graph<T>& g, const block::Spec& s, const block::Dims& 
   return v;
 }
 
-// The stack's blocks on X, the output of each the input of the next (one layer: the block itself),
-// then its final norm if it has one. weights: one array per block::parameters(s, D, stack) entry,
-// in that order. Returns the values of the last block, Z the stack's output.
+// What a model reads: X (samples x L x d) for a stack of blocks, or the token ids (samples x L) of a
+// language model (Stack::vocab > 0).
+template <class T>
+struct Input {
+  const T* X = nullptr;
+  const std::int64_t* ids = nullptr;
+};
+
+// The model's input value: X, or the ids' embedding (with the learned positions); wte's id into *wte.
+template <class T>
+int wire_input(engine::Graph<T>& g, const block::Dims& D, const block::Stack& stack, const Input<T>& in,
+               ParamCursor& p, int* wte) {
+  if (!stack.reads_tokens()) {
+    if (!in.X) throw std::invalid_argument("block: X is missing");
+    return g.input(in.X, D.d);
+  }
+  if (!in.ids) throw std::invalid_argument("model: a language model reads token ids");
+  if (D.L > stack.positions && stack.positions > 0)
+    throw std::invalid_argument("model: " + std::to_string(D.L) + " tokens per sample, but wpe has only " +
+                                std::to_string(stack.positions) + " positions");
+  *wte = p.take("wte");
+  std::vector<int> own{*wte};
+  if (stack.positions > 0) own.push_back(p.take("wpe"));
+  return g.add(std::make_unique<engine::EmbeddingNode<T>>(in.ids, g.tokens(), stack.vocab), {}, own, D.d);
+}
+
+// The model on its input: the input (or embedding), its blocks, the output of each the input of
+// the next (one layer: the block itself), its final norm and its LM head, as the Stack has them.
+// weights: one array per block::parameters(s, D, stack) entry, in that order. Returns the values of
+// the last block, Z the model's output.
 template <class T>
 Values wire_stack(engine::Graph<T>& g, const block::Spec& s, const block::Dims& D, const block::Stack& stack,
-                  const T* X, const std::vector<const T*>& weights, T eps,
+                  const Input<T>& in, const std::vector<const T*>& weights, T eps,
                   engine::Storage storage = engine::Storage::copy) {
   block::check(s, D);
   ParamCursor p(g, block::parameters(s, D, stack), weights, storage);
   Values v;
-  v.Z = g.input(X, D.d);
+  int wte = -1;
+  v.Z = wire_input(g, D, stack, in, p, &wte);
   for (index_t l = 0; l < stack.layers; ++l) {
     p.enter(block::layer_prefix(stack.layers, l));
     v = wire_block(g, s, D, p, v.Z, eps);
   }
-  if (stack.final_norm) {
-    p.enter("");
-    v.Z = norm(g, s, p, "ln_f.gamma", "ln_f.beta", v.Z, eps);
-  }
+  p.enter("");
+  if (stack.final_norm) v.Z = norm(g, s, p, "ln_f.gamma", "ln_f.beta", v.Z, eps);
+  if (stack.lm_head) v.Z = g.add(std::make_unique<engine::UnembeddingNode<T>>(), {v.Z}, {wte}, stack.vocab);
   if (!p.done()) throw std::logic_error("block: the wiring left parameters unused");
   g.set_output(v.Z);
   return v;
@@ -55,7 +87,7 @@ Values wire_stack(engine::Graph<T>& g, const block::Spec& s, const block::Dims& 
 template <class T>
 Values wire(engine::Graph<T>& g, const block::Spec& s, const block::Dims& D, const T* X,
             const std::vector<const T*>& weights, T eps, engine::Storage storage = engine::Storage::copy) {
-  return wire_stack(g, s, D, block::Stack{}, X, weights, eps, storage);
+  return wire_stack(g, s, D, block::Stack{}, Input<T>{X, nullptr}, weights, eps, storage);
 }
 
 }  // namespace blockhess::blocks

@@ -65,6 +65,7 @@ struct Tangent {
   std::vector<char> has_d, dcot_written;
   std::vector<const T*> dW;      // per parameter: its tangent (inside v), null when not selected
   std::vector<T*> dgrad;         // per parameter: its rows of H v, null when not selected
+  std::vector<char> dgrad_written;  // per parameter: a node has written its share (Graph::gradient_slot)
   std::vector<std::deque<RawBuffer<T>>> node_scratch;  // a deque: growing it keeps references valid
 
   // Node scratch k, of `size` values, uninitialised: the node writes it before reading it.
@@ -82,6 +83,15 @@ struct Tangent {
     return d[static_cast<size_t>(v)].data();
   }
   const T* in(int v) const { return has_d[static_cast<size_t>(v)] ? d[static_cast<size_t>(v)].data() : nullptr; }
+  // A shared parameter's rows of H v (a parameter several nodes use): the first node assigns, the
+  // rest add. Null data where it is not selected.
+  Slot<T> dgrad_slot(int p) {
+    T* data = dgrad[static_cast<size_t>(p)];
+    if (!data) return {};
+    const bool add = dgrad_written[static_cast<size_t>(p)] != 0;
+    dgrad_written[static_cast<size_t>(p)] = 1;
+    return {data, add};
+  }
   Slot<T> dcot_slot(int v, index_t size) {
     RawBuffer<T>& b = dcot[static_cast<size_t>(v)];
     b.resize(static_cast<size_t>(size));
@@ -150,6 +160,7 @@ class Graph {
     if (in_place) params_.push_back(Param{std::move(name), rows, cols, Buffer<T>(), data});
     else params_.push_back(Param{std::move(name), rows, cols, Buffer<T>(data, data + rows * cols)});
     const int p = static_cast<int>(params_.size()) - 1;
+    uses_.push_back(0);
     pieces_of_.push_back({static_cast<int>(pieces_.size())});
     pieces_.push_back(Piece{p, 0, cols});
     return p;
@@ -166,8 +177,12 @@ class Graph {
       pieces_.push_back(Piece{p, k * cols, cols});
     }
   }
-  // Adds a node reading `inputs` and owning `params`; returns the id of its output value.
+  // Adds a node reading `inputs` and owning `params`; returns the id of its output value. A
+  // parameter may be owned by several nodes (a language model's LM head tied to its embedding):
+  // each of them then writes its gradient through gradient_slot and its rows of H v through
+  // Tangent::dgrad_slot, which sum its uses.
   int add(std::unique_ptr<Node<T>> node, std::vector<int> inputs, std::vector<int> params, index_t out_width) {
+    for (int p : params) ++uses_[static_cast<size_t>(p)];
     bool varies = !params.empty();
     for (int v : inputs) varies = varies || varies_[static_cast<size_t>(v)];
     node->inputs = std::move(inputs);
@@ -222,7 +237,20 @@ class Graph {
     cot_written_[static_cast<size_t>(v)] = 1;
     return {b.data(), add};
   }
-  T* gradient_out(int p) const { return grad_out_[static_cast<size_t>(p)]; }
+  // Where a node writes (assigns) the gradient of a parameter it alone uses; null where not wanted.
+  T* gradient_out(int p) const {
+    if (uses_[static_cast<size_t>(p)] > 1)
+      throw std::logic_error("engine: " + parameter(p).name + " is shared: write its gradient through gradient_slot");
+    return grad_out_[static_cast<size_t>(p)];
+  }
+  // The gradient of a parameter several nodes use: the first to write assigns, the rest add.
+  Slot<T> gradient_slot(int p) {
+    T* data = grad_out_[static_cast<size_t>(p)];
+    if (!data) return {};
+    const bool add = grad_written_[static_cast<size_t>(p)] != 0;
+    grad_written_[static_cast<size_t>(p)] = 1;
+    return {data, add};
+  }
   bool selected(int p) const { return selected_[static_cast<size_t>(p)] != 0; }
   bool piece_selected(int f) const { return selected(piece(f).param); }
   // Factors are kept per piece (f); an unsplit parameter p has the one piece whole(p).
@@ -248,6 +276,7 @@ class Graph {
   void reverse(const T* g_output, std::vector<T*> gradient = {}) {
     gradient.resize(params_.size(), nullptr);
     grad_out_ = std::move(gradient);
+    grad_written_.assign(params_.size(), 0);
     std::fill(cot_written_.begin(), cot_written_.end(), 0);
     Slot<T> seed = cotangent_slot(output_);
     std::copy_n(g_output, tokens() * width(output_), seed.data);
@@ -346,7 +375,7 @@ class Graph {
     const size_t nv = width_.size(), np = params_.size();
     tg.d.resize(nv), tg.dcot.resize(nv), tg.node_scratch.resize(nodes_.size());
     tg.has_d.assign(nv, 0), tg.dcot_written.assign(nv, 0);
-    tg.dW.assign(np, nullptr), tg.dgrad.assign(np, nullptr);
+    tg.dW.assign(np, nullptr), tg.dgrad.assign(np, nullptr), tg.dgrad_written.assign(np, 0);
   }
 
   int new_value(index_t width, int producer, bool varies) {
@@ -372,6 +401,8 @@ class Graph {
   std::vector<RawBuffer<T>> cot_;  // written by the first share of each slot
   std::vector<char> cot_written_;
   std::vector<T*> grad_out_;
+  std::vector<char> grad_written_;  // per parameter: a node has written its share (gradient_slot)
+  std::vector<int> uses_;           // per parameter: the nodes that own it
   std::vector<char> selected_;
   std::vector<std::vector<Factor<T>>> factors_;
   std::vector<std::pair<int, std::string>> checked_;

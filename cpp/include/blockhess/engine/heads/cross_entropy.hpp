@@ -2,9 +2,12 @@
 //   l = 1/(B L) sum_t [logsumexp(Z_t) - Z_t[class_t]]
 // formed in that form (softmax::cross_entropy_row), so large logit gaps stay finite. Separable over
 // tokens: its second derivative is the d x d block 1/(B L) (diag p_t - p_t p_t^T) per token,
-// p_t = softmax(Z_t), a site at Z.
+// p_t = softmax(Z_t), a site at Z. With ignoring, a token whose class is kIgnoredClass counts for
+// nothing and the mean is over the others (1/n_counted in place of 1/(B L)): the next-token loss
+// (next_token.hpp).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <stdexcept>
@@ -15,22 +18,34 @@
 
 namespace blockhess::engine {
 
+// The class of a token that counts for nothing (Hugging Face's and torch's ignore_index).
+inline constexpr std::int64_t kIgnoredClass = -100;
+
 template <class T>
 class CrossEntropyHead final : public Head<T> {
  public:
-  // classes: one per token, read while the head lives.
-  explicit CrossEntropyHead(const std::int64_t* classes) : classes_(classes) {
+  // classes: one per token, read while the head lives. ignoring: kIgnoredClass drops a token.
+  explicit CrossEntropyHead(const std::int64_t* classes, bool ignoring = false)
+      : classes_(classes), ignoring_(ignoring) {
     if (!classes_) throw std::invalid_argument("loss: cross_entropy needs integer class targets");
   }
 
   T forward(const Graph<T>& g, T* gZ) override {
     const index_t n = g.tokens(), d = g.width(g.output());
     const T* Z = g.value(g.output());
-    scale_ = T(1) / static_cast<T>(n);
+    index_t counted = n;
+    if (ignoring_) counted -= std::count(classes_, classes_ + n, kIgnoredClass);
+    if (counted == 0) throw std::invalid_argument("loss: every token's label is ignored (-100): the mean is over none");
+    scale_ = T(1) / static_cast<T>(counted);
     p_.resize(static_cast<size_t>(n * d));
     T value = 0;
     for (index_t t = 0; t < n; ++t) {
       const std::int64_t k = classes_[t];
+      if (ignoring_ && k == kIgnoredClass) {  // no loss, no gradient, no curvature (p_t = 0)
+        std::fill_n(p_.data() + t * d, d, T(0));
+        std::fill_n(gZ + t * d, d, T(0));
+        continue;
+      }
       require_class(k, d);
       T* p = p_.data() + t * d;
       value += scale_ * softmax::cross_entropy_row(Z + t * d, d, k, p);
@@ -64,7 +79,8 @@ class CrossEntropyHead final : public Head<T> {
 
  private:
   const std::int64_t* classes_;
-  T scale_ = 0;  // 1 / (B L)
+  bool ignoring_;
+  T scale_ = 0;  // 1 / (B L), or 1 / the tokens counted
   Buffer<T> p_;  // softmax(Z_t), (tokens, d)
 };
 

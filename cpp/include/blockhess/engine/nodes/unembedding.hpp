@@ -1,0 +1,96 @@
+// A language model's LM head tied to its embedding: the logits of every token against the
+// vocabulary, out = in W_E^T, with W_E (vocab, d) the embedding's own parameter (embedding.hpp),
+// used a second time: one parameter, its gradient and H v the sum over both uses (Graph's slots).
+//
+// Derivatives as a linear map's (linear.hpp) with the weight transposed:
+//   reverse   g_in = g W_E,  g_W = g^T in;
+//   tangent   d g_in = dg W_E + g dW_E,  d g_W = dg^T in + g^T d in  (the second terms: its
+//             bilinear curvature <g, d in dW_E^T>).
+// A factor at the input moves to W_E U_t. W_E's own factors, and so its bilinear term, would also
+// need the embedding's, which the attention refuses (embedding.hpp): a dense Hessian or diagonal
+// over W_E is refused at the embedding's push, before this node's.
+#pragma once
+
+#include <stdexcept>
+
+#include "blockhess/buffer.hpp"
+#include "blockhess/eigen.hpp"
+#include "blockhess/engine/graph.hpp"
+#include "blockhess/finite.hpp"
+#include "blockhess/parallel_product.hpp"
+
+namespace blockhess::engine {
+
+template <class T>
+class UnembeddingNode final : public Node<T> {
+ public:
+  void forward(Graph<T>& g) override {
+    const index_t n = g.tokens();
+    product(MapM<T>(g.value_out(this->output), n, vocab(g)), X(g), W(g).transpose(), T(1), false);
+    require_finite(g.value(this->output), n * vocab(g), "language model: the logits");
+  }
+
+  void vjp(Graph<T>& g) const override {
+    const index_t n = g.tokens();
+    const MapC<T> gout(g.cotangent(this->output), n, vocab(g));
+    if (g.varies(in())) {
+      const Slot<T> s = g.cotangent_slot(in());
+      product(MapM<T>(s.data, n, d(g)), gout, W(g), T(1), s.add);
+    }
+    const Slot<T> s = g.gradient_slot(param());
+    if (s.data) product(MapM<T>(s.data, vocab(g), d(g)), gout.transpose(), X(g), T(1), s.add);
+  }
+
+  void push(Graph<T>& g) const override {
+    if (g.selected(param())) throw std::logic_error("engine: the LM head's weight is the embedding's, refused there");
+    bool any = false;
+    for (const Factor<T>* f : g.factors(in())) any = any || f->present;
+    if (!any) return;
+    Buffer<T> transposed(static_cast<size_t>(d(g) * vocab(g)));  // W_E^T, (d, vocab) row-major
+    MapM<T>(transposed.data(), d(g), vocab(g)) = W(g).transpose();
+    g.set_factors(this->output, left_multiply_weight(g.factors(in()), g.tokens(), transposed.data(), d(g), vocab(g)));
+  }
+
+  // Its only curvature is bilinear in the input and W_E, which needs W_E selected (refused above).
+  void curvature(const Graph<T>&, Terms<T>&) const override {}
+
+  void jvp(const Graph<T>& g, Tangent<T>& tg) const override {
+    const T* din = tg.in(in());
+    const T* dW = tg.dW[static_cast<size_t>(param())];
+    if (!din && !dW) return;
+    const index_t n = g.tokens();
+    MapM<T> dout(tg.out(this->output, n * vocab(g)), n, vocab(g));
+    if (din) product(dout, MapC<T>(din, n, d(g)), W(g).transpose(), T(1), false);
+    if (dW) product(dout, X(g), MapC<T>(dW, vocab(g), d(g)).transpose(), T(1), din != nullptr);
+  }
+
+  void vjp_tangent(const Graph<T>& g, Tangent<T>& tg, bool curved) const override {
+    const index_t n = g.tokens();
+    const MapC<T> gout(g.cotangent(this->output), n, vocab(g));
+    const MapC<T> dgout(tg.dcot[static_cast<size_t>(this->output)].data(), n, vocab(g));
+    const T* din = tg.in(in());
+    const T* dW = tg.dW[static_cast<size_t>(param())];
+    if (din) {
+      const Slot<T> s = tg.dcot_slot(in(), n * d(g));
+      MapM<T> dgin(s.data, n, d(g));
+      product(dgin, dgout, W(g), T(1), s.add);
+      if (curved && dW) product(dgin, gout, MapC<T>(dW, vocab(g), d(g)), T(1), true);
+    }
+    const Slot<T> s = tg.dgrad_slot(param());
+    if (s.data) {
+      MapM<T> o(s.data, vocab(g), d(g));
+      product(o, dgout.transpose(), X(g), T(1), s.add);
+      if (curved && din) product(o, gout.transpose(), MapC<T>(din, n, d(g)), T(1), true);
+    }
+  }
+
+ private:
+  int in() const { return this->inputs[0]; }
+  int param() const { return this->params[0]; }
+  index_t d(const Graph<T>& g) const { return g.width(in()); }
+  index_t vocab(const Graph<T>& g) const { return g.width(this->output); }
+  MapC<T> X(const Graph<T>& g) const { return MapC<T>(g.value(in()), g.tokens(), d(g)); }
+  MapC<T> W(const Graph<T>& g) const { return MapC<T>(g.weight(param()), vocab(g), d(g)); }
+};
+
+}  // namespace blockhess::engine
