@@ -87,7 +87,7 @@ def test_encoder_layer_refusals_and_warnings():
         blockhess.from_torch(torch.nn.TransformerEncoderLayer(4, 2, activation=torch.tanh, dtype=torch.float64).eval())
     with pytest.raises(ValueError, match="without bias"):
         blockhess.from_torch(torch.nn.TransformerEncoderLayer(4, 2, bias=False, dtype=torch.float64).eval())
-    with pytest.raises(TypeError, match="TransformerEncoderLayer, a torch.nn.TransformerEncoder or a transformers GPT2Block"):
+    with pytest.raises(TypeError, match="TransformerEncoderLayer, a torch.nn.TransformerEncoder or a transformers GPT2Block, GPT2Model"):
         blockhess.from_torch(torch.nn.Linear(3, 3))
 
 
@@ -184,3 +184,94 @@ def test_an_encoder_the_stack_cannot_represent_is_refused():
                                       enable_nested_tensor=False).eval()
     with pytest.raises(ValueError, match="a LayerNorm and a RMSNorm"):
         blockhess.from_torch(rms)
+
+
+def _tiny_gpt2(lm: bool, **config):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(**{**dict(vocab_size=19, n_positions=12, n_embd=8, n_layer=2, n_head=2, n_inner=10,
+                                               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                               attn_implementation="eager", bos_token_id=0, eos_token_id=0), **config})
+    model = (transformers.GPT2LMHeadModel if lm else transformers.GPT2Model)(config).double().eval()
+    with torch.no_grad():  # away from the initialisation's tiny weights, so that every path counts
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    return model
+
+
+def test_a_gpt2_language_model_is_a_model_spec_with_its_loss_gradient_and_hvp():
+    """GPT2LMHeadModel: wte, wpe, its blocks (h.<l>.*), ln_f and the LM head tied to wte; every
+    parameter once (params.size = the module's). The loss is Hugging Face's own (to float32
+    rounding: it casts the logits to float32) and, in float64, the same definition; the gradient and
+    Hessian-vector products equal the module's own through torch autograd (reverse over reverse,
+    which is right for torch's layer_norm), laid out as blockhess's by the importer's reader."""
+    from blockhess._torch_reference import loss as reference_loss
+    from blockhess.from_torch import _gpt2_model
+
+    model = _tiny_gpt2(lm=True)
+    spec, params = blockhess.from_torch(model)
+    assert isinstance(spec, blockhess.ModelSpec) and (spec.n_layers, spec.vocab_size, spec.n_positions) == (2, 19, 12)
+    assert spec.lm_head and spec.final_norm and spec.block.causal and spec.block.activation == "gelu_tanh"
+    assert params.size == sum(p.numel() for p in model.parameters())  # the tied weight once
+    assert params.names[:3] == ("wte", "wpe", "h.0.W_Q") and params.names[-1] == "ln_f.beta"
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, 19, size=(2, 6))
+    labels = ids.copy()
+    labels[0, 2] = -100
+    eps = model.transformer.ln_f.eps
+    logits = model(input_ids=torch.as_tensor(ids)).logits.detach().numpy()
+    assert ref.rel_err(blockhess.block_forward(ids, params, eps=eps), logits) <= 1e-12
+    value = blockhess.loss_value(ids, labels, params, loss="next_token", eps=eps)
+    hf_loss = float(model(input_ids=torch.as_tensor(ids), labels=torch.as_tensor(labels)).loss.detach())
+    assert abs(value - hf_loss) <= 1e-6 * abs(value)  # Hugging Face's loss is float32 (its cast)
+
+    names = [n for n, _ in model.named_parameters()]
+    shapes = [p.shape for p in model.parameters()]
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    def module_loss(v):
+        tensors = dict(zip(names, (t.reshape(s) for t, s in zip(v.split([s.numel() for s in shapes]), shapes))))
+        out = torch.func.functional_call(model, tensors, (), {"input_ids": torch.as_tensor(ids), "use_cache": False})
+        return reference_loss(out.logits, torch.as_tensor(labels), "next_token")
+
+    assert abs(value - float(module_loss(flat))) <= 1e-13 * abs(value)
+
+    def laid_out(module_vector):
+        """A vector over the module's parameters in blockhess's layout (the importer's reader)."""
+        holder = copy.deepcopy(model)
+        with torch.no_grad():
+            for p, g in zip(holder.parameters(), module_vector.split([s.numel() for s in shapes])):
+                p.copy_(g.reshape(p.shape))
+        return blockhess.BlockParams.from_arrays(spec, _gpt2_model(holder, torch.float64)[1]).flatten()
+
+    x = flat.clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(module_loss(x), x, create_graph=True)
+    assert ref.rel_err(blockhess.loss_gradient(ids, labels, params, loss="next_token", eps=eps), laid_out(g.detach())) <= 1e-12
+    u = torch.randn(flat.shape, dtype=torch.float64)
+    (hu,) = torch.autograd.grad(g, x, grad_outputs=u)
+    ours = blockhess.loss_hvp(ids, labels, params, laid_out(u), loss="next_token", eps=eps)
+    assert ref.rel_err(ours, laid_out(hu)) <= 1e-10
+
+
+def test_a_gpt2_model_is_its_last_hidden_state():
+    model = _tiny_gpt2(lm=False)
+    spec, params = blockhess.from_torch(model)
+    assert not spec.lm_head and spec.vocab_size == 19 and params.size == sum(p.numel() for p in model.parameters())
+    ids = np.random.default_rng(2).integers(0, 19, size=(3, 7))
+    hidden = model(input_ids=torch.as_tensor(ids)).last_hidden_state.detach().numpy()
+    assert ref.rel_err(blockhess.block_forward(ids, params, eps=model.ln_f.eps), hidden) <= 1e-12
+    # a float32 model (transformers' default) is imported in float32, and verified in float64
+    spec32, params32 = blockhess.from_torch(model.float())
+    assert spec32 == spec and params32.dtype == np.float32
+
+
+def test_a_gpt2_model_the_import_cannot_represent_is_refused():
+    with pytest.raises(ValueError, match="not tied to transformer.wte"):
+        blockhess.from_torch(_tiny_gpt2(lm=True, tie_word_embeddings=False))
+    model = _tiny_gpt2(lm=False)
+    model.h[1].mlp.act = torch.nn.ReLU()
+    with pytest.raises(ValueError, match="blocks h.0 and h.1 of the GPT2Model differ"):
+        blockhess.from_torch(model)
+    dropping = _tiny_gpt2(lm=False, embd_pdrop=0.1).train()
+    with pytest.warns(UserWarning, match="dropout"):
+        blockhess.from_torch(dropping)

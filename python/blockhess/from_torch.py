@@ -20,6 +20,13 @@ order. Layouts: torch's ``nn.Linear`` computes ``x W^T + b`` (weights stored (ou
 ``x W + b`` (W stored (in, out)); ``Conv1D`` of GPT-2 already stores (in, out).
 ``TransformerEncoderLayer`` with ``batch_first=False`` takes (L, B, d); blockhess takes (B, L, d) (or
 (L, d) for one sample).
+
+Language models: ``transformers``' ``GPT2Model`` (wte, wpe, its GPT2Blocks, ln_f: a
+:class:`blockhess.ModelSpec` whose output is the last hidden state) and ``GPT2LMHeadModel`` (the same
+with its LM head tied to wte: the output is the logits, and ``loss="next_token"`` is the model's own
+loss for ``labels``). X is then the token ids, (L,) or (B, L); ``params.size`` equals the module's
+parameter count (the tied weight once). The import runs the model without an attention mask: a
+padding mask, token_type_ids, a KV cache and cross-attention are not represented.
 """
 
 from __future__ import annotations
@@ -43,20 +50,22 @@ _VERIFY_SHAPE = (2, 5)  # (B, L) of the random input
 
 def from_torch(module: Any) -> tuple[BlockSpec | ModelSpec, BlockParams]:
     """(spec, params) of a ``torch.nn.TransformerEncoderLayer``, a ``torch.nn.TransformerEncoder`` (a
-    ModelSpec) or a ``transformers`` ``GPT2Block``, verified against the module's own forward before
-    they are returned."""
+    ModelSpec), a ``transformers`` ``GPT2Block``, or a ``GPT2Model`` or ``GPT2LMHeadModel`` (a language
+    model's ModelSpec), verified against the module's own forward before they are returned."""
     import torch
 
-    gpt2 = sys.modules.get("transformers.models.gpt2.modeling_gpt2")  # imported if module is a GPT2Block
+    gpt2 = sys.modules.get("transformers.models.gpt2.modeling_gpt2")  # imported if module is GPT-2's
     if isinstance(module, torch.nn.TransformerEncoderLayer):
         read, run = _encoder_layer, _run_encoder_layer
     elif isinstance(module, torch.nn.TransformerEncoder):
         read, run = _encoder, _run_encoder
     elif gpt2 is not None and isinstance(module, gpt2.GPT2Block):
         read, run = _gpt2_block, _run_gpt2_block
+    elif gpt2 is not None and isinstance(module, (gpt2.GPT2Model, gpt2.GPT2LMHeadModel)):
+        read, run = _gpt2_model, _run_gpt2_model
     else:
         raise TypeError(f"from_torch takes a torch.nn.TransformerEncoderLayer, a torch.nn.TransformerEncoder or a "
-                        f"transformers GPT2Block, got {type(module).__name__}")
+                        f"transformers GPT2Block, GPT2Model or GPT2LMHeadModel, got {type(module).__name__}")
     dtype = _parameter_dtype(module)
     spec, arrays, norms = read(module, dtype)
     params = BlockParams.from_arrays(spec, {k: np.ascontiguousarray(v) for k, v in arrays.items()})
@@ -339,13 +348,65 @@ def _run_gpt2_block(call: Callable[..., Any], block: Any, X: Any) -> Any:
     return out[0] if isinstance(out, tuple) else out
 
 
+def _gpt2_model(model: Any, dtype: Any) -> tuple[ModelSpec, dict[str, np.ndarray], dict[str, Any]]:
+    """A GPT2Model, or a GPT2LMHeadModel's (its transformer) with the LM head tied to wte: the
+    embeddings, each GPT2Block (one configuration for all), ln_f."""
+    import torch
+    from transformers.models.gpt2 import modeling_gpt2 as gpt2
+
+    lm = isinstance(model, gpt2.GPT2LMHeadModel)
+    if lm:
+        _require_types(model, {"": gpt2.GPT2LMHeadModel, "transformer": gpt2.GPT2Model, "lm_head": torch.nn.Linear})
+        if model.lm_head.weight is not model.transformer.wte.weight:
+            raise ValueError("from_torch: the GPT2LMHeadModel's lm_head is not tied to transformer.wte (untied LM "
+                             "heads are not supported; tie_word_embeddings=True ties them)")
+        if model.lm_head.bias is not None:
+            raise ValueError("from_torch: the GPT2LMHeadModel's lm_head has a bias, which GPT-2's tied head has not")
+    transformer = model.transformer if lm else model
+    _require_types(transformer, {"": gpt2.GPT2Model, "wte": torch.nn.Embedding, "wpe": torch.nn.Embedding,
+                                 "drop": torch.nn.Dropout, "ln_f": torch.nn.LayerNorm})
+    blocks = list(transformer.h)
+    if not blocks:
+        raise ValueError("from_torch: the GPT2Model has no blocks")
+    reads = [_gpt2_block(block, dtype) for block in blocks]
+    block_spec, _, norms = reads[0]
+    for k, (other, _, _) in enumerate(reads[1:], start=1):
+        if other != block_spec:
+            raise ValueError(f"from_torch: blocks h.0 and h.{k} of the GPT2Model differ ({block_spec!r} and {other!r}); "
+                             "a ModelSpec stacks blocks of one spec")
+    for name in ("wte", "wpe"):
+        embedding = getattr(transformer, name)
+        if embedding.max_norm is not None or embedding.scale_grad_by_freq or embedding.sparse:
+            raise ValueError(f"from_torch: {name} is an nn.Embedding with max_norm, scale_grad_by_freq or sparse "
+                             "set, which a plain lookup does not represent")
+    _warn_if_dropout(model, [(transformer.drop.training, transformer.drop.p)])
+    d = int(transformer.wte.embedding_dim)
+    _norms({"h.0.ln_1": blocks[0].ln_1, "ln_f": transformer.ln_f}, d)  # ln_f of the blocks' kind and eps
+    spec = ModelSpec(block_spec, n_layers=len(blocks), final_norm=True, vocab_size=int(transformer.wte.num_embeddings),
+                     n_positions=int(transformer.wpe.num_embeddings), lm_head=lm)
+    arrays = {"wte": _array(transformer.wte.weight), "wpe": _array(transformer.wpe.weight)}
+    arrays.update({spec.layer_prefix(k) + name: a for k, (_, own, _) in enumerate(reads) for name, a in own.items()})
+    arrays.update({"ln_f." + name.split("_")[0]: a for name, a in _norm_arrays({"ln_f": transformer.ln_f}).items()})
+    return spec, arrays, norms
+
+
+def _run_gpt2_model(call: Callable[..., Any], model: Any, ids: Any) -> Any:
+    """The logits of a GPT2LMHeadModel, the last hidden state of a GPT2Model, for token ids (B, L)."""
+    out = call(input_ids=ids, use_cache=False)
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
 def _verify(module: Any, run: Callable[..., Any], params: BlockParams, norms: dict[str, Any]) -> None:
     """Raise ValueError unless the module's forward (eval mode, float64 copies of its parameters and
     buffers, grad enabled) equals blockhess's forward of ``params`` on a random input."""
     import torch
 
     device = next(module.parameters()).device
-    X = np.random.default_rng(0).standard_normal((*_VERIFY_SHAPE, params.d))  # torch's RNG is the caller's
+    rng = np.random.default_rng(0)  # torch's RNG is the caller's
+    if params.spec.reads_tokens:  # a language model's token ids
+        X = rng.integers(0, params.spec.vocab_size, size=_VERIFY_SHAPE)
+    else:
+        X = rng.standard_normal((*_VERIFY_SHAPE, params.d))
     tensors = {name: p.detach().to(torch.float64).requires_grad_() for name, p in module.named_parameters()}
     tensors.update({name: b.to(torch.float64) if b.is_floating_point() else b
                     for name, b in module.named_buffers()})
@@ -363,7 +424,10 @@ def _verify(module: Any, run: Callable[..., Any], params: BlockParams, norms: di
     finally:
         for m, flag in training.items():
             m.training = flag
-    expected = block_forward(X, params, eps=_norm_eps(norms, torch.float64))
+    # in float64 (a language model's token ids do not promote float32 parameters, as X does)
+    params64 = BlockParams.from_arrays(params.spec, {n: np.asarray(a, dtype=np.float64)
+                                                     for n, a in zip(params.names, params.arrays)})
+    expected = block_forward(X, params64, eps=_norm_eps(norms, torch.float64))
     difference = float(np.linalg.norm(Z - expected) / np.linalg.norm(expected)) if Z.shape == expected.shape else np.inf
     if not difference <= _VERIFY_RTOL:
         raise ValueError(f"from_torch: the {type(module).__name__} computes something that blockhess's import of it "
