@@ -133,6 +133,25 @@ def test_eigsh_finds_the_extreme_eigenvalues(rng, name):
     assert np.max(np.abs(block_top - np.linalg.eigvalsh(H[s, s])[-2:])) <= 1e-8 * scale
 
 
+def test_eigsh_keeps_fewer_lanczos_vectors_where_scipys_basis_would_not_fit_the_budget(rng, monkeypatch):
+    """A whole model's P: ARPACK's default 20 vectors may exceed the budget; eigsh keeps as many as
+    fit (at least 2k + 1, in the operator's dtype) and finds the same eigenvalue with more restarts."""
+    from blockhess import spectrum
+
+    P = 10**6
+    assert spectrum.arpack_basis(P, 1) == 20
+    with blockhess.memory_budget(8 * 6 * (P + 28)):
+        assert spectrum.arpack_basis(P, 1) == 6 and spectrum.arpack_basis(P, 1, itemsize=4) == 12
+        assert spectrum.arpack_basis(P, 4) == 9  # never below 2k + 1
+        assert spectrum.arpack_memory(P, 1) <= blockhess.get_memory_budget()
+    # The fewest vectors (2k + 1) still give the exact top eigenvalue.
+    X, target, params, kw = _case(rng, SPECS["paper"], 2, "cross_entropy")
+    exact = np.linalg.eigvalsh(blockhess.loss_hessian(X, target, params, **kw))
+    monkeypatch.setattr(spectrum, "arpack_basis", lambda P, k, itemsize=8: 2 * k + 1)
+    top = blockhess.hessian_operator(X, target, params, **kw).eigsh(k=1, return_eigenvectors=False)
+    assert abs(top[0] - exact[-1]) <= 1e-8 * np.abs(exact).max()
+
+
 def test_eigsh_bad_arguments(rng):
     X, target, params, kw = _case(rng, SPECS["paper"], None, "mse")
     op = blockhess.hessian_operator(X, target, params, **kw)

@@ -64,8 +64,9 @@ def block(B: int, L: int, d: int, dk: int, dff: int, itemsize: int, *, hessian: 
     # of the last layer's parameters, the only ones a dense Hessian covers so far.)
     forward = P + layers * (3 * B_heads * L * L + n * (7 * d + 3 * dff + 2 * dk + d + 2))
     reverse = layers * (2 * B_heads * L * L + n * (6 * d + 2 * dff + 2 * dk + d))  # every value's cotangent, gA, gT
-    width = vocab or d  # Z's: the logits' with an LM head
-    loss = n * width * (width + 1 if outer else 1) + 4 * n * vocab
+    loss = n * d * (d + 1 if outer else 1)
+    if vocab:  # the logits, their cotangent, the head's softmax and gradient; for a Hessian, its site
+        loss += 4 * n * vocab + (n * vocab * vocab if hessian and outer else 0)
     total = forward + reverse + loss
     if hessian:
         attention = dk + 2 * d  # the three attention weights' matrix sides

@@ -26,6 +26,7 @@ from ._check_comparison import (HVP_TOLERANCE, HVP_VECTORS, NOISE_MULTIPLE, SPLI
                                 smallest_layernorm_sigma, spectral_norm)
 from ._check_config import Config, add_block_options, block_params, config_from_args, validate_block
 from ._check_memory import check_memory
+from ._check_model import GPT2_CONFIGS, check_model, format_model_report, load_model
 from ._check_references import resolve_reference
 from ._check_report import BlockReport, Report, format_report, plot_heatmap
 from ._command_line import (ArgumentParser, UsageError, attach_negative_numbers, check_outputs,
@@ -193,6 +194,39 @@ def validate(cfg: Config, args: Any) -> None:
         check_plot_format(plot_path, "--plot")
 
 
+def _main_model(parser: Any, args: Any) -> int:
+    """``blockhess check --model``: the block options do not apply (the model has its own shapes)."""
+    allowed = {"model", "vectors", "L", "batch", "seed", "json", "quiet"}
+    given = [a for a in vars(args) if a not in allowed and getattr(args, a) != parser.get_default(a)]
+    if given:
+        parser.error(f"--model checks the model's own shapes and loss: {', '.join('--' + a.replace('_', '-') for a in given)} "
+                     "do not apply (--L, --batch, --seed, --vectors and --json do)")
+    for name in ("L", "batch", "vectors"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.json is not None:
+        check_outputs({"--json": args.json})
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        parser.error("--model needs PyTorch (pip install 'torch==2.13.0')")
+    progress = Progress(enabled=not args.quiet and sys.stderr.isatty())
+    with errors_in_the_data(parser):
+        try:
+            module = load_model(args.model, args.seed)
+            report = check_model(module, args.model, args.L, args.batch, args.vectors, args.seed, progress)
+        except UsageError as err:
+            parser.error(str(err))
+        finally:
+            progress.close()
+    print(format_model_report(report), flush=True)
+    with writing_outputs(parser):
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(asdict(report), fh, indent=2)
+    return 0 if report.ok else 1
+
+
 def main(argv: list[str]) -> int:
     """``blockhess check [options]``: 0 verified, 1 an error above its tolerance; SystemExit(2) for a
     bad option or an error in the data (one line on stderr), SystemExit(130) when interrupted."""
@@ -216,7 +250,16 @@ def _main(argv: list[str]) -> int:
     parser.add_argument("--plot", metavar="FILE.png", help="draw the log|H| heat map (needs matplotlib)")
     parser.add_argument("--quiet", action="store_true",
                         help="no progress bar (it is shown only when stderr is a terminal)")
+    whole = parser.add_argument_group("a whole model (instead of a block)")
+    whole.add_argument("--model", metavar="FILE|NAME",
+                       help="check a model's Hessian-vector products against its own autograd and finite "
+                       "differences: an nn.Module saved with torch.save (loading it runs its code: trust the "
+                       f"file), or a GPT-2 configuration with random weights ({', '.join(GPT2_CONFIGS)}); "
+                       "--L, --batch and --seed apply")
+    whole.add_argument("--vectors", type=int, default=3, help="random directions u for H u (default 3)")
     args = parser.parse_args(attach_negative_numbers(list(argv)))
+    if args.model is not None:
+        return _main_model(parser, args)
     cfg = config_from_args(args, device=args.device, reference=args.reference)
     try:
         validate(cfg, args)

@@ -52,25 +52,31 @@ def from_torch(module: Any) -> tuple[BlockSpec | ModelSpec, BlockParams]:
     """(spec, params) of a ``torch.nn.TransformerEncoderLayer``, a ``torch.nn.TransformerEncoder`` (a
     ModelSpec), a ``transformers`` ``GPT2Block``, or a ``GPT2Model`` or ``GPT2LMHeadModel`` (a language
     model's ModelSpec), verified against the module's own forward before they are returned."""
-    import torch
-
-    gpt2 = sys.modules.get("transformers.models.gpt2.modeling_gpt2")  # imported if module is GPT-2's
-    if isinstance(module, torch.nn.TransformerEncoderLayer):
-        read, run = _encoder_layer, _run_encoder_layer
-    elif isinstance(module, torch.nn.TransformerEncoder):
-        read, run = _encoder, _run_encoder
-    elif gpt2 is not None and isinstance(module, gpt2.GPT2Block):
-        read, run = _gpt2_block, _run_gpt2_block
-    elif gpt2 is not None and isinstance(module, (gpt2.GPT2Model, gpt2.GPT2LMHeadModel)):
-        read, run = _gpt2_model, _run_gpt2_model
-    else:
-        raise TypeError(f"from_torch takes a torch.nn.TransformerEncoderLayer, a torch.nn.TransformerEncoder or a "
-                        f"transformers GPT2Block, GPT2Model or GPT2LMHeadModel, got {type(module).__name__}")
+    read, run = _importer(module)
     dtype = _parameter_dtype(module)
     spec, arrays, norms = read(module, dtype)
     params = BlockParams.from_arrays(spec, {k: np.ascontiguousarray(v) for k, v in arrays.items()})
     _verify(module, run, params, norms)
     return spec, params
+
+
+def _importer(module: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """(read, run) for the module's class: read(module, dtype) -> (spec, arrays, norms), the
+    parameters in blockhess's names; run(call, module, X) -> its output, through call (the module's
+    forward, e.g. a functional_call), for X in blockhess's layout (token ids for a language model)."""
+    import torch
+
+    gpt2 = sys.modules.get("transformers.models.gpt2.modeling_gpt2")  # imported if module is GPT-2's
+    if isinstance(module, torch.nn.TransformerEncoderLayer):
+        return _encoder_layer, _run_encoder_layer
+    if isinstance(module, torch.nn.TransformerEncoder):
+        return _encoder, _run_encoder
+    if gpt2 is not None and isinstance(module, gpt2.GPT2Block):
+        return _gpt2_block, _run_gpt2_block
+    if gpt2 is not None and isinstance(module, (gpt2.GPT2Model, gpt2.GPT2LMHeadModel)):
+        return _gpt2_model, _run_gpt2_model
+    raise TypeError(f"from_torch takes a torch.nn.TransformerEncoderLayer, a torch.nn.TransformerEncoder or a "
+                    f"transformers GPT2Block, GPT2Model or GPT2LMHeadModel, got {type(module).__name__}")
 
 
 def _parameter_dtype(module: Any) -> Any:

@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ._config import get_memory_budget
 from ._validate import choice, float_array, nonneg_scalar, positive_int, require_output_fits
 
 # Lanczos has reached an invariant subspace when what is left of H q after reorthogonalisation is
@@ -197,15 +198,20 @@ def _dense_eigh(operator: Any, vectors: bool):
     return np.linalg.eigh(H) if vectors else (np.linalg.eigvalsh(H), None)
 
 
-def arpack_basis(P: int, k: int) -> int:
-    """The Krylov basis ARPACK keeps for k eigenvalues of a (P, P) operator (scipy's default ncv)."""
-    return min(P, max(2 * k + 1, 20))
+def arpack_basis(P: int, k: int, itemsize: int = 8) -> int:
+    """The Krylov basis ARPACK keeps for k eigenvalues of a (P, P) operator: scipy's default ncv,
+    max(2k + 1, 20), or fewer vectors where that basis would not fit the memory budget (a whole
+    model's P), down to 2k + 1. Fewer vectors cost more restarts (more products), not accuracy.
+    itemsize: of the operator's dtype, in which ARPACK then works."""
+    least, default = min(P, 2 * k + 1), min(P, max(2 * k + 1, 20))
+    fits = get_memory_budget() // (itemsize * (P + default + 8))
+    return max(least, min(default, fits))
 
 
-def arpack_memory(P: int, k: int) -> int:
-    """Bytes of ARPACK's float64 basis and work array for k eigenvalues of a (P, P) operator."""
-    ncv = arpack_basis(P, k)
-    return 8 * ncv * (P + ncv + 8)
+def arpack_memory(P: int, k: int, itemsize: int = 8) -> int:
+    """Bytes of ARPACK's basis and work array for k eigenvalues of a (P, P) operator."""
+    ncv = arpack_basis(P, k, itemsize)
+    return itemsize * ncv * (P + ncv + 8)
 
 
 def _arpack(operator: Any, k: int, which: str, tol: float, vectors: bool):
@@ -215,10 +221,10 @@ def _arpack(operator: Any, k: int, which: str, tol: float, vectors: bool):
         from scipy.sparse.linalg import eigsh as arpack
     except ImportError as err:  # pragma: no cover - scipy is in the test extra
         raise ImportError("eigsh() needs scipy: pip install scipy") from err
-    P = operator.shape[0]
-    ncv = arpack_basis(P, k)
+    P, itemsize = operator.shape[0], np.dtype(operator.dtype).itemsize
+    ncv = arpack_basis(P, k, itemsize)
     require_output_fits((P, k) if vectors else (k,), _FLOAT64, f"eigsh's {k} eigenvalues (P = {P})",
-                        "ask for fewer eigenvalues (a smaller k)", working=arpack_memory(P, k))
+                        "ask for fewer eigenvalues (a smaller k)", working=arpack_memory(P, k, itemsize))
     A = operator.to_scipy()
     v0 = np.random.default_rng(0).standard_normal(P)  # ARPACK's random start, made reproducible
     try:

@@ -1,0 +1,219 @@
+"""``blockhess check --model``: a whole model's exact Hessian-vector products, imported with
+:func:`blockhess.from_torch`, checked against the module itself.
+
+The model is an ``nn.Module`` saved with ``torch.save`` (a file), or a Hugging Face GPT-2
+configuration by name, built with random weights (no download). blockhess's ``loss_hvp`` of the
+imported model is compared, for random directions u over the module's own parameters, with
+
+- reverse over reverse: ``torch.autograd.grad`` twice through the module's own forward (float64
+  copies of its parameters), the reference that decides the check;
+- central finite differences of blockhess's exact gradient along u;
+- forward over reverse as ``torch.func.hessian`` forms it (``torch.func.jvp`` of ``torch.func.jacrev``),
+  reported, not decisive: in torch 2.13 it is wrong for ``layer_norm`` with a weight in the (weight,
+  upstream) cross terms (docs/errata.md's appendix), which shows up in the parameters below a norm.
+
+Each vector over the module's parameters is laid out as blockhess's by the importer's own reader.
+The loss is the model's: next-token for a language model (its definition in float64: Hugging Face's
+own casts the logits to float32), else the mean squared error against a random target.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ._check_comparison import TOLERANCE
+from ._check_references import FD_STEP
+from ._command_line import UsageError
+
+# transformers' GPT-2 configurations by name (their published shapes), built with random weights.
+GPT2_CONFIGS = {
+    "gpt2-tiny": dict(n_layer=2, n_embd=64, n_head=4, vocab_size=1000, n_positions=128),
+    "gpt2": dict(n_layer=12, n_embd=768, n_head=12),
+    "gpt2-medium": dict(n_layer=24, n_embd=1024, n_head=16),
+    "gpt2-large": dict(n_layer=36, n_embd=1280, n_head=20),
+    "gpt2-xl": dict(n_layer=48, n_embd=1600, n_head=25),
+}
+
+
+@dataclass
+class ParameterError:
+    name: str
+    against_autograd: float  # relative, this parameter's rows of H u
+    against_forward_over_reverse: float
+
+
+@dataclass
+class ModelReport:
+    model: str
+    spec: str
+    P: int
+    tokens: int
+    batch: int
+    loss: str
+    vectors: int
+    against_autograd: float  # the worst relative error over the vectors
+    against_finite_differences: float
+    forward_over_reverse_against_autograd: float  # torch against itself: its forward-over-reverse bug
+    seconds_blockhess: float
+    seconds_autograd: float
+    parameters: list[ParameterError] = field(default_factory=list)
+    ok: bool = False
+
+
+def load_model(source: str, seed: int) -> Any:
+    """The nn.Module in the file ``source`` (torch.load: the file runs code as it loads, so load only
+    files you trust), or a GPT-2 configuration by name with random weights."""
+    import torch
+
+    if os.path.exists(source):
+        try:
+            module = torch.load(source, weights_only=False, map_location="cpu")
+        except Exception as err:  # noqa: BLE001 - whatever unpickling raises, the file is not a model
+            raise UsageError(f"--model {source}: torch.load failed ({type(err).__name__}: {err})") from None
+        if not isinstance(module, torch.nn.Module):
+            raise UsageError(f"--model {source} holds a {type(module).__name__}, not a torch.nn.Module "
+                             "(save the module itself with torch.save(model, path))")
+        return module
+    if source not in GPT2_CONFIGS:
+        raise UsageError(f"--model {source}: no such file, and not a configuration name "
+                         f"({', '.join(GPT2_CONFIGS)})")
+    try:
+        import transformers
+    except ImportError:
+        raise UsageError(f"--model {source} needs transformers (pip install transformers)") from None
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(**GPT2_CONFIGS[source], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                     attn_implementation="eager")
+    return transformers.GPT2LMHeadModel(config)
+
+
+def check_model(module: Any, name: str, L: int, batch: int, vectors: int, seed: int, progress: Any) -> ModelReport:
+    import torch
+
+    from .from_torch import _importer, _norm_eps, from_torch
+    from ._torch_reference import loss as reference_loss
+    from .block import loss_gradient
+    from .hvp import loss_hvp
+
+    module = copy.deepcopy(module).double().eval()  # float64 copies; the caller's module stays as it was
+    read, run = _importer(module)
+    spec, params = from_torch(module)
+    eps = _norm_eps(read(module, torch.float64)[2], torch.float64)
+    rng = np.random.default_rng(seed)
+    if spec.reads_tokens:
+        if spec.n_positions and L > spec.n_positions:
+            raise UsageError(f"--L {L}: the model has {spec.n_positions} positions")
+        X = rng.integers(0, spec.vocab_size, size=(batch, L))
+        target, loss = X.copy(), ("next_token" if spec.lm_head else "mse")
+        if loss == "mse":
+            target = rng.standard_normal((batch, L, params.d))
+    else:
+        X, target, loss = rng.standard_normal((batch, L, params.d)), rng.standard_normal((batch, L, params.d)), "mse"
+    progress.start(3 * vectors + 2, f"{name}: P = {params.size}")
+
+    names = [n for n, _ in module.named_parameters()]
+    shapes = [p.shape for p in module.parameters()]
+    sizes = [s.numel() for s in shapes]
+    flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+    X_t, target_t = torch.as_tensor(X), torch.as_tensor(target)
+
+    def module_loss(v):
+        tensors = dict(zip(names, (t.reshape(s) for t, s in zip(v.split(sizes), shapes))))
+        out = run(lambda *a, **k: torch.func.functional_call(module, tensors, a, k), module, X_t)
+        return reference_loss(out, target_t, loss) if loss == "next_token" else ((out - target_t) ** 2).mean()
+
+    holder = copy.deepcopy(module)
+
+    def laid_out(u):
+        """A vector over the module's parameters in blockhess's order, by the importer's reader."""
+        with torch.no_grad():
+            for p, piece in zip(holder.parameters(), u.split(sizes)):
+                p.copy_(piece.reshape(p.shape))
+        arrays = read(holder, torch.float64)[1]
+        return type(params).from_arrays(spec, arrays).flatten()
+
+    import time
+
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):  # the fused kernel has no 2nd derivative
+        x = flat.clone().requires_grad_(True)
+        (gradient,) = torch.autograd.grad(module_loss(x), x, create_graph=True)
+        progress.advance()
+        worst = {"autograd": 0.0, "fd": 0.0, "fwd": 0.0}
+        per_parameter = {n: [0.0, 0.0] for n in params.names}
+        slices = params.slices()
+        seconds = {"ours": 0.0, "torch": 0.0}
+        for k in range(vectors):
+            u = torch.as_tensor(rng.standard_normal(flat.numel()))
+            t0 = time.perf_counter()
+            (reverse,) = torch.autograd.grad(gradient, x, grad_outputs=u, retain_graph=True)
+            seconds["torch"] += time.perf_counter() - t0
+            forward = torch.func.jvp(torch.func.jacrev(module_loss), (flat,), (u,))[1]
+            progress.advance()
+            v = laid_out(u)
+            t0 = time.perf_counter()
+            ours = loss_hvp(X, target, params, v, loss=loss, eps=eps)
+            seconds["ours"] += time.perf_counter() - t0
+            progress.advance()
+            reference, torch_forward = laid_out(reverse), laid_out(forward)
+            h = FD_STEP["float64"] / max(1.0, float(np.abs(v).max()))
+            w = params.flatten()
+            step = [type(params).from_arrays(spec, {n: (w + s * h * v)[sl].reshape(shape) for (n, sl), shape in
+                                                    zip(slices.items(), params.shapes)}) for s in (1, -1)]
+            fd = (loss_gradient(X, target, step[0], loss=loss, eps=eps)
+                  - loss_gradient(X, target, step[1], loss=loss, eps=eps)) / (2 * h)
+            progress.advance()
+            worst["autograd"] = max(worst["autograd"], _relative(ours, reference))
+            worst["fd"] = max(worst["fd"], _relative(ours, fd))
+            worst["fwd"] = max(worst["fwd"], _relative(torch_forward, reference))
+            # A parameter's rows against their own norm, floored at a millionth of the whole product's
+            # (b_K's rows are exactly zero in closed form, rounding noise in autograd).
+            floor = 1e-6 * float(np.linalg.norm(reference))
+            for n, sl in slices.items():
+                errors = per_parameter[n]
+                errors[0] = max(errors[0], _relative(ours[sl], reference[sl], floor))
+                errors[1] = max(errors[1], _relative(torch_forward[sl], reference[sl], floor))
+    report = ModelReport(name, repr(spec), params.size, L, batch, loss, vectors, worst["autograd"], worst["fd"],
+                         worst["fwd"], seconds["ours"] / vectors, seconds["torch"] / vectors,
+                         [ParameterError(n, e[0], e[1]) for n, e in per_parameter.items()])
+    report.ok = (report.against_autograd <= TOLERANCE[("torch", "float64")]
+                 and report.against_finite_differences <= TOLERANCE[("finite-differences", "float64")])
+    progress.advance()
+    return report
+
+
+def _relative(a: Any, b: Any, floor: float = 1e-300) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(np.linalg.norm(a - b) / max(float(np.linalg.norm(b)), floor, 1e-300))
+
+
+def format_model_report(r: ModelReport) -> str:
+    tol, fd_tol = TOLERANCE[("torch", "float64")], TOLERANCE[("finite-differences", "float64")]
+    mark = lambda error, limit: "ok" if error <= limit else "FAIL"  # noqa: E731
+    lines = [
+        f"blockhess check --model {r.model}: {r.spec}",
+        f"  P = {r.P:,} parameters, {r.batch} x {r.tokens} tokens, loss {r.loss}, {r.vectors} random directions, float64",
+        f"  H u against reverse-over-reverse autograd of the module: {r.against_autograd:.2e} "
+        f"(tolerance {tol:.0e}) {mark(r.against_autograd, tol)}",
+        f"  H u against finite differences of the exact gradient:     {r.against_finite_differences:.2e} "
+        f"(tolerance {fd_tol:.0e}) {mark(r.against_finite_differences, fd_tol)}",
+        f"  one product: blockhess {r.seconds_blockhess:.3g} s, torch reverse-over-reverse {r.seconds_autograd:.3g} s",
+    ]
+    wrong = [p for p in r.parameters if p.against_autograd > tol]
+    if wrong:
+        lines.append("  parameters where blockhess disagrees with autograd: "
+                     + ", ".join(f"{p.name} ({p.against_autograd:.1e})" for p in wrong))
+    torch_wrong = [p for p in r.parameters if p.against_forward_over_reverse > tol]
+    if torch_wrong:
+        lines.append(f"  torch.func forward-over-reverse (jvp of jacrev, as torch.func.hessian) disagrees with reverse-over-reverse by "
+                     f"{r.forward_over_reverse_against_autograd:.2e}, in "
+                     + ", ".join(f"{p.name} ({p.against_forward_over_reverse:.1e})" for p in torch_wrong[:8])
+                     + (f" and {len(torch_wrong) - 8} more" if len(torch_wrong) > 8 else "")
+                     + ": torch's own error (layer_norm with a weight under forward-mode AD in torch 2.13; "
+                     "docs/errata.md), not blockhess's")
+    lines.append("verified" if r.ok else "FAILED")
+    return "\n".join(lines)
