@@ -33,12 +33,13 @@ def _tiny_gpt2(seed: int = 0):
 def test_check_model_verifies_a_gpt2_language_model():
     model = _tiny_gpt2()
     before = [p.detach().clone() for p in model.parameters()]
+    dtype = next(model.parameters()).dtype
     report = _check_model.check_model(model, "tiny", L=6, batch=2, vectors=2, seed=0, progress=Progress(False))
     assert report.ok and report.loss == "next_token" and report.P == sum(p.numel() for p in model.parameters())
     assert report.against_autograd <= 1e-10 and report.against_finite_differences <= 1e-5
     assert all(p.against_autograd <= 1e-10 for p in report.parameters)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # the caller's model untouched
-    assert next(model.parameters()).dtype == torch.float32
+    assert next(model.parameters()).dtype == dtype  # checked on float64 copies
 
 
 def test_check_model_reports_torchs_forward_over_reverse_error():

@@ -221,7 +221,8 @@ def _arpack(operator: Any, k: int, which: str, tol: float, vectors: bool):
         from scipy.sparse.linalg import eigsh as arpack
     except ImportError as err:  # pragma: no cover - scipy is in the test extra
         raise ImportError("eigsh() needs scipy: pip install scipy") from err
-    P, itemsize = operator.shape[0], np.dtype(operator.dtype).itemsize
+    P = operator.shape[0]
+    itemsize = np.dtype(getattr(operator, "dtype", np.float64)).itemsize  # ARPACK works in the operator's dtype
     ncv = arpack_basis(P, k, itemsize)
     require_output_fits((P, k) if vectors else (k,), _FLOAT64, f"eigsh's {k} eigenvalues (P = {P})",
                         "ask for fewer eigenvalues (a smaller k)", working=arpack_memory(P, k, itemsize))
