@@ -18,15 +18,17 @@ namespace blockhess::bind {
 
 // The spec as Python passes it (spec.py's BlockSpec._core, model.py's ModelSpec._core): (norm_position,
 // norm, norm_affine, bias, heads, out_proj, activation, causal, attention_only, layers, final_norm,
-// vocab, positions, lm_head), the choices as their registries' codes; then the model (params.hpp's
-// Stack): layers blocks of that spec stacked (1: the block itself), a final norm, and for a
-// language model its vocabulary, learned positions and tied LM head (0, 0, false: none).
-using SpecTuple = std::tuple<int, int, bool, bool, index_t, bool, int, bool, bool, index_t, bool, index_t, index_t, bool>;
+// vocab, positions, lm_head, patch_dim, classes), the choices as their registries' codes; then the
+// model (params.hpp's Stack): layers blocks of that spec stacked (1: the block itself), a final
+// norm, a language model's vocabulary, learned positions and tied LM head, a ViT's patch width, and
+// a classifier's classes (0 and false: none).
+using SpecTuple =
+    std::tuple<int, int, bool, bool, index_t, bool, int, bool, bool, index_t, bool, index_t, index_t, bool, index_t, index_t>;
 
 inline block::Spec spec_of(const SpecTuple& t) {
   block::Spec s;
   std::tie(std::ignore, std::ignore, s.norm_affine, s.bias, s.heads, s.out_proj, std::ignore, s.causal, s.attention_only,
-           std::ignore, std::ignore, std::ignore, std::ignore, std::ignore) = t;
+           std::ignore, std::ignore, std::ignore, std::ignore, std::ignore, std::ignore, std::ignore) = t;
   s.norm_position = static_cast<block::NormPosition>(registry::checked(block::kNormPositions, std::get<0>(t), "norm_position"));
   s.norm = static_cast<block::Norm>(registry::checked(block::kNorms, std::get<1>(t), "norm"));
   s.activation = activation::from_code(std::get<6>(t));
@@ -34,7 +36,8 @@ inline block::Spec spec_of(const SpecTuple& t) {
 }
 
 inline block::Stack stack_of(const SpecTuple& t) {
-  const block::Stack stack{std::get<9>(t), std::get<10>(t), std::get<11>(t), std::get<12>(t), std::get<13>(t)};
+  const block::Stack stack{std::get<9>(t),  std::get<10>(t), std::get<11>(t), std::get<12>(t),
+                           std::get<13>(t), std::get<14>(t), std::get<15>(t)};
   if (stack.layers < 1) throw std::invalid_argument("block: layers must be >= 1, got " + std::to_string(stack.layers));
   return stack;
 }
@@ -55,8 +58,8 @@ struct Problem {
   // For an object that outlives the call (the Hessian operator): a copy of the input and weights.
   block::Model<T> evaluate_kept(T eps) const { return make(eps, engine::Storage::copy); }
   std::vector<block::ParamShape> shapes() const { return block::parameters(spec, dims, stack); }
-  // The width of the output: d, or the LM head's vocabulary.
-  index_t output_width() const { return stack.lm_head ? stack.vocab : dims.d; }
+  // The width of the output: d, the LM head's vocabulary or the classifier's classes.
+  index_t output_width() const { return stack.output_width(dims.d); }
 
  private:
   block::Model<T> make(T eps, engine::Storage storage) const {
@@ -101,7 +104,9 @@ Problem<T> problem(const py::array& X, const SpecTuple& spec, const std::vector<
     throw std::logic_error("block: no parameter named " + name);
   };
   auto cols_of = [&](const char* own_name) { return shape_of(own_name, 1); };
-  p.dims.d = p.ids ? shape_of("W_Q", 0) : static_cast<index_t>(X.shape(2));
+  p.dims.d = p.ids || p.stack.reads_patches() ? shape_of("W_Q", 0) : static_cast<index_t>(X.shape(2));
+  if (p.stack.reads_patches() && X.shape(2) != p.stack.patch_dim)
+    throw std::invalid_argument("model: X must be patches (B, L, " + std::to_string(p.stack.patch_dim) + ")");
   if (p.spec.heads < 1) throw std::invalid_argument("block: heads must be >= 1");
   p.dims.dk = cols_of("W_Q") / p.spec.heads;
   p.dims.dv = cols_of("W_V") / p.spec.heads;
@@ -142,15 +147,19 @@ block::Target<T> target(const Problem<T>& p, int kind, const optional_carray<T>&
   const bool pooled = kind == heads::kPooledCrossEntropy;
   if ((kind == 0) != static_cast<bool>(values) || (kind != 0) != static_cast<bool>(classes))
     throw std::invalid_argument("block: mse needs values, cross_entropy and pooled_cross_entropy need classes");
-  if (pooled != (head_weight && head_bias))
-    throw std::invalid_argument("block: pooled_cross_entropy, and only it, needs a head (W_C, b_C)");
+  const bool own_classifier = p.stack.classes > 0;  // the model's W_C, b_C: its output is the logits
+  if ((pooled && !own_classifier) != (head_weight && head_bias))
+    throw std::invalid_argument(own_classifier ? "block: the model has its own classifier (W_C, b_C): no head"
+                                               : "block: pooled_cross_entropy, and only it, needs a head (W_C, b_C)");
   block::Target<T> t;
   t.loss = kind;
   const bool next_token = kind == heads::kNextToken;
   if (next_token && !p.stack.lm_head)
     throw std::invalid_argument("block: next_token is the loss of a language model's logits (an LM head)");
   index_t classes_range = p.output_width();
-  if (pooled) {
+  if (pooled && own_classifier) {
+    t.classifier.classes = p.stack.classes;  // W_C, b_C null: the logits are the output's rows
+  } else if (pooled) {
     if (head_weight->ndim() != 2) throw std::invalid_argument("block: W_C must be 2-D (d, classes)");
     t.classifier.classes = static_cast<index_t>(head_weight->shape(1));
     require_shape(*head_weight, {p.dims.d, t.classifier.classes}, "W_C");

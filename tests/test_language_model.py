@@ -175,7 +175,7 @@ def test_bad_language_model_input_is_refused_clearly(rng):
         blockhess.loss_hessian(X, labels, params, loss="next_token", wrt=("wte",))
     with pytest.raises(ValueError, match="wpe moves every token's input"):
         blockhess.hessian_operator(X, labels, params, loss="next_token", wrt=("wpe",)).diagonal()
-    with pytest.raises(ValueError, match="need a token embedding"):
+    with pytest.raises(ValueError, match="an lm_head needs a token embedding"):
         ModelSpec(GPT2_LIKE, lm_head=True)
     with pytest.raises(ValueError, match="vocab_size must be >= 0"):
         ModelSpec(GPT2_LIKE, vocab_size=-1)

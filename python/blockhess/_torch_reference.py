@@ -80,10 +80,12 @@ def loss(Z, target, kind, head=None):
         return ((Z - target) ** 2).mean()
     if kind == "cross_entropy":
         return torch.nn.functional.cross_entropy(Z.reshape(-1, Z.shape[-1]), target.reshape(-1))
-    if kind == "pooled_cross_entropy":
-        W_C, b_C = (torch.as_tensor(a, dtype=Z.dtype, device=Z.device) for a in head)
-        logits = Z.mean(-2) @ W_C + b_C
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, W_C.shape[1]), target.reshape(-1))
+    if kind == "pooled_cross_entropy":  # without a head, Z's rows are a model's own classifier's logits
+        logits = Z.mean(-2)
+        if head is not None:
+            W_C, b_C = (torch.as_tensor(a, dtype=Z.dtype, device=Z.device) for a in head)
+            logits = logits @ W_C + b_C
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
     if kind == "next_token":  # the causal-LM loss: position i's logits against label i + 1, -100 ignored
         return torch.nn.functional.cross_entropy(Z[..., :-1, :].reshape(-1, Z.shape[-1]),
                                                  target[..., 1:].reshape(-1), ignore_index=-100)
@@ -267,14 +269,17 @@ def stack(X, spec, named, eps=None, *, fused=False):
     """Z of a stack of blocks (a blockhess.ModelSpec; a BlockSpec is one block): each layer's block
     on the previous one's output, with that layer's parameters (named with its prefix, h.<l>.), then
     the final norm (ln_f.gamma, ln_f.beta) if the spec has one. A language model's X is token ids:
-    their rows of wte, plus wpe's first L rows; with an LM head its output is the logits Z wte^T (the
-    one tensor wte used twice, so that autograd sums both uses)."""
+    their rows of wte; a ViT's, patches: X W_E + b_E; then wpe's first L rows. With an LM head the
+    output is the logits Z wte^T (the one tensor wte used twice, so that autograd sums both uses);
+    with a classifier, each token's logits Z W_C + b_C."""
     block = getattr(spec, "block", spec)
     Z = X
     if spec.reads_tokens:
         Z = named["wte"][X]
-        if spec.n_positions:
-            Z = Z + named["wpe"][: X.shape[-1]]
+    elif spec.patch_dim:
+        Z = X @ named["W_E"] + named["b_E"]
+    if spec.n_positions:
+        Z = Z + named["wpe"][: Z.shape[-2]]
     for layer in range(spec.n_layers):
         prefix = spec.layer_prefix(layer)
         own = {n[len(prefix):]: t for n, t in named.items() if n.startswith(prefix)}
@@ -282,8 +287,10 @@ def stack(X, spec, named, eps=None, *, fused=False):
     if getattr(spec, "final_norm", False):
         Z = _norm(Z, block, named.get("ln_f.gamma"), named.get("ln_f.beta"), block.eps if eps is None else eps,
                   fused)
-    if getattr(spec, "lm_head", False):
+    if spec.lm_head:
         Z = Z @ named["wte"].T
+    if spec.classes:
+        Z = Z @ named["W_C"] + named["b_C"]
     return Z
 
 

@@ -300,13 +300,19 @@ def _batch(X: Any, params: BlockParams, *, single: bool = False, promote_with: t
     the weights and the float arrays in ``promote_with`` (a float target), the weights in that
     dtype, and X's own shape, (L, d) or (B, L, d). A language model's X is token ids, (L,) or
     (B, L): X3 is then their (B, L) int64 array, and the dtype the weights' and ``promote_with``'s."""
-    if params.spec.reads_tokens:
+    spec = params.spec
+    if spec.reads_tokens:
         return _tokens(X, params, single, promote_with)
     X = float_array(X, "X", ndim=(2,) if single else (2, 3))
-    if X.shape[-1] != params.d:
+    if spec.patch_dim and X.shape[-1] != spec.patch_dim:
+        raise ValueError(f"X has {X.shape[-1]} features (shape {tuple(X.shape)}) but the patch embedding W_E takes "
+                         f"patch_dim = {spec.patch_dim}")
+    if not spec.patch_dim and X.shape[-1] != params.d:
         raise ValueError(f"X has {X.shape[-1]} features (shape {tuple(X.shape)}) but W_Q has d = {params.d} rows")
     if X.shape[-2] < 1 or (X.ndim == 3 and X.shape[0] < 1):
         raise ValueError(f"X must hold at least one token, got shape {tuple(X.shape)}")
+    if spec.n_positions and X.shape[-2] > spec.n_positions:
+        raise ValueError(f"X has {X.shape[-2]} tokens per sample, but wpe has only n_positions = {spec.n_positions} rows")
     _backend.on_device(X, *params.arrays)
     dtype = common_dtype(X, *params.arrays, *promote_with)
     weights = tuple(contiguous(w, dtype) for w in params.arrays)
@@ -341,13 +347,16 @@ def _tokens(X: Any, params: BlockParams, single: bool, promote_with: tuple[Any, 
 
 
 def _sizes(X3: Any, params: BlockParams) -> tuple[int, int, int]:
-    """(B, L, d) of a batch from _batch (a language model's X3 holds ids, no d)."""
+    """(B, L, d) of a batch from _batch (a language model's X3 holds ids, a ViT's patches: d is the
+    blocks' width)."""
     return int(X3.shape[0]), int(X3.shape[1]), params.d
 
 
 def _output_width(params: BlockParams) -> int:
-    """The width of the model's output Z: d, or a language model's vocabulary (its LM head's logits)."""
-    return params.spec.vocab_size if params.spec.lm_head else params.d
+    """The width of the model's output Z: d, a language model's vocabulary (its LM head's logits) or
+    a classifier's classes."""
+    spec = params.spec
+    return spec.vocab_size if spec.lm_head else spec.classes or params.d
 
 
 def _batched(shape: tuple[int, ...], params: BlockParams) -> bool:
@@ -356,16 +365,16 @@ def _batched(shape: tuple[int, ...], params: BlockParams) -> bool:
 
 
 def _target(target: Any, loss: str, X3: np.ndarray, batched: bool, dtype: np.dtype, classes: int | None = None,
-            width: int | None = None):
+            width: int | None = None, output: str = "X"):
     """(values, classes) for the binding; exactly one is an array. ``classes``: the number of
-    classes of a pooled head (its W_C's columns); ``width``: Z's (d, or a language model's logits')."""
+    classes of a pooled head (its W_C's columns); ``width``: Z's (d, or a model's logits'), and
+    ``output`` what mse's target must be shaped like."""
     B, L = X3.shape[:2]
     d = X3.shape[2] if width is None else width
     if loss == "mse":
         full = (B, L, d) if batched else (L, d)
         if tuple(target.shape) != full:
-            of = "X" if X3.ndim == 3 and X3.shape[2] == d else "the model's output Z"
-            raise ValueError(f"target must have the shape of {of}, {full}, for loss='mse', got {tuple(target.shape)}")
+            raise ValueError(f"target must have the shape of {output}, {full}, for loss='mse', got {tuple(target.shape)}")
         return contiguous(target, dtype).reshape(B, L, d), None
     pooled = loss == "pooled_cross_entropy"
     target = as_array(target, "target")
@@ -403,9 +412,15 @@ def _target(target: Any, loss: str, X3: np.ndarray, batched: bool, dtype: np.dty
 _IGNORED = -100  # a next_token label that counts for nothing (engine/heads/cross_entropy.hpp)
 
 
-def _head(head: Any, loss: str, d: int) -> tuple[Any, Any]:
+def _head(head: Any, loss: str, d: int, own_classes: int = 0) -> tuple[Any, Any]:
     """The classifier (W_C (d, C), b_C (C,)) of loss='pooled_cross_entropy', checked; (None, None)
-    for the other losses, which take no head."""
+    for the other losses, which take no head, and for a model with a classifier of its own
+    (``own_classes`` classes: ModelSpec.classes)."""
+    if own_classes:
+        if head is not None:
+            raise ValueError(f"head=(W_C, b_C) is for a block's pooled loss; this model has its own classifier "
+                             f"(W_C, b_C among its parameters, {own_classes} classes)")
+        return None, None
     if loss != "pooled_cross_entropy":
         if head is not None:
             raise ValueError(f"head=(W_C, b_C) is for loss='pooled_cross_entropy' only, not loss={loss!r}")
@@ -491,12 +506,15 @@ def _loss_inputs(X, target, params, loss, eps, promote_with=(), head=None):
         raise ValueError("loss='next_token' is the loss of a language model's logits: a ModelSpec with lm_head=True")
     if loss == "mse":  # a float target takes part in the dtype promotion like every other array
         target = float_array(target, "target")
-    W_C, b_C = _head(head, loss, params.d)
+    W_C, b_C = _head(head, loss, params.d, params.spec.classes)
     floats = (target,) if loss == "mse" else (W_C, b_C) if W_C is not None else ()
     X3, W, dtype, shape = _batch(X, params, promote_with=(*floats, *promote_with))
     _backend.on_device(X3, target, W_C, b_C)  # TypeError for a target or head on the other side of X
-    values, classes = _target(target, loss, X3, _batched(shape, params), dtype, None if W_C is None else W_C.shape[1],
-                              width=_output_width(params))
+    pooled_classes = params.spec.classes or (None if W_C is None else W_C.shape[1])
+    spec = params.spec
+    like_X = not (spec.reads_tokens or spec.patch_dim) and _output_width(params) == params.d
+    values, classes = _target(target, loss, X3, _batched(shape, params), dtype, pooled_classes,
+                              width=_output_width(params), output="X" if like_X else "the model's output Z")
     head = (contiguous(W_C, dtype), contiguous(b_C, dtype))
     return params, X3, W, dtype, eps, loss_names().index(loss), values, classes, head
 

@@ -13,6 +13,13 @@ embedding, as GPT-2's, one parameter counted once, its gradient and curvature su
 uses. Its loss is ``loss="next_token"`` (Hugging Face's causal-LM loss) or a per-token one. The
 parameters start with ``wte`` and ``wpe``.
 
+A ViT (``patch_dim > 0``) reads image patches X of shape (L, patch_dim) or (B, L, patch_dim): its
+input is ``X W_E + b_E`` (W_E (patch_dim, d)), plus learned positions ``wpe`` with ``n_positions``.
+With ``classes > 0`` a classifier ``W_C`` (d, classes), ``b_C`` (classes,) writes each token's
+logits, and ``loss="pooled_cross_entropy"`` averages them over a sample's tokens (the logits of
+the mean token) against one class per sample: the classifier is the model's, trained with it (no
+``head=``). Its parameters end with ``W_C`` and ``b_C``.
+
 Every function that takes a block's parameters takes a stack's (``BlockParams.random(ModelSpec(...),
 ...)``, ``from_arrays``): the loss, its gradient and its Hessian-vector products cover every layer
 exactly; the dense Hessian and its diagonal cover the last layer's parameters so far (``wrt=``): a
@@ -39,7 +46,8 @@ _BLOCK_OPTIONS = frozenset({"heads", "out_proj", "attention_only", "norm_positio
 class ModelSpec:
     """``n_layers`` blocks of ``block``, stacked, and a final norm when ``final_norm``; for a
     language model, a token embedding of ``vocab_size`` rows, ``n_positions`` learned positions and
-    an ``lm_head`` tied to the embedding."""
+    an ``lm_head`` tied to the embedding; for a ViT, a patch embedding of ``patch_dim`` features,
+    learned positions and a classifier of ``classes`` classes."""
 
     block: BlockSpec = PAPER_BLOCK
     n_layers: int = 1
@@ -47,6 +55,8 @@ class ModelSpec:
     vocab_size: int = 0
     n_positions: int = 0
     lm_head: bool = False
+    patch_dim: int = 0
+    classes: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.block, BlockSpec):
@@ -55,14 +65,17 @@ class ModelSpec:
         if not isinstance(self.final_norm, (bool, np.bool_)):
             raise TypeError(f"ModelSpec.final_norm must be a bool, got {self.final_norm!r}")
         object.__setattr__(self, "final_norm", bool(self.final_norm))
-        for name in ("vocab_size", "n_positions"):
+        for name in ("vocab_size", "n_positions", "patch_dim", "classes"):
             object.__setattr__(self, name, integer(getattr(self, name), f"ModelSpec.{name}", least=0))
         if not isinstance(self.lm_head, (bool, np.bool_)):
             raise TypeError(f"ModelSpec.lm_head must be a bool, got {self.lm_head!r}")
         object.__setattr__(self, "lm_head", bool(self.lm_head))
-        if not self.vocab_size and (self.n_positions or self.lm_head):
-            raise ValueError("ModelSpec: learned positions (n_positions) and an lm_head need a token embedding "
-                             "(vocab_size > 0)")
+        if not self.vocab_size and self.lm_head:
+            raise ValueError("ModelSpec: an lm_head needs a token embedding (vocab_size > 0)")
+        if self.vocab_size and self.patch_dim:
+            raise ValueError("ModelSpec: a model reads token ids (vocab_size) or patches (patch_dim), not both")
+        if self.lm_head and self.classes:
+            raise ValueError("ModelSpec: an lm_head or a classifier (classes), not both")
         if self.final_norm and self.block.attention_only:
             raise ValueError("ModelSpec.final_norm=True means nothing with an attention_only block (it has no norms)")
 
@@ -74,7 +87,8 @@ class ModelSpec:
 
     @property
     def is_paper_block(self) -> bool:
-        return self.n_layers == 1 and not self.final_norm and not self.vocab_size and self.block.is_paper_block
+        return (self.n_layers == 1 and not (self.final_norm or self.vocab_size or self.n_positions or self.patch_dim
+                                            or self.classes) and self.block.is_paper_block)
 
     @property
     def reads_tokens(self) -> bool:
@@ -88,5 +102,5 @@ class ModelSpec:
     def _core(self) -> tuple:
         """The tuple the core's bindings take (block_problem.hpp, SpecTuple): the block's, then the
         model's (params.hpp's Stack)."""
-        return (*self.block._core()[:-5], self.n_layers, self.final_norm, self.vocab_size, self.n_positions,
-                self.lm_head)
+        return (*self.block._core()[:-7], self.n_layers, self.final_norm, self.vocab_size, self.n_positions,
+                self.lm_head, self.patch_dim, self.classes)

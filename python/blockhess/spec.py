@@ -102,7 +102,7 @@ class BlockSpec:
         """The tuple the core's bindings take (bind_block.cpp, SpecTuple)."""
         return (norm_position_names().index(self.norm_position), norm_names().index(self.norm), self.norm_affine,
                 self.bias, self.heads, self.out_proj, activation_names().index(self.activation), self.causal,
-                self.attention_only, 1, False, 0, 0, False)  # one layer; no final norm, embedding or LM head
+                self.attention_only, 1, False, 0, 0, False, 0, 0)  # one layer; none of a model's extras
 
     @property
     def n_layers(self) -> int:
@@ -114,10 +114,12 @@ class BlockSpec:
         """False: a block reads (B, L, d) floats (a language model's ModelSpec reads token ids)."""
         return False
 
-    # A block has no embedding, learned positions or LM head (a language model's ModelSpec has).
+    # A block has no embedding, learned positions, LM head or classifier (a ModelSpec may have).
     vocab_size = property(lambda self: 0)
     n_positions = property(lambda self: 0)
     lm_head = property(lambda self: False)
+    patch_dim = property(lambda self: 0)
+    classes = property(lambda self: 0)
 
     def layer_prefix(self, layer: int) -> str:
         """A lone block's parameters have no layer prefix (a stack's: model.py's ModelSpec)."""

@@ -846,6 +846,69 @@ inline void check_language_model(std::mt19937_64& rng) {
         ctx + " every label ignored refused");
 }
 
+// A ViT through Model::stack: patches embedded by W_E, b_E, learned positions, two blocks, ln_f and
+// a classifier of its own (W_C, b_C), under the pooled loss (the pooled head with the identity): H v
+// against central differences of the gradient, and the dense Hessian over the top block, ln_f and
+// the classifier against the operator.
+inline void check_vit(std::mt19937_64& rng) {
+  namespace blk = bh::block;
+  blk::Spec spec;
+  spec.norm_position = blk::NormPosition::pre;
+  spec.norm_affine = spec.bias = spec.out_proj = true;
+  spec.heads = 2;
+  spec.activation = bh::activation::Kind::gelu;
+  const blk::Dims D{4, 6, 3, 7, 3};
+  blk::Stack stack{2, /*final_norm=*/true};
+  stack.patch_dim = 5, stack.positions = 6, stack.classes = 3;
+  const index_t B = 3;
+  const double eps = 1e-5;
+  const std::string ctx = "ViT double";
+  const auto shapes = blk::parameters(spec, D, stack);
+  CHECK(shapes[0].name == "W_E" && shapes[2].name == "wpe" && shapes.back().name == "b_C", ctx + " names");
+  std::vector<std::vector<double>> W;
+  for (const auto& p : shapes) W.push_back(randn<double>(rng, p.size(), 1.0 / std::sqrt(static_cast<double>(p.rows))));
+  const auto X = randn<double>(rng, B * D.L * stack.patch_dim);
+  std::vector<std::int64_t> labels{0, 2, 1};
+  blk::Target<double> pooled;
+  pooled.loss = bh::heads::kPooledCrossEntropy;
+  pooled.classes = labels.data();
+  pooled.classifier.classes = stack.classes;  // the model's own: no W_C, b_C in the target
+  auto model_at = [&](const std::vector<std::vector<double>>& weights) {
+    std::vector<const double*> w;
+    for (const auto& a : weights) w.push_back(a.data());
+    return blk::Model<double>::stack(spec, D, stack, B, X.data(), w, eps);
+  };
+  index_t P = 0;
+  for (const auto& p : shapes) P += p.size();
+  const blk::Selection all(shapes.size(), true);
+  const auto v = randn<double>(rng, P);
+  std::vector<double> Hv(P), gp(P), gm(P), fd(P);
+  blk::LossHessianOperator<double>(model_at(W), pooled, blk::Part::full, all).apply(v.data(), Hv.data());
+  const double h = 1e-5;
+  for (double step : {h, -h}) {
+    auto moved = W;
+    index_t k = 0;
+    for (auto& a : moved)
+      for (double& x : a) x += step * v[k++];
+    model_at(moved).loss_gradient(pooled, (step > 0 ? gp : gm).data());
+  }
+  for (index_t i = 0; i < P; ++i) fd[i] = (gp[i] - gm[i]) / (2 * h);
+  CHECK(all_finite(Hv) && rel_diff(fd, Hv, 1e-9) < 1e-5, ctx + " finite differences of the gradient = H v");
+  blk::Selection top(shapes.size(), false);
+  for (size_t p = 0; p < shapes.size(); ++p)
+    top[p] = shapes[p].name.rfind("h.1.", 0) == 0 || shapes[p].name.rfind("ln_f.", 0) == 0 || shapes[p].name == "W_C" ||
+             shapes[p].name == "b_C";
+  index_t Pt = 0;
+  for (size_t p = 0; p < shapes.size(); ++p) Pt += top[p] ? shapes[p].size() : 0;
+  std::vector<double> H(Pt * Pt), HV(Pt), ref(Pt, 0.0);
+  model_at(W).loss_hessian(pooled, blk::Part::full, top, H.data());
+  const auto u = randn<double>(rng, Pt);
+  blk::LossHessianOperator<double>(model_at(W), pooled, blk::Part::full, top).apply(u.data(), HV.data());
+  for (index_t i = 0; i < Pt; ++i)
+    for (index_t j = 0; j < Pt; ++j) ref[i] += H[i * Pt + j] * u[j];
+  CHECK(rel_diff(HV, ref) < 1e-12, ctx + " the top block's, ln_f's and the classifier's dense Hessian = its operator");
+}
+
 // Bad input must end in the documented exceptions, without leaking what was allocated before.
 inline void check_block_errors(std::mt19937_64& rng) {
   namespace blk = bh::block;

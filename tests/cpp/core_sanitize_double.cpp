@@ -7,4 +7,5 @@ void sanitize::run_double(std::mt19937_64& rng) {
   check_block_errors(rng);
   check_stack(rng);
   check_language_model(rng);
+  check_vit(rng);
 }

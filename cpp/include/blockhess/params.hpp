@@ -115,34 +115,50 @@ inline std::string layer_prefix(index_t layers, index_t l) {
 
 // A model: `layers` blocks of a spec, each on the previous one's output, then (final_norm) a norm of
 // the spec's kind, with its own parameters ln_f.gamma (and ln_f.beta) where the spec's norms have
-// them (GPT-2's ln_f, nn.TransformerEncoder's norm). A language model (vocab > 0) reads token ids:
-// its input is their rows of the embedding wte (vocab, d), plus with `positions` > 0 the learned
-// positions wpe (positions, d); with lm_head its output is the logits Z wte^T (the LM head tied to
-// the embedding, as GPT-2's: one parameter, used twice).
+// them (GPT-2's ln_f, nn.TransformerEncoder's norm). Its input is one of
+//   X (samples x L x d), the blocks' own;
+//   token ids (vocab > 0, a language model): their rows of the embedding wte (vocab, d);
+//   image patches (patch_dim > 0, a ViT): X (samples x L x patch_dim) W_E + b_E, W_E (patch_dim, d);
+// then, with `positions` > 0, the learned positions wpe (positions, d), row i at position i. Its
+// output is the last block's (or ln_f's), or with lm_head the logits Z wte^T (the LM head tied to
+// the embedding, as GPT-2's: one parameter, used twice), or with `classes` > 0 a classifier's
+// per-token logits Z W_C + b_C, W_C (d, classes), which pooled_cross_entropy averages per sample.
 struct Stack {
   index_t layers = 1;
   bool final_norm = false;
   index_t vocab = 0;
   index_t positions = 0;
   bool lm_head = false;
+  index_t patch_dim = 0;
+  index_t classes = 0;
 
   bool reads_tokens() const { return vocab > 0; }
+  bool reads_patches() const { return patch_dim > 0; }
+  // The width of the model's output, for blocks of width d.
+  index_t output_width(index_t d) const { return lm_head ? vocab : classes > 0 ? classes : d; }
   void check(const Spec& s) const {
     if (layers < 1) throw std::invalid_argument("block: layers must be >= 1");
     if (final_norm && s.attention_only)
       throw std::invalid_argument("block: attention_only has no norms, so a stack of it has no final norm");
-    if (vocab < 0 || positions < 0) throw std::invalid_argument("model: vocab and positions must be >= 0");
-    if (!reads_tokens() && (positions > 0 || lm_head))
-      throw std::invalid_argument("model: learned positions and an LM head need a token embedding (vocab > 0)");
+    if (vocab < 0 || positions < 0 || patch_dim < 0 || classes < 0)
+      throw std::invalid_argument("model: vocab, positions, patch_dim and classes must be >= 0");
+    if (!reads_tokens() && lm_head) throw std::invalid_argument("model: an LM head needs a token embedding (vocab > 0)");
+    if (reads_tokens() && reads_patches()) throw std::invalid_argument("model: token ids or image patches, not both");
+    if (lm_head && classes > 0) throw std::invalid_argument("model: an LM head or a classifier, not both");
   }
 };
 
-// The parameters of a model: the embedding's (wte, wpe), each layer's, prefixed, layer after layer;
-// then the final norm's. The tied LM head has none of its own.
+// The parameters of a model: its input's (wte, or W_E and b_E; then wpe), each layer's, prefixed,
+// layer after layer; then the final norm's and the classifier's (W_C, b_C). The tied LM head has
+// none of its own.
 inline std::vector<ParamShape> parameters(const Spec& s, const Dims& D, const Stack& stack) {
   stack.check(s);
   std::vector<ParamShape> out;
   if (stack.reads_tokens()) out.push_back({"wte", stack.vocab, D.d, false});
+  if (stack.reads_patches()) {
+    out.push_back({"W_E", stack.patch_dim, D.d, false});
+    out.push_back({"b_E", 1, D.d, true});
+  }
   if (stack.positions > 0) out.push_back({"wpe", stack.positions, D.d, false});
   for (index_t l = 0; l < stack.layers; ++l)
     for (ParamShape p : parameters(s, D)) {
@@ -150,6 +166,10 @@ inline std::vector<ParamShape> parameters(const Spec& s, const Dims& D, const St
       out.push_back(std::move(p));
     }
   if (stack.final_norm) norm_parameters(s, D.d, "ln_f.gamma", "ln_f.beta", out);
+  if (stack.classes > 0) {
+    out.push_back({"W_C", D.d, stack.classes, false});
+    out.push_back({"b_C", 1, stack.classes, true});
+  }
   return out;
 }
 

@@ -10,7 +10,8 @@ The paper specifies neither positional embeddings, nor d_k, nor biases, nor the 
 positional embedding, d_k = d, the biases and the affine LayerNorms are our choices. The block's
 forward is ``blockhess._torch_reference.family_block``, the package's independent torch definition of
 every family member, so the trained block and blockhess's block are the same function by
-construction; ``export`` hands its parameters, its input and the head to blockhess.
+construction; ``export`` hands its parameters, its input and the head to blockhess, and
+``export_model`` the whole ViT (embedding, positions, block, classifier) as one blockhess model.
 
 A model is a plain dict of leaf tensors (no nn.Module, so torch is only imported when a function
 runs). Everything is float64: the model is tiny, so the cost is negligible, and blockhess's exact
@@ -27,6 +28,7 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 
 from ..block import BlockParams
+from ..model import ModelSpec
 from ..spec import BlockSpec
 from ._optional import require
 from .digits import CLASSES, FEATURES, TOKENS
@@ -157,3 +159,18 @@ def export(model: dict[str, Any], patches: np.ndarray, labels: np.ndarray) -> Pr
         X = embed(model, patches).numpy().copy()
         head = (model["W_C"].detach().numpy().copy(), model["b_C"].detach().numpy().copy())
     return Problem(SPEC, params, X, np.asarray(labels, dtype=np.int64), head)
+
+
+# The whole ViT as a blockhess model: the patch embedding (W_E, b_E), the learned positions (P, as
+# wpe), the block, and the classifier (W_C, b_C) on the mean token, all of them parameters.
+MODEL = ModelSpec(SPEC, patch_dim=FEATURES, n_positions=TOKENS, classes=CLASSES)
+
+
+def export_model(model: dict[str, Any]) -> tuple[ModelSpec, BlockParams]:
+    """(MODEL, its parameters): NumPy float64 copies of the current weights, ``P`` named ``wpe``.
+    ``blockhess.loss_value(patches, labels, params, loss="pooled_cross_entropy")`` is then
+    :func:`loss`, and its derivatives are with respect to every parameter of the model."""
+    torch = _torch()
+    with torch.no_grad():
+        arrays = {("wpe" if n == "P" else n): t.detach().numpy().copy() for n, t in model.items()}
+    return MODEL, BlockParams.from_arrays(MODEL, arrays)

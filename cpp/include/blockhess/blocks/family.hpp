@@ -13,6 +13,7 @@
 #include "blockhess/blocks/post_ln.hpp"
 #include "blockhess/blocks/pre_ln.hpp"
 #include "blockhess/engine/nodes/embedding.hpp"
+#include "blockhess/engine/nodes/positions.hpp"
 #include "blockhess/engine/nodes/unembedding.hpp"
 
 namespace blockhess::blocks {
@@ -32,34 +33,41 @@ Values wire_block(engine::Graph<T>& g, const block::Spec& s, const block::Dims& 
   return v;
 }
 
-// What a model reads: X (samples x L x d) for a stack of blocks, or the token ids (samples x L) of a
-// language model (Stack::vocab > 0).
+// What a model reads: X (samples x L x d) for a stack of blocks, or (samples x L x patch_dim) for a
+// ViT's patch embedding, or the token ids (samples x L) of a language model (Stack::vocab > 0).
 template <class T>
 struct Input {
   const T* X = nullptr;
   const std::int64_t* ids = nullptr;
 };
 
-// The model's input value: X, or the ids' embedding (with the learned positions); wte's id into *wte.
+// The model's input value: X, its patches' embedding, or the ids' (wte's id into *wte); then the
+// learned positions.
 template <class T>
 int wire_input(engine::Graph<T>& g, const block::Dims& D, const block::Stack& stack, const Input<T>& in,
                ParamCursor& p, int* wte) {
-  if (!stack.reads_tokens()) {
-    if (!in.X) throw std::invalid_argument("block: X is missing");
-    return g.input(in.X, D.d);
-  }
-  if (!in.ids) throw std::invalid_argument("model: a language model reads token ids");
-  if (D.L > stack.positions && stack.positions > 0)
+  if (stack.positions > 0 && D.L > stack.positions)
     throw std::invalid_argument("model: " + std::to_string(D.L) + " tokens per sample, but wpe has only " +
                                 std::to_string(stack.positions) + " positions");
-  *wte = p.take("wte");
-  std::vector<int> own{*wte};
-  if (stack.positions > 0) own.push_back(p.take("wpe"));
-  return g.add(std::make_unique<engine::EmbeddingNode<T>>(in.ids, g.tokens(), stack.vocab), {}, own, D.d);
+  int x = -1;
+  if (stack.reads_tokens()) {
+    if (!in.ids) throw std::invalid_argument("model: a language model reads token ids");
+    *wte = p.take("wte");
+    x = g.add(std::make_unique<engine::EmbeddingNode<T>>(in.ids, g.tokens(), stack.vocab), {}, {*wte}, D.d);
+  } else {
+    if (!in.X) throw std::invalid_argument("block: X is missing");
+    x = g.input(in.X, stack.reads_patches() ? stack.patch_dim : D.d);
+    if (stack.reads_patches())
+      x = g.add(std::make_unique<engine::LinearNode<T>>("model: the patch embedding"), {x},
+                {p.take("W_E"), p.take("b_E")}, D.d);
+  }
+  if (stack.positions > 0) x = g.add(std::make_unique<engine::PositionsNode<T>>(), {x}, {p.take("wpe")}, D.d);
+  return x;
 }
 
 // The model on its input: the input (or embedding), its blocks, the output of each the input of
-// the next (one layer: the block itself), its final norm and its LM head, as the Stack has them.
+// the next (one layer: the block itself), its final norm and its LM head or classifier, as the
+// Stack has them.
 // weights: one array per block::parameters(s, D, stack) entry, in that order. Returns the values of
 // the last block, Z the model's output.
 template <class T>
@@ -78,6 +86,9 @@ Values wire_stack(engine::Graph<T>& g, const block::Spec& s, const block::Dims& 
   p.enter("");
   if (stack.final_norm) v.Z = norm(g, s, p, "ln_f.gamma", "ln_f.beta", v.Z, eps);
   if (stack.lm_head) v.Z = g.add(std::make_unique<engine::UnembeddingNode<T>>(), {v.Z}, {wte}, stack.vocab);
+  if (stack.classes > 0)
+    v.Z = g.add(std::make_unique<engine::LinearNode<T>>("model: the classifier's logits"), {v.Z},
+                {p.take("W_C"), p.take("b_C")}, stack.classes);
   if (!p.done()) throw std::logic_error("block: the wiring left parameters unused");
   g.set_output(v.Z);
   return v;

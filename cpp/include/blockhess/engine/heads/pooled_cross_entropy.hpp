@@ -3,13 +3,16 @@
 //   m_b = 1/L sum_t Z_b,t,  logits_b = m_b W_C + b_C,  l = 1/B sum_b [logsumexp(logits_b) - logits_b[class_b]].
 // The mean couples every pair of tokens of a sample: d2l / dZ_b,t dZ_b,s = 1/(B L^2) W_C Omega_b W_C^T
 // (Omega_b = diag p_b - p_b p_b^T) is one d x d block per sample, the same for every pair (t, s): a
-// pooled site at Z.
+// pooled site at Z. Without (W_C, b_C) the rows of Z are the logits themselves (W_C = I, b_C = 0):
+// a model whose own classifier node writes per-token logits (params.hpp's Stack::classes), whose
+// mean is the logits of the mean.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <stdexcept>
+#include <string>
 
 #include "blockhess/buffer.hpp"
 #include "blockhess/engine/head.hpp"
@@ -20,11 +23,12 @@ namespace blockhess::engine {
 template <class T>
 class PooledCrossEntropyHead final : public Head<T> {
  public:
-  // classes: one per sample; weight: W_C (d, C) row-major; bias: b_C (C). Read while the head lives.
+  // classes: one per sample; weight: W_C (d, C) row-major; bias: b_C (C), both null for the
+  // identity (Z's rows are the logits, d = C). Read while the head lives.
   PooledCrossEntropyHead(const std::int64_t* classes, const T* weight, const T* bias, index_t C)
       : classes_(classes), W_(weight), b_(bias), C_(C) {
     if (!classes_) throw std::invalid_argument("loss: pooled_cross_entropy needs integer class targets");
-    if (!W_ || !b_ || C_ < 1) throw std::invalid_argument("loss: pooled_cross_entropy needs a head (W_C, b_C)");
+    if (!W_ != !b_ || C_ < 1) throw std::invalid_argument("loss: pooled_cross_entropy needs a head (W_C, b_C)");
   }
 
   bool couples_tokens() const override { return true; }
@@ -34,6 +38,8 @@ class PooledCrossEntropyHead final : public Head<T> {
   T forward(const Graph<T>& g, T* gZ) override {
     const index_t B = g.samples(), L = g.tokens_per_sample(), d = g.width(g.output());
     const T* Z = g.value(g.output());
+    if (!W_ && d != C_) throw std::logic_error("loss: pooled logits of width " + std::to_string(d) + " for " +
+                                               std::to_string(C_) + " classes");
     blocks_ = std::make_shared<Buffer<T>>(static_cast<size_t>(B * d * d));
     Buffer<T> m(d), logits(C_), p(C_), gm(d);
     const T inv_B = T(1) / static_cast<T>(B), inv_L = T(1) / static_cast<T>(L);
@@ -46,21 +52,21 @@ class PooledCrossEntropyHead final : public Head<T> {
         for (index_t a = 0; a < d; ++a) m[a] += Z[(b * L + t) * d + a];
       for (index_t a = 0; a < d; ++a) m[a] *= inv_L;
       for (index_t c = 0; c < C_; ++c) {
-        T s = b_[c];
-        for (index_t a = 0; a < d; ++a) s += m[a] * W_[a * C_ + c];
+        T s = b_ ? b_[c] : T(0);
+        for (index_t a = 0; a < d; ++a) s += m[a] * w(a, c);
         logits[c] = s;
       }
       value += inv_B * softmax::cross_entropy_row(logits.data(), C_, k, p.data());
       for (index_t a = 0; a < d; ++a) {
         T s = 0;
-        for (index_t c = 0; c < C_; ++c) s += W_[a * C_ + c] * (p[c] - (c == k ? T(1) : T(0)));
+        for (index_t c = 0; c < C_; ++c) s += w(a, c) * (p[c] - (c == k ? T(1) : T(0)));
         gm[a] = inv_B * inv_L * s;
       }
       for (index_t t = 0; t < L; ++t) std::copy(gm.begin(), gm.end(), gZ + (b * L + t) * d);
       // 1/(B L^2) W_C (diag p - p p^T) W_C^T = 1/(B L^2) [(W_C diag p) W_C^T - (W_C p)(W_C p)^T].
       for (index_t a = 0; a < d; ++a) {
         T wp = 0;
-        for (index_t c = 0; c < C_; ++c) wp += W_[a * C_ + c] * p[c];
+        for (index_t c = 0; c < C_; ++c) wp += w(a, c) * p[c];
         gm[a] = wp;
       }
       const T scale = inv_B * inv_L * inv_L;
@@ -68,7 +74,7 @@ class PooledCrossEntropyHead final : public Head<T> {
       for (index_t a = 0; a < d; ++a)
         for (index_t e = a; e < d; ++e) {
           T s = 0;
-          for (index_t c = 0; c < C_; ++c) s += W_[a * C_ + c] * p[c] * W_[e * C_ + c];
+          for (index_t c = 0; c < C_; ++c) s += w(a, c) * p[c] * w(e, c);
           G[a * d + e] = G[e * d + a] = scale * (s - gm[a] * gm[e]);  // symmetric by construction
         }
     }
@@ -98,6 +104,8 @@ class PooledCrossEntropyHead final : public Head<T> {
   }
 
  private:
+  T w(index_t a, index_t c) const { return W_ ? W_[a * C_ + c] : (a == c ? T(1) : T(0)); }  // W_C[a, c]
+
   const std::int64_t* classes_;
   const T* W_;
   const T* b_;

@@ -1,0 +1,81 @@
+// Learned positions: out_t = in_t + W_P[t mod L], row i of W_P (positions, d) for the token at
+// position i of its sample (GPT-2's wpe after its token embedding, a ViT's after its patch
+// embedding). Linear, its only curvature none: the input's cotangent passes through, W_P's
+// gradient is the cotangent's rows scattered onto their positions' rows, and a tangent adds the
+// positions' rows of dW_P. A factor at the input passes through unchanged.
+//
+// W_P moves every token's input to the first block's attention, which mixes tokens, each token
+// by another row: the per-token factors of a dense Hessian or diagonal do not cover it yet (the
+// attention node's refusal), and push() refuses it here with the same advice.
+#pragma once
+
+#include <algorithm>
+#include <stdexcept>
+#include <vector>
+
+#include "blockhess/engine/graph.hpp"
+
+namespace blockhess::engine {
+
+template <class T>
+class PositionsNode final : public Node<T> {
+ public:
+  void forward(Graph<T>& g) override {
+    const index_t n = g.tokens(), d = width(g), L = g.tokens_per_sample();
+    const T *in = g.value(this->inputs[0]), *P = g.weight(param());
+    T* out = g.value_out(this->output);
+    for (index_t t = 0; t < n; ++t)
+      for (index_t a = 0; a < d; ++a) out[t * d + a] = in[t * d + a] + P[(t % L) * d + a];
+  }
+
+  void vjp(Graph<T>& g) const override {
+    const index_t size = g.tokens() * width(g);
+    const T* gout = g.cotangent(this->output);
+    if (g.varies(this->inputs[0])) write_slot(g.cotangent_slot(this->inputs[0]), gout, size);
+    scatter(g, g.gradient_out(param()), gout);
+  }
+
+  void push(Graph<T>& g) const override {
+    if (g.selected(param()))
+      throw std::invalid_argument("engine: " + g.parameter(param()).name + " moves every token's input to the "
+                                  "attention, which mixes tokens: its dense Hessian and diagonal are not available "
+                                  "yet; Hessian-vector products (loss_hvp, the operator) are exact there");
+    std::vector<Factor<T>> same;
+    for (const Factor<T>* f : g.factors(this->inputs[0])) same.push_back(*f);
+    g.set_factors(this->output, std::move(same));
+  }
+
+  void curvature(const Graph<T>&, Terms<T>&) const override {}
+
+  void jvp(const Graph<T>& g, Tangent<T>& tg) const override {
+    const T* din = tg.in(this->inputs[0]);
+    const T* dP = tg.dW[static_cast<size_t>(param())];
+    if (!din && !dP) return;
+    const index_t n = g.tokens(), d = width(g), L = g.tokens_per_sample();
+    T* out = tg.out(this->output, n * d);
+    for (index_t t = 0; t < n; ++t)
+      for (index_t a = 0; a < d; ++a) out[t * d + a] = (din ? din[t * d + a] : T(0)) + (dP ? dP[(t % L) * d + a] : T(0));
+  }
+
+  void vjp_tangent(const Graph<T>& g, Tangent<T>& tg, bool) const override {
+    const index_t size = g.tokens() * width(g);
+    const T* dgout = tg.dcot[static_cast<size_t>(this->output)].data();
+    if (tg.in(this->inputs[0])) write_slot(tg.dcot_slot(this->inputs[0], size), dgout, size);
+    scatter(g, tg.dgrad[static_cast<size_t>(param())], dgout);
+  }
+
+ private:
+  int param() const { return this->params[0]; }
+  index_t width(const Graph<T>& g) const { return g.width(this->output); }
+
+  // out (W_P's shape) = each token's row of `rows` summed onto its position's row; rows past L stay 0.
+  void scatter(const Graph<T>& g, T* out, const T* rows) const {
+    if (!out) return;
+    const index_t n = g.tokens(), d = width(g), L = g.tokens_per_sample();
+    std::fill_n(out, g.parameter(param()).size(), T(0));
+    for (index_t t = 0; t < n; ++t)
+      for (index_t a = 0; a < d; ++a) out[(t % L) * d + a] += rows[t * d + a];
+  }
+};
+
+}  // namespace blockhess::engine
