@@ -171,6 +171,31 @@ def test_a_transformer_encoder_is_a_model_spec(norm_first, final_norm):
     ours = blockhess.loss_gradient(X, target, params, eps=eps).numpy()
     assert np.linalg.norm(ours - module_grad) <= 1e-12 * np.linalg.norm(module_grad)
 
+    # Hessian-vector products and the top layer's dense Hessian (and the final norm's), against the
+    # module's own reverse-over-reverse autograd (math attention: the fused kernel has no second
+    # derivative), laid out by the same reader.
+    def laid_out(module_vector):
+        with torch.no_grad():
+            for p, g in zip(holder.parameters(), module_vector.split([s.numel() for s in shapes])):
+                p.copy_(g.reshape(p.shape))
+        return blockhess.BlockParams.from_arrays(spec, _encoder(holder, torch.float64)[1]).flatten()
+
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        u = torch.randn(flat.shape, dtype=torch.float64)
+        x = flat.clone().requires_grad_(True)
+        (g,) = torch.autograd.grad(module_loss(x), x, create_graph=True)
+        (hu,) = torch.autograd.grad(g, x, grad_outputs=u)
+        module_H = torch.autograd.functional.hessian(module_loss, flat).numpy()
+    ours_hu = blockhess.loss_hvp(X, target, params, laid_out(u), eps=eps)
+    assert ref.rel_err(np.asarray(ours_hu), laid_out(hu)) <= 1e-10
+    top = tuple(n for n in params.names if n.startswith(("h.1.", "ln_f.")))
+    # the module's Hessian in blockhess's layout: a permutation P, laid_out(e_k) its columns
+    P = np.stack([laid_out(e) for e in torch.eye(flat.numel(), dtype=torch.float64)], axis=1)
+    ours_H = P @ module_H @ P.T
+    chosen = np.concatenate([np.arange(params.slices()[n].start, params.slices()[n].stop) for n in top])
+    H = np.asarray(blockhess.loss_hessian(X, target, params, eps=eps, wrt=top))
+    assert ref.rel_err(H, ours_H[np.ix_(chosen, chosen)]) <= 1e-10 and np.array_equal(H, H.T)
+
 
 def test_an_encoder_the_stack_cannot_represent_is_refused():
     layer = torch.nn.TransformerEncoderLayer(8, 2, dim_feedforward=12, dropout=0.0, batch_first=True,
