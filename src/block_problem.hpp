@@ -18,17 +18,17 @@ namespace blockhess::bind {
 
 // The spec as Python passes it (spec.py's BlockSpec._core, model.py's ModelSpec._core): (norm_position,
 // norm, norm_affine, bias, heads, out_proj, activation, causal, attention_only, layers, final_norm,
-// vocab, positions, lm_head, patch_dim, classes), the choices as their registries' codes; then the
-// model (params.hpp's Stack): layers blocks of that spec stacked (1: the block itself), a final
-// norm, a language model's vocabulary, learned positions and tied LM head, a ViT's patch width, and
-// a classifier's classes (0 and false: none).
-using SpecTuple =
-    std::tuple<int, int, bool, bool, index_t, bool, int, bool, bool, index_t, bool, index_t, index_t, bool, index_t, index_t>;
+// vocab, positions, lm_head, patch_dim, classes, class_token), the choices as their registries'
+// codes; then the model (params.hpp's Stack): layers blocks of that spec stacked (1: the block
+// itself), a final norm, a language model's vocabulary, learned positions and tied LM head, a ViT's
+// patch width, a classifier's classes and a class token (0 and false: none).
+using SpecTuple = std::tuple<int, int, bool, bool, index_t, bool, int, bool, bool, index_t, bool, index_t, index_t, bool,
+                             index_t, index_t, bool>;
 
 inline block::Spec spec_of(const SpecTuple& t) {
   block::Spec s;
   std::tie(std::ignore, std::ignore, s.norm_affine, s.bias, s.heads, s.out_proj, std::ignore, s.causal, s.attention_only,
-           std::ignore, std::ignore, std::ignore, std::ignore, std::ignore, std::ignore, std::ignore) = t;
+           std::ignore, std::ignore, std::ignore, std::ignore, std::ignore, std::ignore, std::ignore, std::ignore) = t;
   s.norm_position = static_cast<block::NormPosition>(registry::checked(block::kNormPositions, std::get<0>(t), "norm_position"));
   s.norm = static_cast<block::Norm>(registry::checked(block::kNorms, std::get<1>(t), "norm"));
   s.activation = activation::from_code(std::get<6>(t));
@@ -37,7 +37,7 @@ inline block::Spec spec_of(const SpecTuple& t) {
 
 inline block::Stack stack_of(const SpecTuple& t) {
   const block::Stack stack{std::get<9>(t),  std::get<10>(t), std::get<11>(t), std::get<12>(t),
-                           std::get<13>(t), std::get<14>(t), std::get<15>(t)};
+                           std::get<13>(t), std::get<14>(t), std::get<15>(t), std::get<16>(t)};
   if (stack.layers < 1) throw std::invalid_argument("block: layers must be >= 1, got " + std::to_string(stack.layers));
   return stack;
 }
@@ -159,6 +159,7 @@ block::Target<T> target(const Problem<T>& p, int kind, const optional_carray<T>&
   index_t classes_range = p.output_width();
   if (pooled && own_classifier) {
     t.classifier.classes = p.stack.classes;  // W_C, b_C null: the logits are the output's rows
+    t.classifier.first_token = p.stack.class_token;
   } else if (pooled) {
     if (head_weight->ndim() != 2) throw std::invalid_argument("block: W_C must be 2-D (d, classes)");
     t.classifier.classes = static_cast<index_t>(head_weight->shape(1));

@@ -89,3 +89,14 @@ def test_check_model_refuses_a_file_that_is_not_a_module(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         check.main(["--model", str(path), "--quiet"])
     assert exit_.value.code == 2 and "holds a dict, not a torch.nn.Module" in capsys.readouterr().err
+
+
+def test_check_model_verifies_a_hugging_face_vit_classifier():
+    torch.manual_seed(0)
+    config = transformers.ViTConfig(image_size=8, patch_size=4, num_channels=1, hidden_size=8, num_hidden_layers=2,
+                                    num_attention_heads=2, intermediate_size=12, num_labels=3, hidden_dropout_prob=0.0,
+                                    attention_probs_dropout_prob=0.0, attn_implementation="eager")
+    model = transformers.ViTForImageClassification(config)
+    report = _check_model.check_model(model, "vit", L=99, batch=2, vectors=2, seed=0, progress=Progress(False))
+    assert report.ok and report.loss == "pooled_cross_entropy" and report.tokens == 5  # 4 patches and the class token
+    assert report.P == sum(p.numel() for p in model.parameters())

@@ -300,3 +300,84 @@ def test_a_gpt2_model_the_import_cannot_represent_is_refused():
     dropping = _tiny_gpt2(lm=False, embd_pdrop=0.1).train()
     with pytest.warns(UserWarning, match="dropout"):
         blockhess.from_torch(dropping)
+
+
+def _tiny_vit(classifier: bool, **config):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.ViTConfig(**{**dict(image_size=8, patch_size=4, num_channels=2, hidden_size=8,
+                                              num_hidden_layers=2, num_attention_heads=2, intermediate_size=12,
+                                              num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                              attn_implementation="eager"), **config})
+    vit = transformers.ViTForImageClassification if classifier else transformers.ViTModel
+    model = (vit(config) if classifier else vit(config, add_pooling_layer=False)).double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    return model
+
+
+def test_a_hugging_face_vit_is_a_model_spec_with_its_loss_gradient_and_hvp():
+    """ViTForImageClassification: its Conv2d patch embedding as W_E of blockhess.image_patches, the
+    class token, the positions, its layers, the final layernorm and the classifier on the class
+    token; every parameter once. The loss (cross-entropy of the class token's logits) and its
+    gradient and Hessian-vector products equal the module's own reverse-over-reverse autograd, laid
+    out by the importer's reader. The module runs through sdpa's math kernel: its eager attention
+    takes the softmax in float32 whatever the dtype."""
+    from blockhess.from_torch import _run_vit, _vit
+
+    model = _tiny_vit(classifier=True)
+    spec, params = blockhess.from_torch(model)
+    assert spec.class_token and spec.classes == 3 and spec.patch_dim == 32 and spec.n_positions == 5
+    assert params.size == sum(p.numel() for p in model.parameters())
+    assert params.names[:4] == ("W_E", "b_E", "cls_token", "wpe") and params.names[-2:] == ("W_C", "b_C")
+    images = torch.randn(3, 2, 8, 8, dtype=torch.float64)
+    labels = torch.tensor([0, 2, 1])
+    patches = blockhess.image_patches(images, 4)
+    names = [n for n, _ in model.named_parameters()]
+    shapes = [p.shape for p in model.parameters()]
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    def module_loss(v):
+        tensors = dict(zip(names, (t.reshape(s) for t, s in zip(v.split([s.numel() for s in shapes]), shapes))))
+        logits = _run_vit(lambda *a, **k: torch.func.functional_call(model, tensors, a, k), model,
+                          torch.as_tensor(patches))
+        return torch.nn.functional.cross_entropy(logits, labels)
+
+    holder = copy.deepcopy(model)
+
+    def laid_out(module_vector):
+        with torch.no_grad():
+            for p, g in zip(holder.parameters(), module_vector.split([s.numel() for s in shapes])):
+                p.copy_(g.reshape(p.shape))
+        return blockhess.BlockParams.from_arrays(spec, _vit(holder, torch.float64)[1]).flatten()
+
+    value = blockhess.loss_value(patches, labels, params, loss="pooled_cross_entropy")
+    assert abs(value - float(module_loss(flat))) <= 1e-13 * abs(value)
+    x = flat.clone().requires_grad_(True)
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        (g,) = torch.autograd.grad(module_loss(x), x, create_graph=True)
+        u = torch.randn(flat.shape, dtype=torch.float64)
+        (hu,) = torch.autograd.grad(g, x, grad_outputs=u)
+    ours_g = blockhess.loss_gradient(patches, labels, params, loss="pooled_cross_entropy")
+    assert ref.rel_err(np.asarray(ours_g), laid_out(g.detach())) <= 1e-12
+    ours_hu = blockhess.loss_hvp(patches, labels, params, laid_out(u), loss="pooled_cross_entropy")
+    assert ref.rel_err(np.asarray(ours_hu), laid_out(hu)) <= 1e-10
+    # a ViTModel (no pooler) is its last hidden state, every token's
+    body = _tiny_vit(classifier=False)
+    spec_body, params_body = blockhess.from_torch(body)
+    assert not spec_body.classes and params_body.size == sum(p.numel() for p in body.parameters())
+    hidden = _run_vit(lambda *a, **k: body(*a, **k), body, torch.as_tensor(patches)).detach().numpy()
+    assert ref.rel_err(np.asarray(blockhess.block_forward(patches, params_body)), hidden) <= 1e-12
+
+
+def test_a_vit_the_import_cannot_represent_is_refused():
+    transformers = pytest.importorskip("transformers")
+    with pytest.raises(ValueError, match="has a pooler"):
+        blockhess.from_torch(transformers.ViTModel(transformers.ViTConfig(image_size=8, patch_size=4, hidden_size=8,
+                                                                          num_hidden_layers=1, num_attention_heads=2,
+                                                                          intermediate_size=8)))
+    with pytest.raises(ValueError, match="has a bias on every linear map or on none"):
+        blockhess.from_torch(_tiny_vit(classifier=True, qkv_bias=False))
+    with pytest.raises(ValueError, match="split into 3 x 3 patches"):
+        blockhess.image_patches(np.zeros((1, 2, 8, 8)), 3)

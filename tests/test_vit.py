@@ -130,3 +130,40 @@ def test_bad_vit_input_is_refused_clearly(rng):
         ModelSpec(BLOCK, vocab_size=5, patch_dim=4)
     with pytest.raises(ValueError, match="an lm_head or a classifier"):
         ModelSpec(BLOCK, vocab_size=5, lm_head=True, classes=3)
+
+
+@pytest.mark.parametrize("loss", ["pooled_cross_entropy", "cross_entropy"])
+def test_a_class_token_vit_matches_autograd(rng, loss):
+    """With class_token (Hugging Face's ViT) every sample's first token is cls_token, before its L
+    patches: L + 1 tokens, and pooled_cross_entropy classifies the first token's logits."""
+    spec = ModelSpec(BLOCK, n_layers=2, final_norm=True, patch_dim=4, n_positions=6, classes=3, class_token=True)
+    params = BlockParams.random(spec, d=6, d_k=3, d_ff=7, seed=int(rng.integers(1 << 30)))
+    assert params.names[:4] == ("W_E", "b_E", "cls_token", "wpe")
+    X = rng.standard_normal((3, 5, 4))
+    target = rng.integers(0, 3, size=3) if loss == "pooled_cross_entropy" else rng.integers(0, 3, size=(3, 6))
+    assert blockhess.block_forward(X, params).shape == (3, 6, 3) and blockhess.block_forward(X[0], params).shape == (6, 3)
+    reference = (lambda Z, t, kind: torch.nn.functional.cross_entropy(Z[..., 0, :], t)) if loss == "pooled_cross_entropy" \
+        else reference_loss
+
+    def scalar(v):
+        named = {n: v[sl].reshape(shape) for (n, sl), shape in zip(params.slices().items(), params.shapes)}
+        return reference(stack(torch.as_tensor(X), spec, named, EPS), torch.as_tensor(target), loss)
+
+    flat = ref.t(params.flatten())
+    assert ref.rel_err(np.asarray(blockhess.loss_value(X, target, params, loss=loss)), scalar(flat).numpy()) <= 1e-13
+    assert ref.rel_err(blockhess.loss_gradient(X, target, params, loss=loss), torch.func.grad(scalar)(flat).numpy()) <= 1e-11
+    v = rng.standard_normal(params.size)
+    ref_hv = torch.func.jvp(torch.func.grad(scalar), (flat,), (ref.t(v),))[1].numpy()
+    assert ref.rel_err(blockhess.loss_hvp(X, target, params, v, loss=loss), ref_hv) <= 1e-10
+    top = tuple(n for n in params.names if n.startswith(("h.1.", "ln_f.")) or n in ("W_C", "b_C"))
+    chosen = np.concatenate([np.arange(params.slices()[n].start, params.slices()[n].stop) for n in top])
+    ref_H = torch.func.hessian(scalar)(flat).numpy()[np.ix_(chosen, chosen)]
+    H = blockhess.loss_hessian(X, target, params, loss=loss, wrt=top)
+    assert ref.rel_err(H, ref_H) <= 1e-10 and np.array_equal(H, H.T)
+    with pytest.raises(ValueError, match="class token and the patch embedding move every token's input"):
+        blockhess.loss_hessian(X, target, params, loss=loss, wrt=("cls_token",))
+    with pytest.raises(ValueError, match="5 tokens per sample and a class token, but wpe has only n_positions = 5"):
+        blockhess.block_forward(X, BlockParams.random(ModelSpec(BLOCK, patch_dim=4, n_positions=5, class_token=True),
+                                                      d=6, d_k=3, d_ff=7))
+    with pytest.raises(ValueError, match="class_token needs a patch embedding"):
+        ModelSpec(BLOCK, class_token=True)

@@ -47,10 +47,12 @@ from . import spectrum
 from .spec import BlockSpec
 from .model import ModelSpec
 from .from_torch import from_torch
+from .patches import image_patches
 
 __version__ = _version("blockhess")
 
 __all__ = [
+    "image_patches",
     # the Transformer block and its loss
     "BlockParams",
     "BlockSpec",

@@ -14,7 +14,8 @@ imported model is compared, for random directions u over the module's own parame
 
 Each vector over the module's parameters is laid out as blockhess's by the importer's own reader.
 The loss is the model's: next-token for a language model (its definition in float64: Hugging Face's
-own casts the logits to float32), else the mean squared error against a random target.
+own casts the logits to float32), the class token's cross-entropy for a ViT classifier, else the
+mean squared error against a random target.
 """
 
 from __future__ import annotations
@@ -105,15 +106,21 @@ def check_model(module: Any, name: str, L: int, batch: int, vectors: int, seed: 
     spec, params = from_torch(module)
     eps = _norm_eps(read(module, torch.float64)[2], torch.float64)
     rng = np.random.default_rng(seed)
-    if spec.reads_tokens:
+    if spec.class_token:  # a ViT: as many patches as its positions take (its image size); --L does not apply
+        L = spec.n_positions - 1
+        X = rng.standard_normal((batch, L, spec.patch_dim))
+    elif spec.reads_tokens:
         if spec.n_positions and L > spec.n_positions:
             raise UsageError(f"--L {L}: the model has {spec.n_positions} positions")
         X = rng.integers(0, spec.vocab_size, size=(batch, L))
-        target, loss = X.copy(), ("next_token" if spec.lm_head else "mse")
-        if loss == "mse":
-            target = rng.standard_normal((batch, L, params.d))
     else:
-        X, target, loss = rng.standard_normal((batch, L, params.d)), rng.standard_normal((batch, L, params.d)), "mse"
+        X = rng.standard_normal((batch, L, params.d))
+    if spec.lm_head:
+        target, loss = X.copy(), "next_token"
+    elif spec.classes:
+        target, loss = rng.integers(0, spec.classes, size=batch), "pooled_cross_entropy"
+    else:
+        target, loss = rng.standard_normal((batch, spec.tokens(L), params.d)), "mse"
     progress.start(3 * vectors + 2, f"{name}: P = {params.size}")
 
     names = [n for n, _ in module.named_parameters()]
@@ -125,7 +132,11 @@ def check_model(module: Any, name: str, L: int, batch: int, vectors: int, seed: 
     def module_loss(v):
         tensors = dict(zip(names, (t.reshape(s) for t, s in zip(v.split(sizes), shapes))))
         out = run(lambda *a, **k: torch.func.functional_call(module, tensors, a, k), module, X_t)
-        return reference_loss(out, target_t, loss) if loss == "next_token" else ((out - target_t) ** 2).mean()
+        if loss == "next_token":
+            return reference_loss(out, target_t, loss)
+        if loss == "pooled_cross_entropy":  # the module's output: its class token's logits
+            return torch.nn.functional.cross_entropy(out, target_t)
+        return ((out - target_t) ** 2).mean()
 
     holder = copy.deepcopy(module)
 
@@ -177,7 +188,7 @@ def check_model(module: Any, name: str, L: int, batch: int, vectors: int, seed: 
                 errors = per_parameter[n]
                 errors[0] = max(errors[0], _relative(ours[sl], reference[sl], floor))
                 errors[1] = max(errors[1], _relative(torch_forward[sl], reference[sl], floor))
-    report = ModelReport(name, repr(spec), params.size, L, batch, loss, vectors, worst["autograd"], worst["fd"],
+    report = ModelReport(name, repr(spec), params.size, spec.tokens(L), batch, loss, vectors, worst["autograd"], worst["fd"],
                          worst["fwd"], seconds["ours"] / vectors, seconds["torch"] / vectors,
                          [ParameterError(n, e[0], e[1]) for n, e in per_parameter.items()])
     report.ok = (report.against_autograd <= TOLERANCE[("torch", "float64")]

@@ -278,6 +278,8 @@ def stack(X, spec, named, eps=None, *, fused=False):
         Z = named["wte"][X]
     elif spec.patch_dim:
         Z = X @ named["W_E"] + named["b_E"]
+        if spec.class_token:  # first in every sample
+            Z = torch.cat([named["cls_token"].expand(*Z.shape[:-2], 1, Z.shape[-1]), Z], dim=-2)
     if spec.n_positions:
         Z = Z + named["wpe"][: Z.shape[-2]]
     for layer in range(spec.n_layers):

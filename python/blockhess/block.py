@@ -311,12 +311,16 @@ def _batch(X: Any, params: BlockParams, *, single: bool = False, promote_with: t
         raise ValueError(f"X has {X.shape[-1]} features (shape {tuple(X.shape)}) but W_Q has d = {params.d} rows")
     if X.shape[-2] < 1 or (X.ndim == 3 and X.shape[0] < 1):
         raise ValueError(f"X must hold at least one token, got shape {tuple(X.shape)}")
-    if spec.n_positions and X.shape[-2] > spec.n_positions:
-        raise ValueError(f"X has {X.shape[-2]} tokens per sample, but wpe has only n_positions = {spec.n_positions} rows")
+    if spec.n_positions and spec.tokens(X.shape[-2]) > spec.n_positions:
+        raise ValueError(f"X has {X.shape[-2]} tokens per sample{' and a class token' if spec.class_token else ''}, "
+                         f"but wpe has only n_positions = {spec.n_positions} rows")
     _backend.on_device(X, *params.arrays)
     dtype = common_dtype(X, *params.arrays, *promote_with)
     weights = tuple(contiguous(w, dtype) for w in params.arrays)
-    return contiguous(X.reshape((1, *X.shape)) if X.ndim == 2 else X, dtype), weights, dtype, tuple(X.shape)
+    X3 = contiguous(X.reshape((1, *X.shape)) if X.ndim == 2 else X, dtype)
+    if spec.class_token:  # the class token's place, first in every sample (the core fills it)
+        X3 = _array_module(X3).concatenate([_array_module(X3).zeros_like(X3[:, :1]), X3], axis=1)
+    return X3, weights, dtype, tuple(X.shape)
 
 
 def _tokens(X: Any, params: BlockParams, single: bool, promote_with: tuple[Any, ...]):
@@ -449,7 +453,7 @@ def block_forward(X: Any, params: BlockParams, *, eps: float | None = None) -> n
         return require_finite(_gpu.block_forward(X3, W, eps), "the block output Z").reshape(shape)
     out = np.empty((B, L, width), dtype=dtype)
     _core.block_forward(X3, params.spec._core(), list(W), eps, out)  # the core names any forward stage that overflows
-    return out.reshape((*shape[:-1], width) if not params.spec.reads_tokens else (*shape, width))
+    return out if _batched(shape, params) else out[0]
 
 
 @returns_callers_kind

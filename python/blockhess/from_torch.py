@@ -67,6 +67,7 @@ def _importer(module: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
     import torch
 
     gpt2 = sys.modules.get("transformers.models.gpt2.modeling_gpt2")  # imported if module is GPT-2's
+    vit = sys.modules.get("transformers.models.vit.modeling_vit")  # imported if module is a ViT
     if isinstance(module, torch.nn.TransformerEncoderLayer):
         return _encoder_layer, _run_encoder_layer
     if isinstance(module, torch.nn.TransformerEncoder):
@@ -75,8 +76,11 @@ def _importer(module: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
         return _gpt2_block, _run_gpt2_block
     if gpt2 is not None and isinstance(module, (gpt2.GPT2Model, gpt2.GPT2LMHeadModel)):
         return _gpt2_model, _run_gpt2_model
+    if vit is not None and isinstance(module, (vit.ViTModel, vit.ViTForImageClassification)):
+        return _vit, _run_vit
     raise TypeError(f"from_torch takes a torch.nn.TransformerEncoderLayer, a torch.nn.TransformerEncoder or a "
-                    f"transformers GPT2Block, GPT2Model or GPT2LMHeadModel, got {type(module).__name__}")
+                    f"transformers GPT2Block, GPT2Model, GPT2LMHeadModel, ViTModel or ViTForImageClassification, "
+                    f"got {type(module).__name__}")
 
 
 def _parameter_dtype(module: Any) -> Any:
@@ -402,6 +406,119 @@ def _run_gpt2_model(call: Callable[..., Any], model: Any, ids: Any) -> Any:
     return out.logits if hasattr(out, "logits") else out.last_hidden_state
 
 
+def _vit(model: Any, dtype: Any) -> tuple[ModelSpec, dict[str, np.ndarray], dict[str, Any]]:
+    """A ViTForImageClassification (its classifier on the class token's final state), or a ViTModel
+    without a pooler: the patch embedding (a Conv2d of stride = kernel = p, read as a linear map of
+    image_patches), the class token, the positions, each ViTLayer (pre-LN, one configuration for
+    all), the final layernorm."""
+    import torch
+    from transformers.models.vit import modeling_vit as vit
+
+    classifier = isinstance(model, vit.ViTForImageClassification)
+    if classifier:
+        _require_types(model, {"": vit.ViTForImageClassification, "vit": vit.ViTModel, "classifier": torch.nn.Linear})
+        if model.classifier.bias is None:
+            raise ValueError("from_torch: the ViT's classifier has no bias; the family's classifier has one")
+    body = model.vit if classifier else model
+    _require_types(body, {"": vit.ViTModel, "embeddings": vit.ViTEmbeddings,
+                          "embeddings.patch_embeddings": vit.ViTPatchEmbeddings,
+                          "embeddings.patch_embeddings.projection": torch.nn.Conv2d, "embeddings.dropout": torch.nn.Dropout,
+                          "layernorm": torch.nn.LayerNorm})
+    if body.pooler is not None:
+        raise ValueError("from_torch: the ViTModel has a pooler (a tanh layer on the class token), which the model "
+                         "does not represent; build it with add_pooling_layer=False")
+    if body.embeddings.mask_token is not None:
+        raise ValueError("from_torch: the ViT has a mask token (masked image modeling), which the model does not "
+                         "represent; build it with use_mask_token=False")
+    conv = body.embeddings.patch_embeddings.projection
+    p = tuple(conv.kernel_size)
+    if p[0] != p[1] or tuple(conv.stride) != p or any(conv.padding) or tuple(conv.dilation) != (1, 1) \
+            or conv.groups != 1 or conv.bias is None or conv.padding_mode != "zeros":
+        raise ValueError("from_torch: the ViT's patch embedding must be a Conv2d with square kernel = stride, no "
+                         "padding, dilation or groups, and a bias (a linear map of non-overlapping patches)")
+    layers = list(body.layers)
+    if not layers:
+        raise ValueError("from_torch: the ViT has no layers")
+    reads = [_vit_layer(layer, dtype) for layer in layers]
+    block, _, norms = reads[0]
+    for k, (other, _, _) in enumerate(reads[1:], start=1):
+        if other != block:
+            raise ValueError(f"from_torch: layers 0 and {k} of the ViT differ ({block!r} and {other!r}); a ModelSpec "
+                             "stacks blocks of one spec")
+    d = int(conv.out_channels)
+    _norms({"layers.0.layernorm_before": layers[0].layernorm_before, "layernorm": body.layernorm}, d)
+    _warn_if_dropout(model, [(body.embeddings.dropout.training, body.embeddings.dropout.p)])
+    positions = int(body.embeddings.position_embeddings.shape[1])
+    spec = ModelSpec(block, n_layers=len(layers), final_norm=True, patch_dim=int(conv.in_channels) * p[0] * p[1],
+                     n_positions=positions, classes=int(model.classifier.out_features) if classifier else 0,
+                     class_token=True)
+    arrays = {"W_E": _array(conv.weight).reshape(d, -1).T, "b_E": _array(conv.bias),
+              "cls_token": _array(body.embeddings.cls_token).reshape(d),
+              "wpe": _array(body.embeddings.position_embeddings).reshape(positions, d)}
+    arrays.update({spec.layer_prefix(k) + name: a for k, (_, own, _) in enumerate(reads) for name, a in own.items()})
+    arrays.update({"ln_f." + name.split("_")[0]: a for name, a in _norm_arrays({"ln_f": body.layernorm}).items()})
+    if classifier:
+        arrays.update(W_C=_array(model.classifier.weight).T, b_C=_array(model.classifier.bias))
+    return spec, arrays, norms
+
+
+def _vit_layer(layer: Any, dtype: Any) -> tuple[BlockSpec, dict[str, np.ndarray], dict[str, Any]]:
+    """One ViTLayer: pre-LN, bidirectional attention with W_O, an MLP; nn.Linear weights transposed."""
+    import torch
+    from transformers.models.vit import modeling_vit as vit
+
+    Linear = torch.nn.Linear
+    _require_types(layer, {"": vit.ViTLayer, "attention": vit.ViTAttention, "attention.q_proj": Linear,
+                           "attention.k_proj": Linear, "attention.v_proj": Linear, "attention.o_proj": Linear,
+                           "mlp": vit.ViTMLP, "mlp.fc1": Linear, "mlp.fc2": Linear, "dropout": torch.nn.Dropout})
+    attention, mlp = layer.attention, layer.mlp
+    head_dim, heads = attention.head_dim, attention.num_attention_heads
+    if attention.scaling != head_dim ** -0.5 or attention.is_causal:
+        raise ValueError("from_torch: the ViT's attention must scale by 1/sqrt(head_dim) and attend both ways")
+    implementation = attention.config._attn_implementation
+    if implementation not in (None, "eager", "sdpa"):
+        raise ValueError(f"from_torch: ViT attention implementation {implementation!r} is not supported "
+                         "('eager' or 'sdpa')")
+    _warn_if_dropout(layer, [(layer.dropout.training, layer.dropout.p),
+                             (attention.training, attention.attention_dropout)])
+    norms = {"layernorm_before": layer.layernorm_before, "layernorm_after": layer.layernorm_after}
+    d = int(attention.q_proj.in_features)
+    norm, affine = _norms(norms, d)
+    linears = {"q_proj": attention.q_proj, "k_proj": attention.k_proj, "v_proj": attention.v_proj,
+               "o_proj": attention.o_proj, "fc1": mlp.fc1, "fc2": mlp.fc2}
+    bias = _has_biases({f"{n}.bias": m.bias for n, m in linears.items()})
+    spec = BlockSpec(norm_position="pre", norm=norm, norm_affine=affine, bias=bias, heads=heads, out_proj=True,
+                     activation=_activation(mlp.activation_fn, "mlp.activation_fn"), causal=False,
+                     eps=_norm_eps(norms, dtype))
+    weights = {"W_Q": "q_proj", "W_K": "k_proj", "W_V": "v_proj", "W_O": "o_proj", "W_1": "fc1", "W_2": "fc2"}
+    arrays = {name: _array(linears[own].weight).T for name, own in weights.items()}
+    arrays.update(_norm_arrays(norms))
+    if bias:
+        arrays.update({"b" + name[1:]: _array(linears[own].bias) for name, own in weights.items()})
+    return spec, arrays, norms
+
+
+def _run_vit(call: Callable[..., Any], model: Any, patches: Any) -> Any:
+    """The ViT's output (a classifier's logits, else the last hidden state) for patches (B, n, C p p),
+    laid back out as the (B, C, H, W) images they were cut from."""
+    import torch
+
+    config = model.config
+    p, C, size = config.patch_size, config.num_channels, config.image_size
+    B, grid = patches.shape[0], size // p
+    images = patches.reshape(B, grid, grid, C, p, p).permute(0, 3, 1, 4, 2, 5).reshape(B, C, size, size)
+    # Hugging Face's eager ViT attention takes its softmax in float32 whatever the dtype: run the
+    # same function through sdpa's math kernel, in the parameters' dtype, and put the choice back.
+    chosen = config._attn_implementation
+    config._attn_implementation = "sdpa"
+    try:
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+            out = call(pixel_values=images)
+    finally:
+        config._attn_implementation = chosen
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
 def _verify(module: Any, run: Callable[..., Any], params: BlockParams, norms: dict[str, Any]) -> None:
     """Raise ValueError unless the module's forward (eval mode, float64 copies of its parameters and
     buffers, grad enabled) equals blockhess's forward of ``params`` on a random input."""
@@ -411,6 +528,8 @@ def _verify(module: Any, run: Callable[..., Any], params: BlockParams, norms: di
     rng = np.random.default_rng(0)  # torch's RNG is the caller's
     if params.spec.reads_tokens:  # a language model's token ids
         X = rng.integers(0, params.spec.vocab_size, size=_VERIFY_SHAPE)
+    elif params.spec.class_token:  # a ViT's patches: all of them, its positions fixed
+        X = rng.standard_normal((_VERIFY_SHAPE[0], params.spec.n_positions - 1, params.spec.patch_dim))
     else:
         X = rng.standard_normal((*_VERIFY_SHAPE, params.d))
     tensors = {name: p.detach().to(torch.float64).requires_grad_() for name, p in module.named_parameters()}
@@ -434,6 +553,8 @@ def _verify(module: Any, run: Callable[..., Any], params: BlockParams, norms: di
     params64 = BlockParams.from_arrays(params.spec, {n: np.asarray(a, dtype=np.float64)
                                                      for n, a in zip(params.names, params.arrays)})
     expected = block_forward(X, params64, eps=_norm_eps(norms, torch.float64))
+    if params.spec.classes and params.spec.class_token:  # the module's logits are its class token's
+        expected = expected[:, 0]
     difference = float(np.linalg.norm(Z - expected) / np.linalg.norm(expected)) if Z.shape == expected.shape else np.inf
     if not difference <= _VERIFY_RTOL:
         raise ValueError(f"from_torch: the {type(module).__name__} computes something that blockhess's import of it "

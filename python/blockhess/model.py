@@ -18,7 +18,10 @@ input is ``X W_E + b_E`` (W_E (patch_dim, d)), plus learned positions ``wpe`` wi
 With ``classes > 0`` a classifier ``W_C`` (d, classes), ``b_C`` (classes,) writes each token's
 logits, and ``loss="pooled_cross_entropy"`` averages them over a sample's tokens (the logits of
 the mean token) against one class per sample: the classifier is the model's, trained with it (no
-``head=``). Its parameters end with ``W_C`` and ``b_C``.
+``head=``). Its parameters end with ``W_C`` and ``b_C``. With ``class_token`` (Hugging Face's ViT)
+every sample gets a learned first token ``cls_token`` before its patches, so the model's tokens
+(its output's rows, a per-token target's) are L + 1, and ``pooled_cross_entropy`` classifies that
+first token's logits instead of the mean.
 
 Every function that takes a block's parameters takes a stack's (``BlockParams.random(ModelSpec(...),
 ...)``, ``from_arrays``): the loss, its gradient and its Hessian-vector products cover every layer
@@ -47,7 +50,7 @@ class ModelSpec:
     """``n_layers`` blocks of ``block``, stacked, and a final norm when ``final_norm``; for a
     language model, a token embedding of ``vocab_size`` rows, ``n_positions`` learned positions and
     an ``lm_head`` tied to the embedding; for a ViT, a patch embedding of ``patch_dim`` features,
-    learned positions and a classifier of ``classes`` classes."""
+    a ``class_token``, learned positions and a classifier of ``classes`` classes."""
 
     block: BlockSpec = PAPER_BLOCK
     n_layers: int = 1
@@ -57,6 +60,7 @@ class ModelSpec:
     lm_head: bool = False
     patch_dim: int = 0
     classes: int = 0
+    class_token: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.block, BlockSpec):
@@ -67,9 +71,12 @@ class ModelSpec:
         object.__setattr__(self, "final_norm", bool(self.final_norm))
         for name in ("vocab_size", "n_positions", "patch_dim", "classes"):
             object.__setattr__(self, name, integer(getattr(self, name), f"ModelSpec.{name}", least=0))
-        if not isinstance(self.lm_head, (bool, np.bool_)):
-            raise TypeError(f"ModelSpec.lm_head must be a bool, got {self.lm_head!r}")
-        object.__setattr__(self, "lm_head", bool(self.lm_head))
+        for name in ("lm_head", "class_token"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise TypeError(f"ModelSpec.{name} must be a bool, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, bool(getattr(self, name)))
+        if self.class_token and not self.patch_dim:
+            raise ValueError("ModelSpec: a class_token needs a patch embedding (patch_dim > 0)")
         if not self.vocab_size and self.lm_head:
             raise ValueError("ModelSpec: an lm_head needs a token embedding (vocab_size > 0)")
         if self.vocab_size and self.patch_dim:
@@ -95,6 +102,10 @@ class ModelSpec:
         """Whether X is token ids (a language model) rather than (B, L, d) floats."""
         return self.vocab_size > 0
 
+    def tokens(self, L: int) -> int:
+        """The model's tokens per sample for L of its input's: one more with a class token."""
+        return L + 1 if self.class_token else L
+
     def layer_prefix(self, layer: int) -> str:
         """The name prefix of a layer's parameters: "h.<layer>.", or none for a lone block (params.hpp)."""
         return "" if self.n_layers == 1 else f"h.{layer}."
@@ -102,5 +113,5 @@ class ModelSpec:
     def _core(self) -> tuple:
         """The tuple the core's bindings take (block_problem.hpp, SpecTuple): the block's, then the
         model's (params.hpp's Stack)."""
-        return (*self.block._core()[:-7], self.n_layers, self.final_norm, self.vocab_size, self.n_positions,
-                self.lm_head, self.patch_dim, self.classes)
+        return (*self.block._core()[:-8], self.n_layers, self.final_norm, self.vocab_size, self.n_positions,
+                self.lm_head, self.patch_dim, self.classes, self.class_token)

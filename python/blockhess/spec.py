@@ -102,7 +102,7 @@ class BlockSpec:
         """The tuple the core's bindings take (bind_block.cpp, SpecTuple)."""
         return (norm_position_names().index(self.norm_position), norm_names().index(self.norm), self.norm_affine,
                 self.bias, self.heads, self.out_proj, activation_names().index(self.activation), self.causal,
-                self.attention_only, 1, False, 0, 0, False, 0, 0)  # one layer; none of a model's extras
+                self.attention_only, 1, False, 0, 0, False, 0, 0, False)  # one layer; none of a model's extras
 
     @property
     def n_layers(self) -> int:
@@ -120,6 +120,11 @@ class BlockSpec:
     lm_head = property(lambda self: False)
     patch_dim = property(lambda self: 0)
     classes = property(lambda self: 0)
+    class_token = property(lambda self: False)
+
+    def tokens(self, L: int) -> int:
+        """A block's tokens are its input's."""
+        return L
 
     def layer_prefix(self, layer: int) -> str:
         """A lone block's parameters have no layer prefix (a stack's: model.py's ModelSpec)."""

@@ -11,6 +11,7 @@
 
 #include "blockhess/config.hpp"
 #include "blockhess/engine/heads/cross_entropy.hpp"
+#include "blockhess/engine/heads/first_token.hpp"
 #include "blockhess/engine/heads/mse.hpp"
 #include "blockhess/engine/heads/next_token.hpp"
 #include "blockhess/engine/heads/pooled_cross_entropy.hpp"
@@ -21,12 +22,15 @@ inline constexpr std::array<const char*, 4> kNames{"mse", "cross_entropy", "pool
 inline constexpr int kPooledCrossEntropy = 2;  // the head that takes a classifier and one class per sample
 inline constexpr int kNextToken = 3;           // labels (samples, L), shifted, -100 ignored
 
-// The fixed classifier of pooled_cross_entropy: W_C (d, classes) row-major and b_C (classes).
+// The fixed classifier of pooled_cross_entropy: W_C (d, classes) row-major and b_C (classes); both
+// null where the model has a classifier of its own (its output is the logits). first_token: the
+// model pools its class token (each sample's first row) instead of the mean.
 template <class T>
 struct Classifier {
   const T* weight = nullptr;
   const T* bias = nullptr;
   index_t classes = 0;
+  bool first_token = false;
 };
 
 // What a loss is measured against: float targets (mse: (tokens, d)) or class indices
@@ -49,6 +53,7 @@ std::unique_ptr<engine::Head<T>> make(const Target<T>& t) {
     case 1:
       return std::make_unique<engine::CrossEntropyHead<T>>(t.classes);
     case kPooledCrossEntropy:
+      if (t.classifier.first_token) return std::make_unique<engine::FirstTokenCrossEntropyHead<T>>(t.classes);
       return std::make_unique<engine::PooledCrossEntropyHead<T>>(t.classes, t.classifier.weight, t.classifier.bias,
                                                                  t.classifier.classes);
     case kNextToken:

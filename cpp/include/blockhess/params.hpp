@@ -118,11 +118,14 @@ inline std::string layer_prefix(index_t layers, index_t l) {
 // them (GPT-2's ln_f, nn.TransformerEncoder's norm). Its input is one of
 //   X (samples x L x d), the blocks' own;
 //   token ids (vocab > 0, a language model): their rows of the embedding wte (vocab, d);
-//   image patches (patch_dim > 0, a ViT): X (samples x L x patch_dim) W_E + b_E, W_E (patch_dim, d);
+//   image patches (patch_dim > 0, a ViT): X (samples x L x patch_dim) W_E + b_E, W_E (patch_dim, d),
+//     with class_token the first token of every sample the learned cls_token instead (its row of X a
+//     placeholder);
 // then, with `positions` > 0, the learned positions wpe (positions, d), row i at position i. Its
 // output is the last block's (or ln_f's), or with lm_head the logits Z wte^T (the LM head tied to
 // the embedding, as GPT-2's: one parameter, used twice), or with `classes` > 0 a classifier's
-// per-token logits Z W_C + b_C, W_C (d, classes), which pooled_cross_entropy averages per sample.
+// per-token logits Z W_C + b_C, W_C (d, classes), which pooled_cross_entropy averages per sample (or
+// takes at the class token).
 struct Stack {
   index_t layers = 1;
   bool final_norm = false;
@@ -131,6 +134,7 @@ struct Stack {
   bool lm_head = false;
   index_t patch_dim = 0;
   index_t classes = 0;
+  bool class_token = false;
 
   bool reads_tokens() const { return vocab > 0; }
   bool reads_patches() const { return patch_dim > 0; }
@@ -145,10 +149,11 @@ struct Stack {
     if (!reads_tokens() && lm_head) throw std::invalid_argument("model: an LM head needs a token embedding (vocab > 0)");
     if (reads_tokens() && reads_patches()) throw std::invalid_argument("model: token ids or image patches, not both");
     if (lm_head && classes > 0) throw std::invalid_argument("model: an LM head or a classifier, not both");
+    if (class_token && !reads_patches()) throw std::invalid_argument("model: a class token needs a patch embedding");
   }
 };
 
-// The parameters of a model: its input's (wte, or W_E and b_E; then wpe), each layer's, prefixed,
+// The parameters of a model: its input's (wte, or W_E, b_E and cls_token; then wpe), each layer's, prefixed,
 // layer after layer; then the final norm's and the classifier's (W_C, b_C). The tied LM head has
 // none of its own.
 inline std::vector<ParamShape> parameters(const Spec& s, const Dims& D, const Stack& stack) {
@@ -158,6 +163,7 @@ inline std::vector<ParamShape> parameters(const Spec& s, const Dims& D, const St
   if (stack.reads_patches()) {
     out.push_back({"W_E", stack.patch_dim, D.d, false});
     out.push_back({"b_E", 1, D.d, true});
+    if (stack.class_token) out.push_back({"cls_token", 1, D.d, true});
   }
   if (stack.positions > 0) out.push_back({"wpe", stack.positions, D.d, false});
   for (index_t l = 0; l < stack.layers; ++l)

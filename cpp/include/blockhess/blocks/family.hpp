@@ -12,6 +12,7 @@
 #include "blockhess/blocks/attention_only.hpp"
 #include "blockhess/blocks/post_ln.hpp"
 #include "blockhess/blocks/pre_ln.hpp"
+#include "blockhess/engine/nodes/class_token.hpp"
 #include "blockhess/engine/nodes/embedding.hpp"
 #include "blockhess/engine/nodes/positions.hpp"
 #include "blockhess/engine/nodes/unembedding.hpp"
@@ -60,6 +61,7 @@ int wire_input(engine::Graph<T>& g, const block::Dims& D, const block::Stack& st
     if (stack.reads_patches())
       x = g.add(std::make_unique<engine::LinearNode<T>>("model: the patch embedding"), {x},
                 {p.take("W_E"), p.take("b_E")}, D.d);
+    if (stack.class_token) x = g.add(std::make_unique<engine::ClassTokenNode<T>>(), {x}, {p.take("cls_token")}, D.d);
   }
   if (stack.positions > 0) x = g.add(std::make_unique<engine::PositionsNode<T>>(), {x}, {p.take("wpe")}, D.d);
   return x;

@@ -1,0 +1,89 @@
+// A ViT's class token: the first token of every sample is the learned vector c (1, d) instead of
+// its input row (the model reads its patches from position 1 on; position 0's input is a
+// placeholder), out_{b,0} = c, out_{b,i} = in_{b,i} for i >= 1. Linear, no curvature: c's gradient
+// is the sum of the cotangent's first rows, the input's cotangent has them zeroed, a tangent writes
+// dc there.
+//
+// c, and every parameter below it, moves the first block's attention input, which mixes tokens:
+// their dense Hessian and diagonal are not covered yet (the attention node's refusal), and push()
+// refuses them here with the same advice.
+#pragma once
+
+#include <algorithm>
+#include <stdexcept>
+
+#include "blockhess/engine/graph.hpp"
+
+namespace blockhess::engine {
+
+template <class T>
+class ClassTokenNode final : public Node<T> {
+ public:
+  void forward(Graph<T>& g) override {
+    const index_t n = g.tokens(), d = width(g), L = g.tokens_per_sample();
+    const T *in = g.value(this->inputs[0]), *c = g.weight(param());
+    T* out = g.value_out(this->output);
+    for (index_t t = 0; t < n; ++t) std::copy_n(t % L == 0 ? c : in + t * d, d, out + t * d);
+  }
+
+  void vjp(Graph<T>& g) const override {
+    const T* gout = g.cotangent(this->output);
+    if (g.varies(this->inputs[0])) write_masked(g, g.cotangent_slot(this->inputs[0]), gout);
+    first_rows_sum(g, g.gradient_out(param()), gout);
+  }
+
+  void push(Graph<T>& g) const override {
+    bool moved = g.selected(param());
+    for (const Factor<T>* f : g.factors(this->inputs[0])) moved = moved || f->present;
+    if (moved)
+      throw std::invalid_argument("engine: the class token and the patch embedding move every token's input to the "
+                                  "attention, which mixes tokens: their dense Hessian and diagonal are not available "
+                                  "yet; Hessian-vector products (loss_hvp, the operator) are exact there");
+  }
+
+  void curvature(const Graph<T>&, Terms<T>&) const override {}
+
+  void jvp(const Graph<T>& g, Tangent<T>& tg) const override {
+    const T* din = tg.in(this->inputs[0]);
+    const T* dc = tg.dW[static_cast<size_t>(param())];
+    if (!din && !dc) return;
+    const index_t n = g.tokens(), d = width(g), L = g.tokens_per_sample();
+    T* out = tg.out(this->output, n * d);
+    for (index_t t = 0; t < n; ++t) {
+      const T* row = t % L == 0 ? dc : din ? din + t * d : nullptr;
+      if (row) std::copy_n(row, d, out + t * d);
+      else std::fill_n(out + t * d, d, T(0));
+    }
+  }
+
+  void vjp_tangent(const Graph<T>& g, Tangent<T>& tg, bool) const override {
+    const T* dgout = tg.dcot[static_cast<size_t>(this->output)].data();
+    if (tg.in(this->inputs[0])) write_masked(g, tg.dcot_slot(this->inputs[0], g.tokens() * width(g)), dgout);
+    first_rows_sum(g, tg.dgrad[static_cast<size_t>(param())], dgout);
+  }
+
+ private:
+  int param() const { return this->params[0]; }
+  index_t width(const Graph<T>& g) const { return g.width(this->output); }
+
+  // The slot gets `rows` with every sample's first row zero (it does not reach the output).
+  void write_masked(const Graph<T>& g, const Slot<T>& slot, const T* rows) const {
+    const index_t n = g.tokens(), d = width(g), L = g.tokens_per_sample();
+    for (index_t t = 0; t < n; ++t)
+      for (index_t a = 0; a < d; ++a) {
+        const T v = t % L == 0 ? T(0) : rows[t * d + a];
+        slot.data[t * d + a] = slot.add ? slot.data[t * d + a] + v : v;
+      }
+  }
+
+  // out (1, d) = the sum over samples of rows' first row.
+  void first_rows_sum(const Graph<T>& g, T* out, const T* rows) const {
+    if (!out) return;
+    const index_t d = width(g), L = g.tokens_per_sample();
+    std::fill_n(out, d, T(0));
+    for (index_t b = 0; b < g.samples(); ++b)
+      for (index_t a = 0; a < d; ++a) out[a] += rows[b * L * d + a];
+  }
+};
+
+}  // namespace blockhess::engine
