@@ -165,3 +165,18 @@ def test_a_stacks_working_memory_estimate_covers_the_measured_peak(kind):
     peak, estimate = map(int, done.stdout.split())
     assert peak <= estimate + 16 * 2**20
     assert estimate <= 4 * peak + 16 * 2**20
+
+
+def test_wrt_selects_whole_layers_by_their_prefix(rng):
+    """wrt=("h.1", "ln_f") is every parameter of layer 1 and of the final norm, in the canonical order."""
+    spec = ModelSpec(GPT2_LIKE, n_layers=2, final_norm=True)
+    params, X, target, _, _ = _problem(rng, spec, "mse")
+    top = tuple(n for n in params.names if n.startswith(("h.1.", "ln_f.")))
+    H = blockhess.loss_hessian(X, target, params, eps=EPS, wrt=top)
+    assert np.array_equal(blockhess.loss_hessian(X, target, params, eps=EPS, wrt=("ln_f", "h.1")), H)
+    op = blockhess.hessian_operator(X, target, params, eps=EPS, wrt=("h.1.", "ln_f"))
+    assert op.names == top and op.shape == H.shape
+    with pytest.raises(ValueError, match=r"'h.7' is neither a parameter .* nor a group of them \(h.0, h.1, ln_f\)"):
+        blockhess.loss_hvp(X, target, params, np.zeros(params.size), eps=EPS, wrt=("h.7",))
+    with pytest.raises(ValueError, match="must name each parameter once"):
+        blockhess.loss_hessian(X, target, params, eps=EPS, wrt=("h.1", "h.1.W_Q"))

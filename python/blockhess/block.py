@@ -245,15 +245,26 @@ def _require_heads_fill_d(spec: BlockSpec, d: int) -> None:
 
 def _selection(params: BlockParams, wrt: Any, argument: str = "wrt") -> tuple[tuple[str, ...], list[bool], int]:
     """(names in the canonical order, a flag per parameter, their total size P) for ``wrt`` (the
-    caller's ``argument``, named in the error)."""
+    caller's ``argument``, named in the error): parameter names, or whole groups of them by their
+    prefix, a model's layer ("h.3": every h.3.* parameter) or its final norm ("ln_f")."""
     try:
-        names = params.names if wrt is None else tuple(wrt)
+        given = params.names if wrt is None else tuple(wrt)
     except TypeError:  # not iterable, e.g. wrt=3
-        names = ()
-    if isinstance(wrt, str) or not names or len(set(names)) != len(names):
+        given = ()
+    if isinstance(wrt, str) or not given:
         raise ValueError(f"{argument} must be a non-empty sequence of distinct names from {params.names}, got {wrt!r}")
-    for n in names:
-        _param_index(params, n)
+    names = []
+    for n in given:
+        group = [p for p in params.names if isinstance(n, str) and p.startswith(n.rstrip(".") + ".")]
+        if n not in params.names and not group:
+            groups = tuple(dict.fromkeys(p.rsplit(".", 1)[0] for p in params.names if "." in p))
+            if not groups:  # a block: its parameters are all there is
+                _param_index(params, n)
+            raise ValueError(f"{argument}: {n!r} is neither a parameter ({', '.join(params.names)}) nor a group of "
+                             f"them ({', '.join(groups)})")
+        names.extend([n] if n in params.names else group)
+    if len(set(names)) != len(names):
+        raise ValueError(f"{argument} must name each parameter once, got {wrt!r}")
     selected = [n in names for n in params.names]
     names = tuple(n for n in params.names if n in names)  # the Hessian follows the canonical order
     return names, selected, sum(s for s, keep in zip(params.sizes, selected) if keep)

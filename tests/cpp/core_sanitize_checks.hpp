@@ -846,11 +846,11 @@ inline void check_language_model(std::mt19937_64& rng) {
         ctx + " every label ignored refused");
 }
 
-// A ViT through Model::stack: patches embedded by W_E, b_E, learned positions, two blocks, ln_f and
-// a classifier of its own (W_C, b_C), under the pooled loss (the pooled head with the identity): H v
-// against central differences of the gradient, and the dense Hessian over the top block, ln_f and
-// the classifier against the operator.
-inline void check_vit(std::mt19937_64& rng) {
+// A ViT through Model::stack: patches embedded by W_E, b_E, (a class token,) learned positions, two
+// blocks, ln_f and a classifier of its own (W_C, b_C), under the pooled loss (the pooled head with
+// the identity, or the class token's cross-entropy): H v against central differences of the
+// gradient, and the dense Hessian over the top block, ln_f and the classifier against the operator.
+inline void check_vit(std::mt19937_64& rng, bool class_token) {
   namespace blk = bh::block;
   blk::Spec spec;
   spec.norm_position = blk::NormPosition::pre;
@@ -859,12 +859,13 @@ inline void check_vit(std::mt19937_64& rng) {
   spec.activation = bh::activation::Kind::gelu;
   const blk::Dims D{4, 6, 3, 7, 3};
   blk::Stack stack{2, /*final_norm=*/true};
-  stack.patch_dim = 5, stack.positions = 6, stack.classes = 3;
+  stack.patch_dim = 5, stack.positions = 6, stack.classes = 3, stack.class_token = class_token;
   const index_t B = 3;
   const double eps = 1e-5;
-  const std::string ctx = "ViT double";
+  const std::string ctx = class_token ? "ViT with a class token double" : "ViT double";
   const auto shapes = blk::parameters(spec, D, stack);
-  CHECK(shapes[0].name == "W_E" && shapes[2].name == "wpe" && shapes.back().name == "b_C", ctx + " names");
+  CHECK(shapes[0].name == "W_E" && shapes[class_token ? 3 : 2].name == "wpe" && shapes.back().name == "b_C",
+        ctx + " names");
   std::vector<std::vector<double>> W;
   for (const auto& p : shapes) W.push_back(randn<double>(rng, p.size(), 1.0 / std::sqrt(static_cast<double>(p.rows))));
   const auto X = randn<double>(rng, B * D.L * stack.patch_dim);
@@ -873,6 +874,7 @@ inline void check_vit(std::mt19937_64& rng) {
   pooled.loss = bh::heads::kPooledCrossEntropy;
   pooled.classes = labels.data();
   pooled.classifier.classes = stack.classes;  // the model's own: no W_C, b_C in the target
+  pooled.classifier.first_token = class_token;
   auto model_at = [&](const std::vector<std::vector<double>>& weights) {
     std::vector<const double*> w;
     for (const auto& a : weights) w.push_back(a.data());

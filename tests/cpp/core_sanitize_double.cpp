@@ -7,5 +7,6 @@ void sanitize::run_double(std::mt19937_64& rng) {
   check_block_errors(rng);
   check_stack(rng);
   check_language_model(rng);
-  check_vit(rng);
+  check_vit(rng, /*class_token=*/false);
+  check_vit(rng, /*class_token=*/true);
 }
