@@ -42,12 +42,14 @@ class Model {
  public:
   Model(const Spec& spec, const Dims& dims, index_t samples, const T* X, const std::vector<const T*>& weights, T eps,
         engine::Storage storage = engine::Storage::copy);
-  // A stack of blocks of the spec (params.hpp's Stack: its layers, each on the previous one's
-  // output, and a final norm); weights: one array per parameters(spec, dims, stack) entry (each
-  // layer's, prefixed "h.<l>.", then ln_f's). Gradients and Hessian-vector products cover every
-  // parameter; a dense Hessian or diagonal, those of the last layer and the final norm (a lower
-  // layer's reach another block's attention through its input, which the per-token factors do not
-  // cover yet: std::invalid_argument).
+  // A model of blocks of the spec (params.hpp's Stack: its layers, each on the previous one's
+  // output, a final norm; a ViT's patch embedding, class token, positions and classifier, X then
+  // (samples x L x patch_dim)); weights: one array per parameters(spec, dims, stack) entry (the
+  // input's, each layer's, prefixed "h.<l>.", then ln_f's and the classifier's). Gradients and
+  // Hessian-vector products cover every parameter; a dense Hessian or diagonal, those of the last
+  // layer, the final norm and the classifier (a lower layer's, and the input's, reach another
+  // block's attention through its input, which the per-token factors do not cover yet:
+  // std::invalid_argument).
   static Model stack(const Spec& spec, const Dims& dims, const Stack& stack, index_t samples, const T* X,
                      const std::vector<const T*>& weights, T eps, engine::Storage storage = engine::Storage::copy);
   // A language model (stack.vocab > 0) at the token ids (samples x L, each in [0, vocab)): its

@@ -1,7 +1,8 @@
 // Blocks of the family (params.hpp's Spec) wired onto an engine graph: one block on any value of
 // width d (wire_block), which chains; a lone block on its input X (wire); a model (params.hpp's
-// Stack): its input or token embedding, its blocks, each taking its own layer's parameters, its
-// final norm and its tied LM head (wire_stack).
+// Stack): its input (X, a token embedding, or a patch embedding and class token) and learned
+// positions, its blocks, each taking its own layer's parameters, its final norm, and its tied LM
+// head or classifier (wire_stack).
 #pragma once
 
 #include <cstdint>
@@ -69,9 +70,8 @@ int wire_input(engine::Graph<T>& g, const block::Dims& D, const block::Stack& st
 
 // The model on its input: the input (or embedding), its blocks, the output of each the input of
 // the next (one layer: the block itself), its final norm and its LM head or classifier, as the
-// Stack has them.
-// weights: one array per block::parameters(s, D, stack) entry, in that order. Returns the values of
-// the last block, Z the model's output.
+// Stack has them. weights: one array per block::parameters(s, D, stack) entry, in that order.
+// Returns the values of the last block, Z the model's output.
 template <class T>
 Values wire_stack(engine::Graph<T>& g, const block::Spec& s, const block::Dims& D, const block::Stack& stack,
                   const Input<T>& in, const std::vector<const T*>& weights, T eps,
