@@ -614,3 +614,18 @@ def test_speed_sanity_block_hessian_at_benchmark_size(cp, rng):
     H = blockhess.loss_hessian(cp.asarray(X), cp.asarray(target), dparams)
     assert H.shape == (7168, 7168) and math.isfinite(float(cp.abs(H).max()))
     _compare(H, blockhess.loss_hessian(X, target, params), np.float64)
+
+
+def test_language_models_and_vits_on_the_gpu_are_refused_clearly(cp, rng):
+    """Their nodes run on the CPU only so far: device inputs are a TypeError that says so, never a
+    silent host round trip or a GPU path that does not know their parts."""
+    vit = blockhess.ModelSpec(blockhess.BlockSpec(), patch_dim=4, n_positions=6, classes=3)
+    params = blockhess.BlockParams.random(vit, d=4, d_k=2, d_ff=5)
+    X = cp.asarray(rng.standard_normal((2, 5, 4)))
+    params_d = blockhess.BlockParams.from_arrays(vit, {n: cp.asarray(a) for n, a in zip(params.names, params.arrays)})
+    with pytest.raises(TypeError, match="a ViT .* runs on the CPU so far"):
+        blockhess.loss_hessian(X, cp.asarray(np.array([0, 2])), params_d, loss="pooled_cross_entropy")
+    lm = blockhess.ModelSpec(blockhess.BlockSpec(), vocab_size=7)
+    lm_params = blockhess.BlockParams.random(lm, d=4, d_k=2, d_ff=5)
+    with pytest.raises(TypeError, match="a language model runs on the CPU so far"):
+        blockhess.block_forward(cp.asarray(rng.integers(0, 7, size=(2, 5))), lm_params)
