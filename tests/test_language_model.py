@@ -228,3 +228,21 @@ def test_a_language_models_working_memory_estimate_covers_the_measured_peak(kind
     peak, estimate = map(int, done.stdout.split())
     assert peak <= estimate + 16 * 2**20
     assert estimate <= 4 * peak + 16 * 2**20
+
+
+def test_block_jacobian_of_a_language_models_logits(rng):
+    """dZ/dW of the logits (L vocab, n) for the top layer's and ln_f's parameters, against jacrev of
+    the definition; the embedding's is refused like its dense Hessian."""
+    spec, params, s = _model(rng, "small")
+    ids = rng.integers(0, s["vocab"], size=s["L"])
+    named = {n: ref.t(a) for n, a in zip(params.names, params.arrays)}
+    for name in ("h.1.W_1", "h.1.b_Q", "ln_f.gamma"):
+        J = blockhess.block_jacobian(ids, params, name, eps=EPS)
+        assert J.shape == (s["L"] * s["vocab"], params[name].size)
+
+        def logits(w):
+            return stack(torch.as_tensor(ids), spec, {**named, name: w}, EPS).reshape(-1)
+
+        assert ref.rel_err(J, torch.func.jacrev(logits)(named[name]).reshape(J.shape).numpy()) <= 1e-12
+    with pytest.raises(ValueError, match="wte moves every token's input"):
+        blockhess.block_jacobian(ids, params, "wte", eps=EPS)
