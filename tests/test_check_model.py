@@ -71,7 +71,8 @@ def test_check_model_on_a_saved_encoder_and_from_the_command_line(tmp_path):
 
 @pytest.mark.parametrize("argv,message", [
     (["--model", "no-such-model"], "no such file, and not a configuration name (gpt2-tiny, gpt2"),
-    (["--model", "gpt2-tiny", "--d", "32"], "--d do not apply"),
+    (["--model", "gpt2-tiny", "--d", "32"], "--d does not apply"),
+    (["--model", "gpt2-tiny", "--d", "32", "--causal"], "--d, --causal do not apply"),
     (["--model", "gpt2-tiny", "--vectors", "0"], "--vectors must be >= 1"),
     (["--model", "gpt2-tiny", "--L", "500"], "the model has 128 positions"),
 ])

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,18 +95,59 @@ def load_model(source: str, seed: int) -> Any:
 
 
 def check_model(module: Any, name: str, L: int, batch: int, vectors: int, seed: int, progress: Any) -> ModelReport:
+    """blockhess's H u of the imported module against the module's own, along ``vectors`` random
+    directions u (float64 copies; the caller's module stays as it was)."""
     import torch
 
     from .from_torch import _importer, _norm_eps, from_torch
-    from ._torch_reference import loss as reference_loss
-    from .block import loss_gradient
     from .hvp import loss_hvp
 
-    module = copy.deepcopy(module).double().eval()  # float64 copies; the caller's module stays as it was
+    module = copy.deepcopy(module).double().eval()
     read, run = _importer(module)
     spec, params = from_torch(module)
     eps = _norm_eps(read(module, torch.float64)[2], torch.float64)
     rng = np.random.default_rng(seed)
+    X, target, loss = _inputs(spec, params, L, batch, rng)
+    progress.start(3 * vectors + 2, f"{name}: P = {params.size}")
+    reference = _ModuleProducts(module, read, run, spec, X, target, loss)
+    progress.advance()
+    slices = params.slices()
+    worst = {"autograd": 0.0, "fd": 0.0, "fwd": 0.0}
+    per_parameter = {n: [0.0, 0.0] for n in params.names}
+    seconds = 0.0  # blockhess's products
+    for _ in range(vectors):
+        u = rng.standard_normal(reference.size)
+        reverse = reference.reverse_over_reverse(u)
+        forward = reference.forward_over_reverse(u)
+        progress.advance()
+        v = reference.laid_out(u)
+        started = time.perf_counter()
+        ours = loss_hvp(X, target, params, v, loss=loss, eps=eps)
+        seconds += time.perf_counter() - started
+        progress.advance()
+        fd = _finite_differences(X, target, params, v, loss, eps)
+        progress.advance()
+        worst["autograd"] = max(worst["autograd"], _relative(ours, reverse))
+        worst["fd"] = max(worst["fd"], _relative(ours, fd))
+        worst["fwd"] = max(worst["fwd"], _relative(forward, reverse))
+        # A parameter's rows against their own norm, floored at a millionth of the whole product's
+        # (b_K's rows are exactly zero in closed form, rounding noise in autograd).
+        floor = 1e-6 * float(np.linalg.norm(reverse))
+        for n, sl in slices.items():
+            errors = per_parameter[n]
+            errors[0] = max(errors[0], _relative(ours[sl], reverse[sl], floor))
+            errors[1] = max(errors[1], _relative(forward[sl], reverse[sl], floor))
+    report = ModelReport(name, repr(spec), params.size, spec.tokens(X.shape[1]), batch, loss, vectors, worst["autograd"],
+                         worst["fd"], worst["fwd"], seconds / vectors, reference.seconds / vectors,
+                         [ParameterError(n, e[0], e[1]) for n, e in per_parameter.items()])
+    report.ok = (report.against_autograd <= TOLERANCE[("torch", "float64")]
+                 and report.against_finite_differences <= TOLERANCE[("finite-differences", "float64")])
+    progress.advance()
+    return report
+
+
+def _inputs(spec: Any, params: Any, L: int, batch: int, rng: np.random.Generator) -> tuple[Any, Any, str]:
+    """(X, target, loss): the model's input (token ids, a ViT's patches, or X), and its own loss."""
     if spec.class_token:  # a ViT: as many patches as its positions take (its image size); --L does not apply
         L = spec.n_positions - 1
         X = rng.standard_normal((batch, L, spec.patch_dim))
@@ -116,85 +158,81 @@ def check_model(module: Any, name: str, L: int, batch: int, vectors: int, seed: 
     else:
         X = rng.standard_normal((batch, L, params.d))
     if spec.lm_head:
-        target, loss = X.copy(), "next_token"
-    elif spec.classes:
-        target, loss = rng.integers(0, spec.classes, size=batch), "pooled_cross_entropy"
-    else:
-        target, loss = rng.standard_normal((batch, spec.tokens(L), params.d)), "mse"
-    progress.start(3 * vectors + 2, f"{name}: P = {params.size}")
+        return X, X.copy(), "next_token"
+    if spec.classes:
+        return X, rng.integers(0, spec.classes, size=batch), "pooled_cross_entropy"
+    return X, rng.standard_normal((batch, spec.tokens(L), params.d)), "mse"
 
-    names = [n for n, _ in module.named_parameters()]
-    shapes = [p.shape for p in module.parameters()]
-    sizes = [s.numel() for s in shapes]
-    flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
-    X_t, target_t = torch.as_tensor(X), torch.as_tensor(target)
 
-    def module_loss(v):
-        tensors = dict(zip(names, (t.reshape(s) for t, s in zip(v.split(sizes), shapes))))
-        out = run(lambda *a, **k: torch.func.functional_call(module, tensors, a, k), module, X_t)
-        if loss == "next_token":
-            return reference_loss(out, target_t, loss)
-        if loss == "pooled_cross_entropy":  # the module's output: its class token's logits
-            return torch.nn.functional.cross_entropy(out, target_t)
-        return ((out - target_t) ** 2).mean()
+class _ModuleProducts:
+    """The module's own Hessian-vector products of its loss, over its flat parameters, laid out as
+    blockhess's by the importer's reader (``read`` on a copy holding the vector)."""
 
-    holder = copy.deepcopy(module)
+    def __init__(self, module: Any, read: Any, run: Any, spec: Any, X: Any, target: Any, loss: str) -> None:
+        import torch
 
-    def laid_out(u):
-        """A vector over the module's parameters in blockhess's order, by the importer's reader."""
-        with torch.no_grad():
-            for p, piece in zip(holder.parameters(), u.split(sizes)):
+        from ._torch_reference import loss as reference_loss
+
+        self._torch, self._module, self._read, self._spec = torch, module, read, spec
+        names = [n for n, _ in module.named_parameters()]
+        self._shapes = [p.shape for p in module.parameters()]
+        self._sizes = [s.numel() for s in self._shapes]
+        self._flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+        self.size = self._flat.numel()
+        self.seconds = 0.0
+        X_t, target_t = torch.as_tensor(X), torch.as_tensor(target)
+
+        def module_loss(v):
+            tensors = dict(zip(names, (t.reshape(s) for t, s in zip(v.split(self._sizes), self._shapes))))
+            out = run(lambda *a, **k: torch.func.functional_call(module, tensors, a, k), module, X_t)
+            if loss == "next_token":
+                return reference_loss(out, target_t, loss)
+            if loss == "pooled_cross_entropy":  # the module's output: its class token's logits
+                return torch.nn.functional.cross_entropy(out, target_t)
+            return ((out - target_t) ** 2).mean()
+
+        self._loss = module_loss
+        self._holder = copy.deepcopy(module)
+        self._x = self._flat.clone().requires_grad_(True)
+        with self._math_attention():
+            (self._gradient,) = torch.autograd.grad(module_loss(self._x), self._x, create_graph=True)
+
+    def _math_attention(self):  # the fused attention kernels have no second derivative
+        return self._torch.nn.attention.sdpa_kernel(self._torch.nn.attention.SDPBackend.MATH)
+
+    def reverse_over_reverse(self, u: np.ndarray) -> np.ndarray:
+        """The reference; its seconds (the product alone) add up in ``seconds``."""
+        started = time.perf_counter()
+        with self._math_attention():
+            (hu,) = self._torch.autograd.grad(self._gradient, self._x, grad_outputs=self._torch.as_tensor(u),
+                                              retain_graph=True)
+        self.seconds += time.perf_counter() - started
+        return self.laid_out(hu)
+
+    def forward_over_reverse(self, u: np.ndarray) -> np.ndarray:
+        """As torch.func.hessian forms it: the jvp of jacrev."""
+        with self._math_attention():
+            hu = self._torch.func.jvp(self._torch.func.jacrev(self._loss), (self._flat,), (self._torch.as_tensor(u),))[1]
+        return self.laid_out(hu)
+
+    def laid_out(self, u: Any) -> np.ndarray:
+        """A vector over the module's parameters in blockhess's order."""
+        from .block import BlockParams
+
+        with self._torch.no_grad():
+            for p, piece in zip(self._holder.parameters(), self._torch.as_tensor(u).split(self._sizes)):
                 p.copy_(piece.reshape(p.shape))
-        arrays = read(holder, torch.float64)[1]
-        return type(params).from_arrays(spec, arrays).flatten()
+        return np.asarray(BlockParams.from_arrays(self._spec, self._read(self._holder, self._torch.float64)[1]).flatten())
 
-    import time
 
-    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):  # the fused kernel has no 2nd derivative
-        x = flat.clone().requires_grad_(True)
-        (gradient,) = torch.autograd.grad(module_loss(x), x, create_graph=True)
-        progress.advance()
-        worst = {"autograd": 0.0, "fd": 0.0, "fwd": 0.0}
-        per_parameter = {n: [0.0, 0.0] for n in params.names}
-        slices = params.slices()
-        seconds = {"ours": 0.0, "torch": 0.0}
-        for k in range(vectors):
-            u = torch.as_tensor(rng.standard_normal(flat.numel()))
-            t0 = time.perf_counter()
-            (reverse,) = torch.autograd.grad(gradient, x, grad_outputs=u, retain_graph=True)
-            seconds["torch"] += time.perf_counter() - t0
-            forward = torch.func.jvp(torch.func.jacrev(module_loss), (flat,), (u,))[1]
-            progress.advance()
-            v = laid_out(u)
-            t0 = time.perf_counter()
-            ours = loss_hvp(X, target, params, v, loss=loss, eps=eps)
-            seconds["ours"] += time.perf_counter() - t0
-            progress.advance()
-            reference, torch_forward = laid_out(reverse), laid_out(forward)
-            h = FD_STEP["float64"] / max(1.0, float(np.abs(v).max()))
-            w = params.flatten()
-            step = [type(params).from_arrays(spec, {n: (w + s * h * v)[sl].reshape(shape) for (n, sl), shape in
-                                                    zip(slices.items(), params.shapes)}) for s in (1, -1)]
-            fd = (loss_gradient(X, target, step[0], loss=loss, eps=eps)
-                  - loss_gradient(X, target, step[1], loss=loss, eps=eps)) / (2 * h)
-            progress.advance()
-            worst["autograd"] = max(worst["autograd"], _relative(ours, reference))
-            worst["fd"] = max(worst["fd"], _relative(ours, fd))
-            worst["fwd"] = max(worst["fwd"], _relative(torch_forward, reference))
-            # A parameter's rows against their own norm, floored at a millionth of the whole product's
-            # (b_K's rows are exactly zero in closed form, rounding noise in autograd).
-            floor = 1e-6 * float(np.linalg.norm(reference))
-            for n, sl in slices.items():
-                errors = per_parameter[n]
-                errors[0] = max(errors[0], _relative(ours[sl], reference[sl], floor))
-                errors[1] = max(errors[1], _relative(torch_forward[sl], reference[sl], floor))
-    report = ModelReport(name, repr(spec), params.size, spec.tokens(L), batch, loss, vectors, worst["autograd"], worst["fd"],
-                         worst["fwd"], seconds["ours"] / vectors, seconds["torch"] / vectors,
-                         [ParameterError(n, e[0], e[1]) for n, e in per_parameter.items()])
-    report.ok = (report.against_autograd <= TOLERANCE[("torch", "float64")]
-                 and report.against_finite_differences <= TOLERANCE[("finite-differences", "float64")])
-    progress.advance()
-    return report
+def _finite_differences(X: Any, target: Any, params: Any, v: np.ndarray, loss: str, eps: float) -> np.ndarray:
+    """Central differences of blockhess's exact gradient along v."""
+    from .block import BlockParams, loss_gradient
+
+    h = FD_STEP["float64"] / max(1.0, float(np.abs(v).max()))
+    w = np.asarray(params.flatten())
+    plus, minus = (BlockParams.unflatten(w + s * h * v, params) for s in (1, -1))
+    return (loss_gradient(X, target, plus, loss=loss, eps=eps) - loss_gradient(X, target, minus, loss=loss, eps=eps)) / (2 * h)
 
 
 def _relative(a: Any, b: Any, floor: float = 1e-300) -> float:

@@ -199,8 +199,9 @@ def _main_model(parser: Any, args: Any) -> int:
     allowed = {"model", "vectors", "L", "batch", "seed", "json", "quiet"}
     given = [a for a in vars(args) if a not in allowed and getattr(args, a) != parser.get_default(a)]
     if given:
-        parser.error(f"--model checks the model's own shapes and loss: {', '.join('--' + a.replace('_', '-') for a in given)} "
-                     "do not apply (--L, --batch, --seed, --vectors and --json do)")
+        options = ", ".join("--" + a.replace("_", "-") for a in given)
+        parser.error(f"--model checks the model's own shapes and loss: {options} "
+                     f"{'does' if len(given) == 1 else 'do'} not apply (--L, --batch, --seed, --vectors and --json do)")
     for name in ("L", "batch", "vectors"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
