@@ -194,6 +194,9 @@ void bind_block(py::module_& m) {
       },
       "The parameters of a block (or a stack) in the canonical order: [(name, shape)] (params.hpp).", py::arg("spec"),
       py::arg("d"), py::arg("d_k"), py::arg("d_v"), py::arg("d_ff"));
+  m.def("layer_prefix", &block::layer_prefix,
+        "The name prefix of layer l of a stack of `layers` blocks: \"h.<l>.\", or none for a lone block (params.hpp).",
+        py::arg("layers"), py::arg("l"));
   for_each_float([&](auto* tag) { bind_for<std::remove_pointer_t<decltype(tag)>>(m); });
 }
 

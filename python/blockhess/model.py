@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import _core
 from ._validate import integer, positive_int
 from .spec import PAPER_BLOCK, BlockSpec
 
@@ -107,8 +108,9 @@ class ModelSpec:
         return L + 1 if self.class_token else L
 
     def layer_prefix(self, layer: int) -> str:
-        """The name prefix of a layer's parameters: "h.<layer>.", or none for a lone block (params.hpp)."""
-        return "" if self.n_layers == 1 else f"h.{layer}."
+        """The name prefix of a layer's parameters: "h.<layer>.", or none for a lone block (the core's
+        rule, params.hpp)."""
+        return str(_core.layer_prefix(self.n_layers, layer))
 
     def _core(self) -> tuple:
         """The tuple the core's bindings take (block_problem.hpp, SpecTuple): the block's, then the
