@@ -30,6 +30,7 @@ import numpy as np
 
 from ._check_comparison import TOLERANCE
 from ._check_references import FD_STEP
+from ._command_files import load_module
 from ._command_line import UsageError
 
 # transformers' GPT-2 configurations by name (their published shapes), built with random weights.
@@ -74,13 +75,9 @@ def load_model(source: str, seed: int) -> Any:
 
     if os.path.exists(source):
         try:
-            module = torch.load(source, weights_only=False, map_location="cpu")
-        except Exception as err:  # noqa: BLE001 - whatever unpickling raises, the file is not a model
-            raise UsageError(f"--model {source}: torch.load failed ({type(err).__name__}: {err})") from None
-        if not isinstance(module, torch.nn.Module):
-            raise UsageError(f"--model {source} holds a {type(module).__name__}, not a torch.nn.Module "
-                             "(save the module itself with torch.save(model, path))")
-        return module
+            return load_module(source, "--model")
+        except ValueError as err:
+            raise UsageError(str(err)) from None
     if source not in GPT2_CONFIGS:
         raise UsageError(f"--model {source}: no such file, and not a configuration name "
                          f"({', '.join(GPT2_CONFIGS)})")

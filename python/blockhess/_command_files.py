@@ -127,6 +127,25 @@ def check_input_file(path: str, option: str) -> None:
         raise ValueError(f"{option} {_shown(path)}: the file is not readable (permission denied)")
 
 
+def load_module(path: str, option: str) -> Any:
+    """The torch.nn.Module saved with ``torch.save`` in ``path`` (loading a pickle runs its code: only
+    files one trusts). ValueError, one line, for a file that is missing or unreadable, that torch
+    cannot load, or that holds something else (a state dict)."""
+    import torch
+
+    check_input_file(path, option)
+    try:
+        module = torch.load(path, weights_only=False, map_location="cpu")
+    except Exception as err:  # noqa: BLE001 - whatever torch.load makes of a file it cannot read
+        reason = (str(err).strip().splitlines() or [""])[0]
+        raise ValueError(f"{option} {_shown(path)}: not a module saved with torch.save (torch.load: "
+                         f"{type(err).__name__}{': ' + reason if reason else ''})") from None
+    if not isinstance(module, torch.nn.Module):
+        raise ValueError(f"{option} {_shown(path)} holds a {type(module).__name__}, not a torch.nn.Module (save the "
+                         "module itself: torch.save(model, path))")
+    return module
+
+
 def check_distinct(outputs: dict[str, str]) -> None:
     """No two options (option -> path) name the same file: the second write would replace the first."""
     seen: dict[Any, str] = {}

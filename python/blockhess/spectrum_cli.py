@@ -216,21 +216,15 @@ def import_module(path: str) -> BlockParams:
     (one line) for a file that is missing or unreadable, that torch cannot load, or whose module
     from_torch does not take."""
     try:
-        _command_files.check_input_file(path, "--module")
-    except ValueError as err:
-        raise UsageError(str(err)) from None
-    try:
-        import torch
+        import torch  # noqa: F401
     except ImportError:
         raise UsageError("--module needs PyTorch (pip install 'torch==2.13.0')") from None
     from .from_torch import from_torch
 
     try:
-        module = torch.load(path, weights_only=False, map_location="cpu")
-    except Exception as err:  # noqa: BLE001 - whatever torch.load makes of a file it cannot read
-        reason = (str(err).strip().splitlines() or [""])[0]
-        raise UsageError(f"--module {path}: not a module saved with torch.save (torch.load: "
-                         f"{type(err).__name__}{': ' + reason if reason else ''})") from None
+        module = _command_files.load_module(path, "--module")
+    except ValueError as err:
+        raise UsageError(str(err)) from None
     try:
         return from_torch(module)[1]
     except (ValueError, TypeError) as err:
