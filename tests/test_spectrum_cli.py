@@ -64,6 +64,21 @@ def test_spectrum_of_a_saved_module(tmp_path, capsys):
     assert "heads=2" in text and "gamma_2" in text
 
 
+def test_spectrum_refuses_a_saved_language_model_in_one_line(tmp_path, capsys):
+    """Its inputs are token ids, which the command does not make: a one-line error that names what does."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=11, n_positions=16,
+                                     attn_implementation="eager", bos_token_id=0, eos_token_id=0)
+    path = tmp_path / "lm.pt"
+    torch.save(transformers.GPT2LMHeadModel(config).eval(), path)
+    with pytest.raises(SystemExit) as exit_:
+        spectrum_cli.main(["--module", str(path), "--quiet"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "a language model" in err and "blockhess check --model" in err
+
+
 @pytest.mark.parametrize("argv, expected", [
     (["--L", "0"], "--L must be >= 1"),
     (["-k", "0"], "-k must be >= 1"),

@@ -226,7 +226,13 @@ def import_module(path: str) -> BlockParams:
     except ValueError as err:
         raise UsageError(str(err)) from None
     try:
-        return from_torch(module)[1]
+        params = from_torch(module)[1]
+        spec = params.spec
+        if spec.reads_tokens or spec.patch_dim:  # their inputs are token ids or patches, not the command's X
+            raise UsageError(f"--module {path}: a {'language model' if spec.reads_tokens else 'ViT'}, which this "
+                             "command does not set up inputs for yet; use blockhess check --model, or "
+                             "blockhess.hessian_operator(...).eigsh in Python")
+        return params
     except (ValueError, TypeError) as err:
         if not raised_by_blockhess(err):
             raise
