@@ -78,7 +78,7 @@ def test_transformer_encoder_layer(rng, nhead, norm_first, activation, batch_fir
 
 def test_encoder_layer_refusals_and_warnings():
     layer = torch.nn.TransformerEncoderLayer(4, 2, dim_feedforward=6, dropout=0.1, dtype=torch.float64)
-    with pytest.warns(UserWarning, match="dropout"):
+    with pytest.raises(ValueError, match=r"training mode with dropout \(p = 0.1\).*module.eval\(\)"):
         blockhess.from_torch(layer.train())
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -298,7 +298,7 @@ def test_a_gpt2_model_the_import_cannot_represent_is_refused():
     with pytest.raises(ValueError, match="blocks h.0 and h.1 of the GPT2Model differ"):
         blockhess.from_torch(model)
     dropping = _tiny_gpt2(lm=False, embd_pdrop=0.1).train()
-    with pytest.warns(UserWarning, match="dropout"):
+    with pytest.raises(ValueError, match="training mode with dropout"):
         blockhess.from_torch(dropping)
 
 

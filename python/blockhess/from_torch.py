@@ -32,7 +32,6 @@ padding mask, token_type_ids, a KV cache and cross-attention are not represented
 from __future__ import annotations
 
 import sys
-import warnings
 from typing import Any, Callable
 
 import numpy as np
@@ -206,11 +205,14 @@ def _has_biases(biases: dict[str, Any]) -> bool:
     return bool(present)
 
 
-def _warn_if_dropout(module: Any, dropouts: list[tuple[bool, float]]) -> None:
-    """``dropouts``: (whether it applies now, probability) of each dropout the forward runs."""
-    if any(training and p > 0 for training, p in dropouts):
-        warnings.warn(f"from_torch: the {type(module).__name__} is in training mode with dropout; blockhess's block "
-                      "has no dropout (it equals the module in eval mode)", stacklevel=4)
+def _refuse_dropout(module: Any, dropouts: list[tuple[bool, float]]) -> None:
+    """``dropouts``: (whether it applies now, probability) of each dropout the forward runs. One that
+    applies makes the forward random, a function blockhess does not represent: a ValueError."""
+    active = [p for training, p in dropouts if training and p > 0]
+    if active:
+        raise ValueError(f"from_torch: the {type(module).__name__} is in training mode with dropout (p = "
+                         f"{max(active)}): its forward is random, and blockhess's model has no dropout; import it "
+                         "in eval mode (module.eval()), the function blockhess represents")
 
 
 def _encoder_layer(layer: Any, dtype: Any) -> tuple[BlockSpec, dict[str, np.ndarray], dict[str, Any]]:
@@ -225,7 +227,7 @@ def _encoder_layer(layer: Any, dtype: Any) -> tuple[BlockSpec, dict[str, np.ndar
         raise ValueError("from_torch: self-attention with separate key/value widths (kdim, vdim) is not supported")
     if attention.bias_k is not None or attention.add_zero_attn:
         raise ValueError("from_torch: add_bias_kv and add_zero_attn are not supported")
-    _warn_if_dropout(layer, [(layer.dropout.training, layer.dropout.p), (layer.dropout1.training, layer.dropout1.p),
+    _refuse_dropout(layer, [(layer.dropout.training, layer.dropout.p), (layer.dropout1.training, layer.dropout1.p),
                              (layer.dropout2.training, layer.dropout2.p), (attention.training, attention.dropout)])
     d = attention.embed_dim
     norms = {"norm1": layer.norm1, "norm2": layer.norm2}
@@ -327,7 +329,7 @@ def _gpt2_block(block: Any, dtype: Any) -> tuple[BlockSpec, dict[str, np.ndarray
                          "whatever the parameters' dtype, which blockhess's import cannot verify in float64; "
                          "import a copy with attn.reorder_and_upcast_attn = False (the same function in exact "
                          "arithmetic)")
-    _warn_if_dropout(block, [(attention.training, attention.attn_dropout.p),
+    _refuse_dropout(block, [(attention.training, attention.attn_dropout.p),
                              (attention.resid_dropout.training, attention.resid_dropout.p),
                              (mlp.dropout.training, mlp.dropout.p)])
     norms = {"ln_1": block.ln_1, "ln_2": block.ln_2}
@@ -389,7 +391,7 @@ def _gpt2_model(model: Any, dtype: Any) -> tuple[ModelSpec, dict[str, np.ndarray
         if embedding.max_norm is not None or embedding.scale_grad_by_freq or embedding.sparse:
             raise ValueError(f"from_torch: {name} is an nn.Embedding with max_norm, scale_grad_by_freq or sparse "
                              "set, which a plain lookup does not represent")
-    _warn_if_dropout(model, [(transformer.drop.training, transformer.drop.p)])
+    _refuse_dropout(model, [(transformer.drop.training, transformer.drop.p)])
     d = int(transformer.wte.embedding_dim)
     _norms({"h.0.ln_1": blocks[0].ln_1, "ln_f": transformer.ln_f}, d)  # ln_f of the blocks' kind and eps
     spec = ModelSpec(block_spec, n_layers=len(blocks), final_norm=True, vocab_size=int(transformer.wte.num_embeddings),
@@ -447,7 +449,7 @@ def _vit(model: Any, dtype: Any) -> tuple[ModelSpec, dict[str, np.ndarray], dict
                              "stacks blocks of one spec")
     d = int(conv.out_channels)
     _norms({"layers.0.layernorm_before": layers[0].layernorm_before, "layernorm": body.layernorm}, d)
-    _warn_if_dropout(model, [(body.embeddings.dropout.training, body.embeddings.dropout.p)])
+    _refuse_dropout(model, [(body.embeddings.dropout.training, body.embeddings.dropout.p)])
     positions = int(body.embeddings.position_embeddings.shape[1])
     spec = ModelSpec(block, n_layers=len(layers), final_norm=True, patch_dim=int(conv.in_channels) * p[0] * p[1],
                      n_positions=positions, classes=int(model.classifier.out_features) if classifier else 0,
@@ -479,7 +481,7 @@ def _vit_layer(layer: Any, dtype: Any) -> tuple[BlockSpec, dict[str, np.ndarray]
     if implementation not in (None, "eager", "sdpa"):
         raise ValueError(f"from_torch: ViT attention implementation {implementation!r} is not supported "
                          "('eager' or 'sdpa')")
-    _warn_if_dropout(layer, [(layer.dropout.training, layer.dropout.p),
+    _refuse_dropout(layer, [(layer.dropout.training, layer.dropout.p),
                              (attention.training, attention.attention_dropout)])
     norms = {"layernorm_before": layer.layernorm_before, "layernorm_after": layer.layernorm_after}
     d = int(attention.q_proj.in_features)
