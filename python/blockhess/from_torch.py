@@ -195,6 +195,32 @@ def _norm_arrays(norms: dict[str, Any]) -> dict[str, np.ndarray]:
     return arrays
 
 
+def _final_norm_arrays(norm: Any) -> dict[str, np.ndarray]:
+    """A model's final norm's parameters under their names, ln_f.gamma (and ln_f.beta)."""
+    return {"ln_f." + name.split("_")[0]: a for name, a in _norm_arrays({"ln_f": norm}).items()}
+
+
+def _read_layers(layers: list[Any], read: Callable[..., Any], dtype: Any, what: str, kind: str = "layers",
+                 prefix: str = "") -> tuple[BlockSpec, dict[str, Any], list[dict[str, np.ndarray]]]:
+    """Each of a model's layers by ``read`` (a block's reader), all of one spec (a ModelSpec stacks
+    blocks of one spec): (that spec, the first layer's norms, each layer's arrays). ``what``,
+    ``kind`` and ``prefix`` name them in the errors ("blocks h.0 and h.3 of the GPT2Model")."""
+    if not layers:
+        raise ValueError(f"from_torch: the {what} has no {kind}")
+    reads = [read(layer, dtype) for layer in layers]
+    block, _, norms = reads[0]
+    for k, (other, _, _) in enumerate(reads[1:], start=1):
+        if other != block:
+            raise ValueError(f"from_torch: {kind} {prefix}0 and {prefix}{k} of the {what} differ ({block!r} and "
+                             f"{other!r}); a ModelSpec stacks blocks of one spec")
+    return block, norms, [own for _, own, _ in reads]
+
+
+def _layer_arrays(spec: ModelSpec, layers: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Each layer's arrays under its prefixed names (h.<l>.W_Q, ...)."""
+    return {spec.layer_prefix(k) + name: a for k, own in enumerate(layers) for name, a in own.items()}
+
+
 def _has_biases(biases: dict[str, Any]) -> bool:
     """Whether the linear maps have biases: all of them or none (BlockSpec.bias is one switch)."""
     present = [name for name, b in biases.items() if b is not None]
@@ -270,22 +296,12 @@ def _encoder(encoder: Any, dtype: Any) -> tuple[ModelSpec, dict[str, np.ndarray]
 
     _require_types(encoder, {"": torch.nn.TransformerEncoder})
     layers = list(encoder.layers)
-    if not layers:
-        raise ValueError("from_torch: the TransformerEncoder has no layers")
-    reads = [_encoder_layer(layer, dtype) for layer in layers]
-    block, _, norms = reads[0]
-    for k, (spec, _, _) in enumerate(reads[1:], start=1):
-        if spec != block:
-            raise ValueError(f"from_torch: layers 0 and {k} of the TransformerEncoder differ ({block!r} and {spec!r}); "
-                             "a ModelSpec stacks blocks of one spec")
+    block, norms, owns = _read_layers(layers, _encoder_layer, dtype, "TransformerEncoder")
     spec = ModelSpec(block, n_layers=len(layers), final_norm=encoder.norm is not None)
-    arrays = {spec.layer_prefix(k) + name: a for k, (_, own, _) in enumerate(reads) for name, a in own.items()}
+    arrays = _layer_arrays(spec, owns)
     if encoder.norm is not None:  # of the layers' kind, affine alike and with their eps
         _norms({"layers.0.norm1": layers[0].norm1, "norm": encoder.norm}, int(layers[0].self_attn.embed_dim))
-        if encoder.norm.weight is not None:
-            arrays["ln_f.gamma"] = _array(encoder.norm.weight)
-        if getattr(encoder.norm, "bias", None) is not None:
-            arrays["ln_f.beta"] = _array(encoder.norm.bias)
+        arrays.update(_final_norm_arrays(encoder.norm))
     return spec, arrays, norms
 
 
@@ -378,14 +394,7 @@ def _gpt2_model(model: Any, dtype: Any) -> tuple[ModelSpec, dict[str, np.ndarray
     _require_types(transformer, {"": gpt2.GPT2Model, "wte": torch.nn.Embedding, "wpe": torch.nn.Embedding,
                                  "drop": torch.nn.Dropout, "ln_f": torch.nn.LayerNorm})
     blocks = list(transformer.h)
-    if not blocks:
-        raise ValueError("from_torch: the GPT2Model has no blocks")
-    reads = [_gpt2_block(block, dtype) for block in blocks]
-    block_spec, _, norms = reads[0]
-    for k, (other, _, _) in enumerate(reads[1:], start=1):
-        if other != block_spec:
-            raise ValueError(f"from_torch: blocks h.0 and h.{k} of the GPT2Model differ ({block_spec!r} and {other!r}); "
-                             "a ModelSpec stacks blocks of one spec")
+    block_spec, norms, owns = _read_layers(blocks, _gpt2_block, dtype, "GPT2Model", kind="blocks", prefix="h.")
     for name in ("wte", "wpe"):
         embedding = getattr(transformer, name)
         if embedding.max_norm is not None or embedding.scale_grad_by_freq or embedding.sparse:
@@ -396,9 +405,8 @@ def _gpt2_model(model: Any, dtype: Any) -> tuple[ModelSpec, dict[str, np.ndarray
     _norms({"h.0.ln_1": blocks[0].ln_1, "ln_f": transformer.ln_f}, d)  # ln_f of the blocks' kind and eps
     spec = ModelSpec(block_spec, n_layers=len(blocks), final_norm=True, vocab_size=int(transformer.wte.num_embeddings),
                      n_positions=int(transformer.wpe.num_embeddings), lm_head=lm)
-    arrays = {"wte": _array(transformer.wte.weight), "wpe": _array(transformer.wpe.weight)}
-    arrays.update({spec.layer_prefix(k) + name: a for k, (_, own, _) in enumerate(reads) for name, a in own.items()})
-    arrays.update({"ln_f." + name.split("_")[0]: a for name, a in _norm_arrays({"ln_f": transformer.ln_f}).items()})
+    arrays = {"wte": _array(transformer.wte.weight), "wpe": _array(transformer.wpe.weight),
+              **_layer_arrays(spec, owns), **_final_norm_arrays(transformer.ln_f)}
     return spec, arrays, norms
 
 
@@ -439,14 +447,7 @@ def _vit(model: Any, dtype: Any) -> tuple[ModelSpec, dict[str, np.ndarray], dict
         raise ValueError("from_torch: the ViT's patch embedding must be a Conv2d with square kernel = stride, no "
                          "padding, dilation or groups, and a bias (a linear map of non-overlapping patches)")
     layers = list(body.layers)
-    if not layers:
-        raise ValueError("from_torch: the ViT has no layers")
-    reads = [_vit_layer(layer, dtype) for layer in layers]
-    block, _, norms = reads[0]
-    for k, (other, _, _) in enumerate(reads[1:], start=1):
-        if other != block:
-            raise ValueError(f"from_torch: layers 0 and {k} of the ViT differ ({block!r} and {other!r}); a ModelSpec "
-                             "stacks blocks of one spec")
+    block, norms, owns = _read_layers(layers, _vit_layer, dtype, "ViT")
     d = int(conv.out_channels)
     _norms({"layers.0.layernorm_before": layers[0].layernorm_before, "layernorm": body.layernorm}, d)
     _refuse_dropout(model, [(body.embeddings.dropout.training, body.embeddings.dropout.p)])
@@ -456,9 +457,8 @@ def _vit(model: Any, dtype: Any) -> tuple[ModelSpec, dict[str, np.ndarray], dict
                      class_token=True)
     arrays = {"W_E": _array(conv.weight).reshape(d, -1).T, "b_E": _array(conv.bias),
               "cls_token": _array(body.embeddings.cls_token).reshape(d),
-              "wpe": _array(body.embeddings.position_embeddings).reshape(positions, d)}
-    arrays.update({spec.layer_prefix(k) + name: a for k, (_, own, _) in enumerate(reads) for name, a in own.items()})
-    arrays.update({"ln_f." + name.split("_")[0]: a for name, a in _norm_arrays({"ln_f": body.layernorm}).items()})
+              "wpe": _array(body.embeddings.position_embeddings).reshape(positions, d),
+              **_layer_arrays(spec, owns), **_final_norm_arrays(body.layernorm)}
     if classifier:
         arrays.update(W_C=_array(model.classifier.weight).T, b_C=_array(model.classifier.bias))
     return spec, arrays, norms

@@ -711,6 +711,71 @@ inline void check_block_output_derivatives(std::mt19937_64& rng) {
   }
 }
 
+// The checks a model of several parts shares, model_at(weights) making it at one set of weights:
+// H v over every parameter against central differences of the gradient along v.
+template <class MakeModel>
+void check_hv_against_differences(std::mt19937_64& rng, const MakeModel& model_at,
+                                  const std::vector<std::vector<double>>& W, const bh::block::Target<double>& target,
+                                  const std::string& ctx) {
+  namespace blk = bh::block;
+  index_t P = 0;
+  for (const auto& a : W) P += static_cast<index_t>(a.size());
+  const auto v = randn<double>(rng, P);
+  std::vector<double> Hv(P), gp(P), gm(P), fd(P);
+  const blk::Selection all(W.size(), true);
+  blk::LossHessianOperator<double>(model_at(W), target, blk::Part::full, all).apply(v.data(), Hv.data());
+  const double h = 1e-5;
+  for (double step : {h, -h}) {
+    auto moved = W;
+    index_t k = 0;
+    for (auto& a : moved)
+      for (double& x : a) x += step * v[k++];
+    model_at(moved).loss_gradient(target, (step > 0 ? gp : gm).data());
+  }
+  for (index_t i = 0; i < P; ++i) fd[i] = (gp[i] - gm[i]) / (2 * h);
+  CHECK(all_finite(Hv) && rel_diff(fd, Hv, 1e-9) < 1e-5, ctx + " finite differences of the gradient = H v");
+}
+
+// The dense Hessian over the parameters whose names start with one of `prefixes` (or are one of
+// them) against the operator on them.
+template <class MakeModel>
+void check_dense_against_operator(std::mt19937_64& rng, const MakeModel& model_at,
+                                  const std::vector<std::vector<double>>& W,
+                                  const std::vector<bh::block::ParamShape>& shapes,
+                                  const bh::block::Target<double>& target, std::initializer_list<const char*> prefixes,
+                                  const std::string& ctx) {
+  namespace blk = bh::block;
+  blk::Selection chosen(shapes.size(), false);
+  index_t n = 0;
+  for (size_t p = 0; p < shapes.size(); ++p) {
+    for (const char* prefix : prefixes) chosen[p] = chosen[p] || shapes[p].name.rfind(prefix, 0) == 0;
+    n += chosen[p] ? shapes[p].size() : 0;
+  }
+  std::vector<double> H(n * n), HU(n), ref(n, 0.0);
+  model_at(W).loss_hessian(target, blk::Part::full, chosen, H.data());
+  const auto u = randn<double>(rng, n);
+  blk::LossHessianOperator<double>(model_at(W), target, blk::Part::full, chosen).apply(u.data(), HU.data());
+  for (index_t i = 0; i < n; ++i)
+    for (index_t j = 0; j < n; ++j) ref[i] += H[i * n + j] * u[j];
+  CHECK(rel_diff(HU, ref) < 1e-12, ctx + " the top parameters' dense Hessian = its operator");
+}
+
+// Random weights for a model's parameters (1/sqrt(rows) scaled; the embeddings, w*, unscaled).
+inline std::vector<std::vector<double>> random_weights(std::mt19937_64& rng,
+                                                       const std::vector<bh::block::ParamShape>& shapes) {
+  std::vector<std::vector<double>> W;
+  for (const auto& p : shapes)
+    W.push_back(randn<double>(rng, p.size(), p.name[0] == 'w' ? 1.0 : 1.0 / std::sqrt(static_cast<double>(p.rows))));
+  return W;
+}
+
+// The weights' data pointers, in order.
+inline std::vector<const double*> pointers(const std::vector<std::vector<double>>& W) {
+  std::vector<const double*> w;
+  for (const auto& a : W) w.push_back(a.data());
+  return w;
+}
+
 // A stack of three GPT-2-like blocks and a final norm through Model::stack: H v against central
 // differences of the gradient (every parameter), the dense Hessian of the last layer and the final
 // norm against the operator on them, and a lower layer's dense Hessian refused (its parameters reach
@@ -729,46 +794,18 @@ inline void check_stack(std::mt19937_64& rng) {
   const std::string ctx = "stack of 3 blocks and ln_f double";
   const auto shapes = blk::parameters(spec, D, stack);
   CHECK(shapes.front().name == "h.0.W_Q" && shapes.back().name == "ln_f.beta", ctx + " prefixed names");
-  std::vector<std::vector<double>> W;
-  for (const auto& p : shapes) W.push_back(randn<double>(rng, p.size(), 1.0 / std::sqrt(static_cast<double>(p.rows))));
+  const auto W = random_weights(rng, shapes);
   const auto X = randn<double>(rng, B * D.L * D.d), target = randn<double>(rng, B * D.L * D.d);
   blk::Target<double> mse;
   mse.values = target.data();
   auto model_at = [&](const std::vector<std::vector<double>>& weights) {
-    std::vector<const double*> w;
-    for (const auto& a : weights) w.push_back(a.data());
-    return blk::Model<double>::stack(spec, D, stack, B, X.data(), w, eps);
+    return blk::Model<double>::stack(spec, D, stack, B, X.data(), pointers(weights), eps);
   };
-  index_t P = 0;
-  for (const auto& p : shapes) P += p.size();
-  const blk::Selection all(shapes.size(), true);
-  const auto v = randn<double>(rng, P);
-  std::vector<double> Hv(P), gp(P), gm(P), fd(P);
-  blk::LossHessianOperator<double>(model_at(W), mse, blk::Part::full, all).apply(v.data(), Hv.data());
-  const double h = 1e-5;
-  for (double step : {h, -h}) {
-    auto moved = W;
-    index_t k = 0;
-    for (auto& a : moved)
-      for (double& x : a) x += step * v[k++];
-    model_at(moved).loss_gradient(mse, (step > 0 ? gp : gm).data());
-  }
-  for (index_t i = 0; i < P; ++i) fd[i] = (gp[i] - gm[i]) / (2 * h);
-  CHECK(all_finite(Hv) && rel_diff(fd, Hv, 1e-9) < 1e-5, ctx + " finite differences of the gradient = H v");
-
-  blk::Selection last(shapes.size(), false);
-  for (size_t p = 0; p < shapes.size(); ++p) last[p] = shapes[p].name.rfind("h.2.", 0) == 0 || shapes[p].name.rfind("ln_f.", 0) == 0;
-  index_t Pl = 0;
-  for (size_t p = 0; p < shapes.size(); ++p) Pl += last[p] ? shapes[p].size() : 0;
-  std::vector<double> H(Pl * Pl), HV(Pl), ref(Pl, 0.0);
-  model_at(W).loss_hessian(mse, blk::Part::full, last, H.data());
-  const auto u = randn<double>(rng, Pl);
-  blk::LossHessianOperator<double>(model_at(W), mse, blk::Part::full, last).apply(u.data(), HV.data());
-  for (index_t i = 0; i < Pl; ++i)
-    for (index_t j = 0; j < Pl; ++j) ref[i] += H[i * Pl + j] * u[j];
-  CHECK(rel_diff(HV, ref) < 1e-12, ctx + " the last layer's and ln_f's dense Hessian = its operator");
+  check_hv_against_differences(rng, model_at, W, mse, ctx);
+  check_dense_against_operator(rng, model_at, W, shapes, mse, {"h.2.", "ln_f."}, ctx);
   blk::Selection first(shapes.size(), false);
   first[0] = true;  // h.0.W_Q: under layers 1 and 2's attention
+  std::vector<double> H(shapes[0].size() * shapes[0].size());
   CHECK(throws<std::invalid_argument>([&] { model_at(W).loss_hessian(mse, blk::Part::full, first, H.data()); }),
         ctx + " a lower layer's dense Hessian refused");
 }
@@ -792,57 +829,31 @@ inline void check_language_model(std::mt19937_64& rng) {
   const std::string ctx = "language model double";
   const auto shapes = blk::parameters(spec, D, stack);
   CHECK(shapes[0].name == "wte" && shapes[1].name == "wpe" && shapes.back().name == "ln_f.beta", ctx + " names");
-  std::vector<std::vector<double>> W;
-  for (const auto& p : shapes) W.push_back(randn<double>(rng, p.size(), p.name[0] == 'w' ? 1.0 : 1.0 / std::sqrt(static_cast<double>(p.rows))));
+  const auto W = random_weights(rng, shapes);
   std::vector<std::int64_t> ids(B * D.L), labels(B * D.L);
   for (index_t t = 0; t < B * D.L; ++t) ids[t] = labels[t] = static_cast<std::int64_t>(rng() % 9);
   labels[3] = -100;
   blk::Target<double> next;
   next.loss = bh::heads::kNextToken;
   next.classes = labels.data();
-  auto model_at = [&](const std::vector<std::vector<double>>& weights, const std::vector<std::int64_t>& at) {
-    std::vector<const double*> w;
-    for (const auto& a : weights) w.push_back(a.data());
-    return blk::Model<double>::language_model(spec, D, stack, B, at.data(), w, eps);
+  auto model_with = [&](const std::vector<std::vector<double>>& weights, const std::vector<std::int64_t>& at) {
+    return blk::Model<double>::language_model(spec, D, stack, B, at.data(), pointers(weights), eps);
   };
-  index_t P = 0;
-  for (const auto& p : shapes) P += p.size();
-  const blk::Selection all(shapes.size(), true);
-  const auto v = randn<double>(rng, P);
-  std::vector<double> Hv(P), gp(P), gm(P), fd(P);
-  blk::LossHessianOperator<double>(model_at(W, ids), next, blk::Part::full, all).apply(v.data(), Hv.data());
-  const double h = 1e-5;
-  for (double step : {h, -h}) {
-    auto moved = W;
-    index_t k = 0;
-    for (auto& a : moved)
-      for (double& x : a) x += step * v[k++];
-    model_at(moved, ids).loss_gradient(next, (step > 0 ? gp : gm).data());
-  }
-  for (index_t i = 0; i < P; ++i) fd[i] = (gp[i] - gm[i]) / (2 * h);
-  CHECK(all_finite(Hv) && rel_diff(fd, Hv, 1e-9) < 1e-5, ctx + " finite differences of the gradient = H v");
-
-  blk::Selection last(shapes.size(), false);
-  for (size_t p = 0; p < shapes.size(); ++p) last[p] = shapes[p].name.rfind("h.1.", 0) == 0 || shapes[p].name.rfind("ln_f.", 0) == 0;
-  index_t Pl = 0;
-  for (size_t p = 0; p < shapes.size(); ++p) Pl += last[p] ? shapes[p].size() : 0;
-  std::vector<double> H(Pl * Pl), HV(Pl), ref(Pl, 0.0);
-  model_at(W, ids).loss_hessian(next, blk::Part::full, last, H.data());
-  const auto u = randn<double>(rng, Pl);
-  blk::LossHessianOperator<double>(model_at(W, ids), next, blk::Part::full, last).apply(u.data(), HV.data());
-  for (index_t i = 0; i < Pl; ++i)
-    for (index_t j = 0; j < Pl; ++j) ref[i] += H[i * Pl + j] * u[j];
-  CHECK(rel_diff(HV, ref) < 1e-12, ctx + " the last layer's dense Hessian = its operator");
+  auto model_at = [&](const std::vector<std::vector<double>>& weights) { return model_with(weights, ids); };
+  check_hv_against_differences(rng, model_at, W, next, ctx);
+  check_dense_against_operator(rng, model_at, W, shapes, next, {"h.1.", "ln_f."}, ctx);
   blk::Selection embedding(shapes.size(), false);
   embedding[0] = true;
-  CHECK(throws<std::invalid_argument>([&] { model_at(W, ids).loss_hessian(next, blk::Part::full, embedding, H.data()); }),
+  std::vector<double> H(shapes[0].size() * shapes[0].size());
+  CHECK(throws<std::invalid_argument>([&] { model_at(W).loss_hessian(next, blk::Part::full, embedding, H.data()); }),
         ctx + " the embedding's dense Hessian refused");
   auto bad = ids;
   bad[4] = 9;
-  CHECK(throws<std::invalid_argument>([&] { model_at(W, bad); }), ctx + " a token id out of range refused");
+  CHECK(throws<std::invalid_argument>([&] { model_with(W, bad); }), ctx + " a token id out of range refused");
   std::vector<std::int64_t> ignored(B * D.L, -100);
   next.classes = ignored.data();
-  CHECK(throws<std::invalid_argument>([&] { model_at(W, ids).loss_gradient(next, gp.data()); }),
+  std::vector<double> grad(H.size());
+  CHECK(throws<std::invalid_argument>([&] { model_at(W).loss_gradient(next, grad.data()); }),
         ctx + " every label ignored refused");
 }
 
@@ -866,8 +877,7 @@ inline void check_vit(std::mt19937_64& rng, bool class_token) {
   const auto shapes = blk::parameters(spec, D, stack);
   CHECK(shapes[0].name == "W_E" && shapes[class_token ? 3 : 2].name == "wpe" && shapes.back().name == "b_C",
         ctx + " names");
-  std::vector<std::vector<double>> W;
-  for (const auto& p : shapes) W.push_back(randn<double>(rng, p.size(), 1.0 / std::sqrt(static_cast<double>(p.rows))));
+  const auto W = random_weights(rng, shapes);
   const auto X = randn<double>(rng, B * D.L * stack.patch_dim);
   std::vector<std::int64_t> labels{0, 2, 1};
   blk::Target<double> pooled;
@@ -876,39 +886,10 @@ inline void check_vit(std::mt19937_64& rng, bool class_token) {
   pooled.classifier.classes = stack.classes;  // the model's own: no W_C, b_C in the target
   pooled.classifier.first_token = class_token;
   auto model_at = [&](const std::vector<std::vector<double>>& weights) {
-    std::vector<const double*> w;
-    for (const auto& a : weights) w.push_back(a.data());
-    return blk::Model<double>::stack(spec, D, stack, B, X.data(), w, eps);
+    return blk::Model<double>::stack(spec, D, stack, B, X.data(), pointers(weights), eps);
   };
-  index_t P = 0;
-  for (const auto& p : shapes) P += p.size();
-  const blk::Selection all(shapes.size(), true);
-  const auto v = randn<double>(rng, P);
-  std::vector<double> Hv(P), gp(P), gm(P), fd(P);
-  blk::LossHessianOperator<double>(model_at(W), pooled, blk::Part::full, all).apply(v.data(), Hv.data());
-  const double h = 1e-5;
-  for (double step : {h, -h}) {
-    auto moved = W;
-    index_t k = 0;
-    for (auto& a : moved)
-      for (double& x : a) x += step * v[k++];
-    model_at(moved).loss_gradient(pooled, (step > 0 ? gp : gm).data());
-  }
-  for (index_t i = 0; i < P; ++i) fd[i] = (gp[i] - gm[i]) / (2 * h);
-  CHECK(all_finite(Hv) && rel_diff(fd, Hv, 1e-9) < 1e-5, ctx + " finite differences of the gradient = H v");
-  blk::Selection top(shapes.size(), false);
-  for (size_t p = 0; p < shapes.size(); ++p)
-    top[p] = shapes[p].name.rfind("h.1.", 0) == 0 || shapes[p].name.rfind("ln_f.", 0) == 0 || shapes[p].name == "W_C" ||
-             shapes[p].name == "b_C";
-  index_t Pt = 0;
-  for (size_t p = 0; p < shapes.size(); ++p) Pt += top[p] ? shapes[p].size() : 0;
-  std::vector<double> H(Pt * Pt), HV(Pt), ref(Pt, 0.0);
-  model_at(W).loss_hessian(pooled, blk::Part::full, top, H.data());
-  const auto u = randn<double>(rng, Pt);
-  blk::LossHessianOperator<double>(model_at(W), pooled, blk::Part::full, top).apply(u.data(), HV.data());
-  for (index_t i = 0; i < Pt; ++i)
-    for (index_t j = 0; j < Pt; ++j) ref[i] += H[i * Pt + j] * u[j];
-  CHECK(rel_diff(HV, ref) < 1e-12, ctx + " the top block's, ln_f's and the classifier's dense Hessian = its operator");
+  check_hv_against_differences(rng, model_at, W, pooled, ctx);
+  check_dense_against_operator(rng, model_at, W, shapes, pooled, {"h.1.", "ln_f.", "W_C", "b_C"}, ctx);
 }
 
 // Bad input must end in the documented exceptions, without leaking what was allocated before.

@@ -55,6 +55,16 @@ struct Slot {
   bool add = false;
 };
 
+// A slot of `data` (none where null), claimed by a node: the first claim since `written` was
+// cleared assigns, the later ones add (a value's cotangent shares, a shared parameter's gradient).
+template <class T>
+Slot<T> claim_slot(T* data, char& written) {
+  if (!data) return {};
+  const bool add = written != 0;
+  written = 1;
+  return {data, add};
+}
+
 // The tangents of one Hessian-vector product in flight. Kept and reused between products (the
 // buffers keep their size), one per product running at once. Raw (uninitialised) storage: each
 // node writes a tangent (or the first share of a slot) before anything reads it.
@@ -85,19 +95,11 @@ struct Tangent {
   const T* in(int v) const { return has_d[static_cast<size_t>(v)] ? d[static_cast<size_t>(v)].data() : nullptr; }
   // A shared parameter's rows of H v (a parameter several nodes use): the first node assigns, the
   // rest add. Null data where it is not selected.
-  Slot<T> dgrad_slot(int p) {
-    T* data = dgrad[static_cast<size_t>(p)];
-    if (!data) return {};
-    const bool add = dgrad_written[static_cast<size_t>(p)] != 0;
-    dgrad_written[static_cast<size_t>(p)] = 1;
-    return {data, add};
-  }
+  Slot<T> dgrad_slot(int p) { return claim_slot(dgrad[static_cast<size_t>(p)], dgrad_written[static_cast<size_t>(p)]); }
   Slot<T> dcot_slot(int v, index_t size) {
     RawBuffer<T>& b = dcot[static_cast<size_t>(v)];
     b.resize(static_cast<size_t>(size));
-    const bool add = dcot_written[static_cast<size_t>(v)] != 0;
-    dcot_written[static_cast<size_t>(v)] = 1;
-    return {b.data(), add};
+    return claim_slot(b.data(), dcot_written[static_cast<size_t>(v)]);
   }
 };
 
@@ -233,9 +235,7 @@ class Graph {
   Slot<T> cotangent_slot(int v) {
     RawBuffer<T>& b = cot_[static_cast<size_t>(v)];
     b.resize(static_cast<size_t>(tokens() * width(v)));
-    const bool add = cot_written_[static_cast<size_t>(v)] != 0;
-    cot_written_[static_cast<size_t>(v)] = 1;
-    return {b.data(), add};
+    return claim_slot(b.data(), cot_written_[static_cast<size_t>(v)]);
   }
   // Where a node writes (assigns) the gradient of a parameter it alone uses; null where not wanted.
   T* gradient_out(int p) const {
@@ -245,11 +245,7 @@ class Graph {
   }
   // The gradient of a parameter several nodes use: the first to write assigns, the rest add.
   Slot<T> gradient_slot(int p) {
-    T* data = grad_out_[static_cast<size_t>(p)];
-    if (!data) return {};
-    const bool add = grad_written_[static_cast<size_t>(p)] != 0;
-    grad_written_[static_cast<size_t>(p)] = 1;
-    return {data, add};
+    return claim_slot(grad_out_[static_cast<size_t>(p)], grad_written_[static_cast<size_t>(p)]);
   }
   bool selected(int p) const { return selected_[static_cast<size_t>(p)] != 0; }
   bool piece_selected(int f) const { return selected(piece(f).param); }

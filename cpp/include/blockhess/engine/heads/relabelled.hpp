@@ -1,0 +1,37 @@
+// A head that is the per-token cross-entropy (cross_entropy.hpp) against classes it derives from
+// its own target when the forward pass runs: each token's class, or kIgnoredClass for a token that
+// counts for nothing (the mean is over the others). The next-token loss (next_token.hpp) and a class
+// token's loss (first_token.hpp) are two such relabellings; the formulas stay cross_entropy.hpp's.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "blockhess/engine/head.hpp"
+#include "blockhess/engine/heads/cross_entropy.hpp"
+
+namespace blockhess::engine {
+
+template <class T>
+class RelabelledCrossEntropy : public Head<T> {
+ public:
+  T forward(const Graph<T>& g, T* gZ) override {
+    classes_.assign(static_cast<size_t>(g.tokens()), kIgnoredClass);
+    relabel(g, classes_.data());
+    per_token_ = std::make_unique<CrossEntropyHead<T>>(classes_.data(), /*ignoring=*/true);
+    return per_token_->forward(g, gZ);
+  }
+  void curvature(const Graph<T>& g, Terms<T>& terms) const override { per_token_->curvature(g, terms); }
+  void vjp_tangent(const Graph<T>& g, const T* dZ, T* dgZ) const override { per_token_->vjp_tangent(g, dZ, dgZ); }
+
+ protected:
+  // Writes each token's class into classes (g.tokens() entries, all kIgnoredClass on entry).
+  virtual void relabel(const Graph<T>& g, std::int64_t* classes) const = 0;
+
+ private:
+  std::vector<std::int64_t> classes_;
+  std::unique_ptr<CrossEntropyHead<T>> per_token_;
+};
+
+}  // namespace blockhess::engine
