@@ -7,6 +7,7 @@
 
 #include <array>
 #include <cstdint>
+#include <stdexcept>
 #include <tuple>
 #include <vector>
 
@@ -108,19 +109,20 @@ void bind_for(py::module_& m) {
   m.def(
       "loss_hessian_diagonal",
       [](Input X, const SpecTuple& spec, Weights W, T eps, int kind, const optional_carray<T>& values,
-         const opt_classes& classes, int part, const std::vector<bool>& wrt, carray<T>& out,
+         const opt_classes& classes, int part, const std::vector<bool>& wrt, carray<T>& out, index_t max_products,
          const optional_carray<T>& head_weight, const optional_carray<T>& head_bias) {
         const auto c = curvature_call<T>(X, spec, W, kind, values, classes, part, wrt, head_weight, head_bias);
         require_shape(out, {c.P}, "out");
+        if (max_products < 0) throw std::invalid_argument("max_products must be >= 0");
         T* o = mutable_ptr(out);
         py::gil_scoped_release release;
         auto e = c.problem.evaluate(eps);
-        return e.loss_hessian_diagonal(c.target, c.part, c.wrt, o);
+        return e.loss_hessian_diagonal(c.target, c.part, c.wrt, o, max_products);
       },
       py::arg("X").noconvert(), py::arg("spec"), py::arg("weights").noconvert(), py::arg("eps"), py::arg("kind"),
       py::arg("values").noconvert().none(true), py::arg("classes").noconvert().none(true), py::arg("part"),
-      py::arg("wrt"), py::arg("out").noconvert(), py::arg("head_weight").noconvert().none(true) = py::none(),
-      py::arg("head_bias").noconvert().none(true) = py::none());
+      py::arg("wrt"), py::arg("out").noconvert(), py::arg("max_products"),
+      py::arg("head_weight").noconvert().none(true) = py::none(), py::arg("head_bias").noconvert().none(true) = py::none());
 
   // One product H V (V of shape (P,) or (P, k)), the weights read in place: loss_hvp.
   m.def(

@@ -3,9 +3,9 @@ wire_stack): each block wired on the previous one's output, its parameters prefi
 ("h.0.W_Q", ...). Forward, the loss's gradient and the Hessian-vector product need no new
 mathematics, so the public functions on a stack must equal torch autograd of the stacked blocks,
 written from their definition (the torch reference's stack: its family_block, one after another):
-float64, relative error <= 1e-10. The dense Hessian and diagonal of a layer whose parameters reach
-another block's attention through its input are not in the factored form yet (a ValueError says
-so); the last layer's are, and must match too.
+float64, relative error <= 1e-10. The last layer's dense Hessian and diagonal, from the per-token
+factors, must match too (a whole model's, with the layers the factors do not reach:
+test_model_curvature.py).
 """
 
 from __future__ import annotations
@@ -101,16 +101,6 @@ def test_a_stack_in_float32_is_close_to_float64(rng):
     hv64 = blockhess.loss_hvp(X, target, params, v, eps=EPS)
     hv32 = blockhess.loss_hvp(X.astype(np.float32), target.astype(np.float32), p32, v.astype(np.float32), eps=EPS)
     assert hv32.dtype == np.float32 and ref.rel_err(hv32, hv64) <= 1e-4
-
-
-def test_a_lower_layers_dense_hessian_is_refused_clearly(rng):
-    """Layer 0's parameters reach layer 1's attention through its input, which mixes tokens: the
-    factored form does not hold there, and the engine says so and what is exact instead."""
-    params, X, target, _, _ = _problem(rng, ModelSpec(BlockSpec(), n_layers=2), "mse")
-    with pytest.raises(ValueError, match="mixes tokens.*Hessian-vector products"):
-        blockhess.loss_hessian(X, target, params, eps=EPS)
-    with pytest.raises(ValueError, match="mixes tokens"):
-        blockhess.hessian_operator(X, target, params, eps=EPS, wrt=("h.0.W_Q",)).diagonal()
 
 
 def test_bad_model_specs_are_refused():

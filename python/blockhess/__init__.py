@@ -42,6 +42,7 @@ from .block import (
     loss_value,
 )
 from .hvp import HessianOperator, hessian_operator, loss_hvp
+from .estimate import Estimate
 from .dataset import DatasetHessianOperator, dataset_hessian_operator
 from . import spectrum
 from .spec import BlockSpec
@@ -59,6 +60,7 @@ __all__ = [
     "ModelSpec",
     "from_torch",
     "HessianOperator",
+    "Estimate",
     "hessian_operator",
     "DatasetHessianOperator",
     "dataset_hessian_operator",

@@ -10,7 +10,8 @@ import numpy as np
 
 from ._config import get_memory_budget
 from ._interop import is_torch_tensor, to_torch
-from ._validate import float_array, require_output_fits
+from ._validate import boolean, float_array, integer, positive_int, require_output_fits
+from .estimate import hutchinson
 
 
 class CurvatureOperator:
@@ -63,10 +64,20 @@ class CurvatureOperator:
         ndim = len(V.shape) if hasattr(V, "shape") else np.ndim(V)  # np.ndim reads nested lists
         return self.matmat(V) if ndim == 2 else self.matvec(V)
 
-    def diagonal(self) -> Any:
-        """The Hessian's diagonal (P,), exact: assembled from the per-token factors and curvature
-        terms like the dense Hessian, with no block of it formed and no random probes (a torch
-        tensor when the operator was built from tensors)."""
+    def diagonal(self, exact: bool = True, *, probes: int = 100, seed: int = 0) -> Any:
+        """The Hessian's diagonal (P,) (a torch tensor when the operator was built from tensors).
+
+        exact=True: assembled from the per-token factors and curvature terms like the dense Hessian,
+        with no block of it formed and no random probes; where the factors do not reach a selected
+        parameter (a model's lower layers, its embeddings), from one exact product per parameter
+        (P products, docs/derivation.md §5.4), refused above ``blockhess.hvp.EXACT_PRODUCTS_LIMIT``
+        (65,536) parameters.
+        exact=False: Hutchinson's estimate from ``probes`` Rademacher probes (``probes`` products),
+        returned as an :class:`blockhess.estimate.Estimate` (value, standard_error, probes)."""
+        if not boolean(exact, "exact"):
+            estimate = self._hutchinson(probes, seed)[0]
+            return estimate._replace(value=self._callers_kind(estimate.value),
+                                     standard_error=self._callers_kind(estimate.standard_error))
         return self._callers_kind(self._diagonal_array())
 
     def _diagonal_array(self) -> np.ndarray:
@@ -76,15 +87,29 @@ class CurvatureOperator:
             self._diagonal.setflags(write=False)
         return self._diagonal
 
-    def trace(self, by_block: bool = False) -> float | dict[tuple[str, str], float]:
-        """tr(H), exact (the sum of :meth:`diagonal`); by_block=True: a dict keyed like
-        ``loss_hessian(layout="blocks")``'s diagonal blocks, ``{("W_Q", "W_Q"): tr(H_QQ), ...}``."""
+    def trace(self, by_block: bool = False, exact: bool = True, *, probes: int = 100, seed: int = 0):
+        """tr(H) (the sum of :meth:`diagonal`); by_block=True: a dict keyed like
+        ``loss_hessian(layout="blocks")``'s diagonal blocks, ``{("W_Q", "W_Q"): tr(H_QQ), ...}``.
+        exact=False: Hutchinson's estimates (an :class:`blockhess.estimate.Estimate`, or a dict of
+        them, from the same ``probes`` products), for where the exact diagonal costs too much."""
+        if not boolean(exact, "exact"):
+            _, traces, total = self._hutchinson(probes, seed)
+            return {(n, n): t for n, t in zip(self.names, traces)} if by_block else total
         diag = self._diagonal_array()
         if not by_block:
             return float(np.sum(diag, dtype=np.float64))
         bounds = np.cumsum((0, *self._sizes))
         return {(n, n): float(np.sum(diag[a:b], dtype=np.float64))
                 for n, a, b in zip(self.names, bounds[:-1], bounds[1:])}
+
+    def _hutchinson(self, probes: int, seed: int):
+        """(diagonal, per-block traces) Estimates from ``probes`` Rademacher probes (estimate.py)."""
+        probes = positive_int(probes, "probes")
+        if probes < 2:
+            raise ValueError("probes must be at least 2 (the standard error needs two), got 1")
+        chunk = min(probes, self._column_chunk("the probes H Z that the estimate takes, a chunk at a time,",
+                                               "build the operator over fewer parameters, e.g. wrt=(name,)"))
+        return hutchinson(self._product, self._sizes, self.dtype, probes, integer(seed, "seed", least=0), chunk)
 
     def frobenius_norm(self, by_block: bool = False) -> float | dict[tuple[str, str], float]:
         """||H||_F, exact and without random probes: the columns of H come from products with the
@@ -94,7 +119,8 @@ class CurvatureOperator:
         ||J^T G J||_F needs every pair of tokens. by_block=True: ``{(a, b): ||H[a, b]||_F}`` for
         every pair, keyed like ``loss_hessian(layout="blocks")``."""
         P = self.shape[0]
-        chunk = self._frobenius_chunk()
+        chunk = self._column_chunk("the columns of H that frobenius_norm sums, a chunk at a time,",
+                                   "build the operator over fewer parameters, e.g. wrt=(name,)")
         bounds = np.cumsum((0, *self._sizes))
         squares = np.zeros((len(self.names), len(self.names)))
         for b, (start, stop) in enumerate(zip(bounds[:-1], bounds[1:])):
@@ -110,20 +136,20 @@ class CurvatureOperator:
         return {(m, n): float(np.sqrt(squares[i, j])) for i, m in enumerate(self.names)
                 for j, n in enumerate(self.names)}
 
-    def _frobenius_chunk(self) -> int:
-        """How many columns of H frobenius_norm computes at a time: at most 64 MiB of them, halved
-        until the chunk fits the memory budget; OutputTooLargeError when not even one column does."""
+    def _column_chunk(self, what: str, hint: str) -> int:
+        """How many columns of products a method forms at a time: at most 64 MiB of them, halved
+        until the chunk fits the memory budget; OutputTooLargeError (naming ``what`` and ``hint``)
+        when not even one column does."""
         P, itemsize = self.shape[0], np.dtype(self.dtype).itemsize
 
-        def working(columns: int) -> int:  # besides the (P, columns) product: E and a block's squares
+        def working(columns: int) -> int:  # besides the (P, columns) product: the columns and float64 sums
             return P * columns * (itemsize + 8) + self._product_working(columns)
 
         chunk = int(max(1, min(P, (64 << 20) // (P * (2 * itemsize + 8)))))
         budget = get_memory_budget()
         while chunk > 1 and P * chunk * itemsize + working(chunk) > budget:
             chunk //= 2
-        require_output_fits((P, chunk), self.dtype, "the columns of H that frobenius_norm sums, a chunk at a time,",
-                            "build the operator over fewer parameters, e.g. wrt=(name,)", working=working(chunk))
+        require_output_fits((P, chunk), self.dtype, what, hint, working=working(chunk))
         return chunk
 
     def eigsh(self, k: int = 6, which: str = "LA", tol: float = 0.0, return_eigenvectors: bool = True):

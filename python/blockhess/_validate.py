@@ -101,6 +101,13 @@ def integer(value: Any, name: str, *, least: int | None = None, most: int | None
     return value
 
 
+def boolean(value: Any, name: str) -> bool:
+    """``value`` when it is a bool (NumPy's too); TypeError naming ``name`` otherwise."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
+
+
 def positive_int(value: Any, name: str, *, most: int | None = None) -> int:
     """``value`` as an int >= 1 (and <= ``most``): :func:`integer` with ``least=1``."""
     return integer(value, name, least=1, most=most)

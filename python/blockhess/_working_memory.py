@@ -61,7 +61,7 @@ def block(B: int, L: int, d: int, dk: int, dff: int, itemsize: int, *, hessian: 
     # X, F, X + F, Y, Y W_1, relu, R W_2, S, Z; Q, K, V, A and two (L, L) products in flight; two
     # LayerNorm sigmas and the relu mask
     # (A stack of layers holds every layer's values, caches and cotangents; a Hessian, the factors
-    # of the last layer's parameters, the only ones a dense Hessian covers so far.)
+    # of the last layer's parameters, the ones the factored dense Hessian covers.)
     forward = P + layers * (3 * B_heads * L * L + n * (7 * d + 3 * dff + 2 * dk + d + 2))
     reverse = layers * (2 * B_heads * L * L + n * (6 * d + 2 * dff + 2 * dk + d))  # every value's cotangent, gA, gT
     loss = n * d * (d + 1 if outer else 1)
@@ -97,6 +97,14 @@ def hvp(B: int, L: int, d: int, dk: int, dff: int, itemsize: int, columns: int, 
     return itemsize * (kept + per_product * max(1, min(columns, threads)))
 
 
+def identity_products(B: int, L: int, d: int, dk: int, dff: int, itemsize: int, P_selected: int, threads: int,
+                      **family) -> int:
+    """engine/loss.hpp's Products::identity_columns (a dense Hessian or diagonal where the factors do
+    not reach): the operator's caches and a product in flight per thread (hvp), each with a unit
+    vector and its column of P_selected entries."""
+    return hvp(B, L, d, dk, dff, itemsize, threads, threads, **family) + 2 * P_selected * threads * itemsize
+
+
 # The parameters whose factors the diagonal forms together, a group at a time (engine/loss.hpp,
 # Graph::factor_groups): a node's, a norm's gamma and beta apart.
 _GROUPS = (("W_Q", "b_Q", "W_K", "b_K", "W_V", "b_V"), ("W_O", "b_O"), ("gamma_1",), ("beta_1",), ("W_1", "b_1"),
@@ -119,7 +127,7 @@ def hessian_diagonal(B: int, L: int, d: int, dk: int, dff: int, itemsize: int, s
     n = B * L
     kept = block(B, L, d, dk, dff, itemsize, hessian=False, outer=False, heads=heads, P=P, layers=layers,
                  vocab=vocab) // itemsize
-    omegas = 4 * n * d * d + n * vocab * vocab + 2 * B * heads * L * L * L  # the last layer's (the only one the diagonal covers so far)
+    omegas = 4 * n * d * d + n * vocab * vocab + 2 * B * heads * L * L * L  # the last layer's (the factored diagonal's)
     hv = max(d, heads * dk)  # the attention output's width (h d_v; d without W_O)
 
     def factors_of(name: str, shape: tuple[int, ...]) -> int:

@@ -15,6 +15,7 @@ import numpy as np
 
 from . import _backend, _core, _gpu, _working_memory
 from ._interop import as_array, is_torch_tensor, returns_callers_kind, to_torch
+from ._threads import get_num_threads
 from ._validate import _xp as _array_module
 from .model import ModelSpec
 from .spec import PAPER_BLOCK, BlockSpec, loss_names
@@ -598,15 +599,24 @@ def loss_hessian(
     it across calls saves the allocation and first-touch cost of a large result.
     loss and head as in :func:`loss_gradient` (the Hessian is with respect to the block's
     parameters; a pooled head's W_C and b_C stay fixed).
+
+    A model (:class:`ModelSpec`): parameters are named by layer ("h.0.W_Q", ...) and ``wrt`` takes
+    names or prefixes ("h.0", "ln_f"). The last block's, a final norm's and a classifier's Hessian is
+    assembled from per-token factors; a selection with any parameter below the last block's
+    attention (a lower block, an embedding, positions, a class token) comes from P exact
+    Hessian-vector products, one per column, P the selection's size (docs/derivation.md §5.4): every
+    cross-layer block is exact, at the cost of P products.
     """
     params, X3, W, dtype, eps, kind, values, classes, head = _loss_inputs(X, target, params, loss, eps, head=head)
     part_code = _PARTS[choice(part, "part", tuple(_PARTS))]
     layout = choice(layout, "layout", ("dense", "blocks"))
     names, selected, P = _selection(params, wrt)
     B, L, d = _sizes(X3, params)
-    working = _working_memory.block(B, L, d, params.d_k, params.d_ff, dtype.itemsize, hessian=True,
-                                    outer=part != "functional", pooled=loss == "pooled_cross_entropy",
-                                    **_family_size(params))
+    working = max(_working_memory.block(B, L, d, params.d_k, params.d_ff, dtype.itemsize, hessian=True,
+                                        outer=part != "functional", pooled=loss == "pooled_cross_entropy",
+                                        **_family_size(params)),
+                  _working_memory.identity_products(B, L, d, params.d_k, params.d_ff, dtype.itemsize, P,
+                                                    get_num_threads(), **_family_size(params)))
     if out is None:
         require_output_fits(
             (P, P), dtype, f"the loss Hessian over {', '.join(names)} (P = {P})",

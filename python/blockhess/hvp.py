@@ -20,6 +20,12 @@ from .block import _PARTS, BlockParams, _family_size, _loss_inputs, _selected_si
 from .spec import loss_names
 
 
+# The most products an exact diagonal may take where the per-token factors do not reach a selected
+# parameter (one per parameter, docs/derivation.md §5.4); above it, diagonal() and trace() refuse and
+# name the estimate (exact=False).
+EXACT_PRODUCTS_LIMIT = 65_536
+
+
 class HessianOperator(CurvatureOperator):
     """The loss Hessian (or its outer / functional part) over the parameters in ``wrt`` as a
     linear operator of shape (P, P). Built by :func:`hessian_operator`; the forward and reverse
@@ -30,7 +36,8 @@ class HessianOperator(CurvatureOperator):
     inputs. ``op.to_scipy()`` gives a ``scipy.sparse.linalg.LinearOperator`` (for ``eigsh``, ``cg``).
 
     Curvature without a dense matrix: :meth:`diagonal`, :meth:`trace` (whole or per parameter) exact
-    from the per-token factors; :meth:`eigsh` (extreme eigenvalues by Lanczos through H v) and
+    from the per-token factors (or, for a model's lower layers, from one product per parameter), or
+    estimated with their standard errors (exact=False); :meth:`eigsh` (extreme eigenvalues by Lanczos through H v) and
     :meth:`spectral_density` (stochastic Lanczos quadrature). The diagonal and eigsh's results are
     torch tensors when the operator was built from tensors.
 
@@ -54,14 +61,18 @@ class HessianOperator(CurvatureOperator):
         problem, params = self._problem, self._problem.params
         B, L, d = _sizes(problem.X3, params)
         chosen = [(n, shape) for n, shape, keep in zip(params.names, params.shapes, problem.selected) if keep]
-        working = _working_memory.hessian_diagonal(B, L, d, params.d_k, params.d_ff, problem.dtype.itemsize, chosen,
-                                                   pooled=problem.loss == "pooled_cross_entropy",
-                                                   pre_ln=params.spec.norm_position == "pre", **_family_size(params))
+        itemsize = problem.dtype.itemsize
+        factored = _working_memory.hessian_diagonal(B, L, d, params.d_k, params.d_ff, itemsize, chosen,
+                                                    pooled=problem.loss == "pooled_cross_entropy",
+                                                    pre_ln=params.spec.norm_position == "pre", **_family_size(params))
+        products = _working_memory.identity_products(B, L, d, params.d_k, params.d_ff, itemsize, problem.P,
+                                                     get_num_threads(), **_family_size(params))
         require_output_fits((problem.P,), problem.dtype,
                             f"the Hessian's diagonal over {', '.join(problem.names)} (P = {problem.P})",
-                            "pass wrt=(...) with fewer parameters, or fewer samples or tokens", working=working)
+                            "pass wrt=(...) with fewer parameters, or fewer samples or tokens",
+                            working=max(factored, products))
         out = np.empty(problem.P, dtype=problem.dtype)
-        _core.loss_hessian_diagonal(*problem.core_args, out, *problem.head)
+        _core.loss_hessian_diagonal(*problem.core_args, out, EXACT_PRODUCTS_LIMIT, *problem.head)
         return out
 
     def _product_working(self, columns: int) -> int:

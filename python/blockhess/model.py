@@ -24,12 +24,12 @@ every sample gets a learned first token ``cls_token`` before its patches, so the
 first token's logits instead of the mean.
 
 Every function that takes a block's parameters takes a stack's (``BlockParams.random(ModelSpec(...),
-...)``, ``from_arrays``): the loss, its gradient and its Hessian-vector products cover every layer
-exactly; the dense Hessian and its diagonal cover the last layer's parameters so far (``wrt=``): a
-lower layer's (and the embedding's) reach the next block's attention through its input, which the
-per-token factors do not cover yet (docs/derivation.md §4.3), and asking for them is a ValueError
-that says so. The final norm's parameters are token-local above the last layer: the dense Hessian
-covers them too.
+...)``, ``from_arrays``): the loss, its gradient, its Hessian-vector products, the dense Hessian
+with every cross-layer block, its diagonal and traces cover every layer exactly. The last layer's,
+the final norm's and a classifier's dense Hessian and diagonal are assembled from per-token
+factors; a lower layer's (and the embedding's) parameters reach the next block's attention through
+its input, which the factors do not cover (docs/derivation.md §4.3), so a selection with any of them
+takes one exact Hessian-vector product per parameter (§5.4).
 """
 
 from __future__ import annotations

@@ -778,8 +778,9 @@ inline std::vector<const double*> pointers(const std::vector<std::vector<double>
 
 // A stack of three GPT-2-like blocks and a final norm through Model::stack: H v against central
 // differences of the gradient (every parameter), the dense Hessian of the last layer and the final
-// norm against the operator on them, and a lower layer's dense Hessian refused (its parameters reach
-// another block's attention).
+// norm against the operator on them, and with a lower layer's parameters (whose factors do not reach
+// through another block's attention: the Hessian and diagonal come from products, engine/loss.hpp)
+// too, the diagonal's product limit refused.
 inline void check_stack(std::mt19937_64& rng) {
   namespace blk = bh::block;
   blk::Spec spec;
@@ -803,18 +804,26 @@ inline void check_stack(std::mt19937_64& rng) {
   };
   check_hv_against_differences(rng, model_at, W, mse, ctx);
   check_dense_against_operator(rng, model_at, W, shapes, mse, {"h.2.", "ln_f."}, ctx);
+  check_dense_against_operator(rng, model_at, W, shapes, mse, {"h.0.", "h.2.", "ln_f."}, ctx + " with layer 0");
   blk::Selection first(shapes.size(), false);
   first[0] = true;  // h.0.W_Q: under layers 1 and 2's attention
-  std::vector<double> H(shapes[0].size() * shapes[0].size());
-  CHECK(throws<std::invalid_argument>([&] { model_at(W).loss_hessian(mse, blk::Part::full, first, H.data()); }),
-        ctx + " a lower layer's dense Hessian refused");
+  const index_t n = shapes[0].size();
+  std::vector<double> H(n * n), diag(n);
+  model_at(W).loss_hessian(mse, blk::Part::full, first, H.data());
+  model_at(W).loss_hessian_diagonal(mse, blk::Part::full, first, diag.data());
+  double worst = 0;
+  for (index_t i = 0; i < n; ++i) worst = std::max(worst, std::abs(diag[i] - H[i * n + i]));
+  CHECK(worst == 0.0, ctx + " a lower layer's diagonal = its dense Hessian's");
+  CHECK(throws<std::invalid_argument>(
+            [&] { model_at(W).loss_hessian_diagonal(mse, blk::Part::full, first, diag.data(), n - 1); }),
+        ctx + " a lower layer's diagonal above the product limit refused");
 }
 
 // A language model through Model::language_model: token ids, wte and wpe, two blocks, ln_f and the LM
 // head tied to wte (one parameter written by two nodes through the graph's slots), under the
 // next-token loss with ignored labels: H v against central differences of the gradient (every
-// parameter), the last layer's dense Hessian against the operator, the embedding's refused, and bad
-// ids and all-ignored labels refused.
+// parameter), the last layer's dense Hessian against the operator, with the embeddings too (from
+// products), and bad ids and all-ignored labels refused.
 inline void check_language_model(std::mt19937_64& rng) {
   namespace blk = bh::block;
   blk::Spec spec;
@@ -842,17 +851,16 @@ inline void check_language_model(std::mt19937_64& rng) {
   auto model_at = [&](const std::vector<std::vector<double>>& weights) { return model_with(weights, ids); };
   check_hv_against_differences(rng, model_at, W, next, ctx);
   check_dense_against_operator(rng, model_at, W, shapes, next, {"h.1.", "ln_f."}, ctx);
-  blk::Selection embedding(shapes.size(), false);
-  embedding[0] = true;
-  std::vector<double> H(shapes[0].size() * shapes[0].size());
-  CHECK(throws<std::invalid_argument>([&] { model_at(W).loss_hessian(next, blk::Part::full, embedding, H.data()); }),
-        ctx + " the embedding's dense Hessian refused");
+  // wte (tied to the LM head) and wpe: out of the factors' reach, from products.
+  check_dense_against_operator(rng, model_at, W, shapes, next, {"wte", "wpe", "h.1."}, ctx + " with the embeddings");
   auto bad = ids;
   bad[4] = 9;
   CHECK(throws<std::invalid_argument>([&] { model_with(W, bad); }), ctx + " a token id out of range refused");
   std::vector<std::int64_t> ignored(B * D.L, -100);
   next.classes = ignored.data();
-  std::vector<double> grad(H.size());
+  index_t P = 0;
+  for (const auto& shape : shapes) P += shape.size();
+  std::vector<double> grad(P);
   CHECK(throws<std::invalid_argument>([&] { model_at(W).loss_gradient(next, grad.data()); }),
         ctx + " every label ignored refused");
 }

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <vector>
 
@@ -45,16 +46,16 @@ class Model {
   // A model of blocks of the spec (params.hpp's Stack: its layers, each on the previous one's
   // output, a final norm; a ViT's patch embedding, class token, positions and classifier, X then
   // (samples x L x patch_dim)); weights: one array per parameters(spec, dims, stack) entry (the
-  // input's, each layer's, prefixed "h.<l>.", then ln_f's and the classifier's). Gradients and
-  // Hessian-vector products cover every parameter; a dense Hessian or diagonal, those of the last
-  // layer, the final norm and the classifier (a lower layer's, and the input's, reach another
-  // block's attention through its input, which the per-token factors do not cover yet:
-  // std::invalid_argument).
+  // input's, each layer's, prefixed "h.<l>.", then ln_f's and the classifier's). Every derivative
+  // covers every parameter. A dense Hessian or diagonal is assembled from the per-token factors
+  // over the last layer, the final norm and the classifier; a lower layer's parameters, and the
+  // input's, reach another block's attention through its input, which the factors do not cover,
+  // and a selection with any of them is computed from Hessian-vector products (loss_hessian).
   static Model stack(const Spec& spec, const Dims& dims, const Stack& stack, index_t samples, const T* X,
                      const std::vector<const T*>& weights, T eps, engine::Storage storage = engine::Storage::copy);
   // A language model (stack.vocab > 0) at the token ids (samples x L, each in [0, vocab)): its
   // parameters start with wte (and wpe); with stack.lm_head its output is the logits (tokens, vocab).
-  // Dense Hessians and diagonals over wte or wpe are refused like a lower layer's.
+  // Dense Hessians and diagonals over wte or wpe come from products like a lower layer's.
   static Model language_model(const Spec& spec, const Dims& dims, const Stack& stack, index_t samples,
                               const std::int64_t* ids, const std::vector<const T*>& weights, T eps,
                               engine::Storage storage = engine::Storage::copy);
@@ -76,8 +77,11 @@ class Model {
   T loss_gradient(const Target<T>& target, T* grad);
   // The loss; the (P, P) Hessian (or its part) over the parameters in wrt into H.
   T loss_hessian(const Target<T>& target, Part part, const Selection& wrt, T* H);
-  // The loss; the diagonal of that Hessian (P entries) into diag, with no block of it formed.
-  T loss_hessian_diagonal(const Target<T>& target, Part part, const Selection& wrt, T* diag);
+  // The loss; the diagonal of that Hessian (P entries) into diag, with no block of it formed. Where
+  // the per-token factors do not reach a selected parameter, from P Hessian-vector products
+  // (std::invalid_argument above max_products).
+  T loss_hessian_diagonal(const Target<T>& target, Part part, const Selection& wrt, T* diag,
+                          index_t max_products = std::numeric_limits<index_t>::max());
 
   // The engine graph, for assembly into another target (the GPU's DeviceHessian, engine/loss.hpp).
   engine::Graph<T>& graph() { return *graph_; }

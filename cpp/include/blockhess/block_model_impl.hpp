@@ -63,8 +63,9 @@ T Model<T>::loss_hessian(const Target<T>& target, Part part, const Selection& wr
   return engine::loss_hessian(*graph_, *heads::make(target), part, wrt, H);
 }
 template <class T>
-T Model<T>::loss_hessian_diagonal(const Target<T>& target, Part part, const Selection& wrt, T* diag) {
-  return engine::loss_hessian_diagonal(*graph_, *heads::make(target), part, wrt, diag);
+T Model<T>::loss_hessian_diagonal(const Target<T>& target, Part part, const Selection& wrt, T* diag,
+                                    index_t max_products) {
+  return engine::loss_hessian_diagonal(*graph_, *heads::make(target), part, wrt, diag, max_products);
 }
 
 template <class T>

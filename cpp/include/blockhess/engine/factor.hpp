@@ -41,6 +41,15 @@ using ColMap = Eigen::Map<const ColMat<T>>;
 template <class T>
 using ColMapM = Eigen::Map<ColMat<T>>;
 
+// Thrown by a push where a selected parameter's tangent factors cannot stay per token: the
+// parameter moves the input of an attention, which mixes tokens, with a factor that differs from
+// token to token (a lower block of a stack, an embedding), or reaches a sum along two paths whose
+// factors then differ. The dense Hessian and the diagonal come from exact Hessian-vector products
+// instead (loss.hpp, docs/derivation.md §5.4).
+struct FactorsDoNotReach : std::invalid_argument {
+  using std::invalid_argument::invalid_argument;
+};
+
 template <class T>
 struct Factor {
   bool present = false;
@@ -250,7 +259,8 @@ std::vector<Factor<T>> add(const std::vector<const Factor<T>*>& a, const std::ve
     }
     const Factor<T>&fa = *a[p], &fb = *b[p];
     if (fa.right != fb.right || fa.vec != fb.vec)
-      throw std::logic_error("engine: the two paths of a piece to a sum must share its vector and right factor");
+      throw FactorsDoNotReach("engine: a parameter reaches a sum along two paths with different factors (one of them "
+                              "through an attention, which mixes tokens): the per-token factors do not reach it");
     // Pieces whose G_t are alike on both sides share their sum.
     bool shared = false;
     for (size_t q = 0; q < p && !shared; ++q)

@@ -324,6 +324,11 @@ class Graph {
     }
   }
 
+  // Drops every value's factors (after a push that a node declined: FactorsDoNotReach).
+  void clear_factors() {
+    for (auto& per_value : factors_) per_value.clear();
+  }
+
   // Every node's curvature (the functional part of the Hessian of the scalar behind reverse()).
   Terms<T> curvature() const {
     Terms<T> terms;

@@ -11,8 +11,11 @@
 #pragma once
 
 #include <algorithm>
+#include <limits>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -75,74 +78,40 @@ void push_loss_factors(Graph<T>& g, const Head<T>& head, Part part, const std::v
   g.push_factors(/*to_output=*/head.couples_tokens() && part != Part::functional);
 }
 
-// The symmetric (P, P) loss Hessian (or its part) over the selected parameters, written through
-// `out` (HostHessian, or the GPU's DeviceHessian). Returns the loss.
-template <class T, class Out>
-T loss_hessian_into(Graph<T>& g, Head<T>& head, Part part, const std::vector<bool>& wrt, Out& out) {
-  const T value = reverse_loss(g, head);
-  push_loss_factors(g, head, part, wrt);
-  assemble(g, loss_terms(g, outer_terms(g, head, part), part), g.offsets(wrt), out);
-  return value;
-}
-// Into host memory H (P x P).
-template <class T>
-T loss_hessian(Graph<T>& g, Head<T>& head, Part part, const std::vector<bool>& wrt, T* H) {
-  index_t P = 0;
-  g.offsets(wrt, &P);
-  HostHessian<T> out{H, P};
-  return loss_hessian_into(g, head, part, wrt, out);
-}
-
-// The diagonal of that Hessian (P entries), exact, with no block of it formed: its trace and
-// per-parameter traces at sizes where no (P, P) matrix fits. An entry (p, p) needs p's factors
-// only, so it is formed a group of parameters at a time (one node's, which share their pushes:
-// Graph::factor_groups): the factors held at once are one group's, not every selected parameter's.
-template <class T>
-T loss_hessian_diagonal(Graph<T>& g, Head<T>& head, Part part, const std::vector<bool>& wrt, T* diag) {
-  const T value = reverse_loss(g, head);
-  const Terms<T> outer = outer_terms(g, head, part);
-  index_t P = 0;
-  const std::vector<index_t> offset = g.offsets(wrt, &P);
-  std::fill_n(diag, P, T(0));
-  for (const std::vector<int>& group : g.factor_groups()) {
-    std::vector<bool> some(wrt.size(), false);
-    bool any = false;
-    for (int p : group) some[static_cast<size_t>(p)] = wrt[static_cast<size_t>(p)], any = any || wrt[static_cast<size_t>(p)];
-    if (!any) continue;
-    push_loss_factors(g, head, part, some);
-    add_diagonal(g, loss_terms(g, outer, part), offset, diag);
-  }
-  require_finite(diag, P, "block: the Hessian's diagonal");
-  return value;
-}
-
-// The loss Hessian (or its part) over the selected parameters as an operator, matrix-free:
+// The selected parameters' Hessian-vector products over a graph whose forward and reverse passes
+// are done (reverse_loss), matrix-free:
 //   H v is the derivative of the gradient along v (forward over reverse, in closed form):
 //   1. push the tangent v forward through the graph (every node's jvp);
 //   2. carry the tangent of the reverse pass back. Each cotangent g_x = J_x^T g_y moves for two
 //      reasons: its seed moves (dg_y), and the node's Jacobian moves with the primal (the node's
 //      second derivatives contracted with g_y, or a bilinear term where two varying operands multiply).
 // The outer part keeps only the first reason, seeded with dgZ = H_l dZ (Head::vjp_tangent); the
-// functional part keeps only the second with dgZ = 0; their sum is the full product. The forward
-// pass, the head and the reverse pass do not depend on v: they run once, at construction, and
-// every product reuses them.
+// functional part keeps only the second with dgZ = 0; their sum is the full product. Nothing here
+// depends on v but the tangents, which each product in flight holds in a Tangent of its own, kept
+// and reused (so that repeated products do not fault in fresh pages every time).
 template <class T>
-class LossOperator {
+class Products {
  public:
-  LossOperator(std::unique_ptr<Graph<T>> g, std::unique_ptr<Head<T>> head, Part part, const std::vector<bool>& wrt)
-      : g_(std::move(g)), head_(std::move(head)), part_(part) {
-    value_ = reverse_loss(*g_, *head_);
-    g_->select(wrt);
-    offset_ = g_->offsets(wrt, &size_);
-  }
+  Products(const Graph<T>& g, const Head<T>& head, Part part, std::vector<index_t> offset, index_t size)
+      : g_(g), head_(head), part_(part), offset_(std::move(offset)), size_(size) {}
+  Products(const Products&) = delete;
+  Products& operator=(const Products&) = delete;
 
   index_t size() const { return size_; }
-  T loss_value() const { return value_; }
+  // The work of one product, for parallel_for's grain.
+  index_t cost() const { return size_ * g_.tokens(); }
 
   // out = H v for one vector v of length size().
   void apply(const T* v, T* out) const {
     const ScratchLease lease(*this);
-    apply(v, out, lease.scratch);
+    const bool seeded = part_ != Part::functional, curved = part_ != Part::outer;
+    auto seed = [&](const T* dZ, T* dgZ) {
+      if (seeded) head_.vjp_tangent(g_, dZ, dgZ);
+      return seeded;
+    };
+    std::fill_n(out, size_, T(0));  // a selected parameter that reaches nothing has zero rows
+    g_.hvp(lease.scratch, offset_, v, seed, curved, out);
+    require_finite(out, size_, "block: the Hessian-vector product H v (a vector of smaller magnitude may fit)");
   }
 
   // out = H V for V of shape (size(), k), both row-major. Columns are independent products, run in
@@ -150,7 +119,7 @@ class LossOperator {
   void apply_columns(const T* V, index_t k, T* out) const {
     const index_t P = size_;
     if (k == 1) return apply(V, out);
-    blockhess::detail::parallel_for(k, P * g_->tokens(), [&](index_t j) {
+    blockhess::detail::parallel_for(k, cost(), [&](index_t j) {
       Buffer<T> column(P), result(P);
       for (index_t i = 0; i < P; ++i) column[i] = V[i * k + j];
       apply(column.data(), result.data());
@@ -158,9 +127,20 @@ class LossOperator {
     });
   }
 
+  // H e_j for every j in [0, size()), the columns of the identity, in parallel: each product is
+  // handed to take(j, column) as it is done (column: size() entries, valid during the call).
+  template <class Take>
+  void identity_columns(Take&& take) const {
+    const index_t P = size_;
+    blockhess::detail::parallel_for(P, cost(), [&](index_t j) {
+      Buffer<T> unit(P), column(P);  // zeroed
+      unit[j] = T(1);
+      apply(unit.data(), column.data());
+      take(j, column.data());
+    });
+  }
+
  private:
-  // The tangents of one product in flight. Kept by the operator and reused (one per concurrent
-  // product), so that repeated products do not fault in fresh pages every time.
   using Scratch = Tangent<T>;
   Scratch& acquire() const {
     std::lock_guard<std::mutex> lock(scratch_mutex_);
@@ -178,34 +158,130 @@ class LossOperator {
   }
   // One product's hold on a Scratch, given back however the product ends.
   struct ScratchLease {
-    explicit ScratchLease(const LossOperator& op) : owner(op), scratch(op.acquire()) {}
+    explicit ScratchLease(const Products& p) : owner(p), scratch(p.acquire()) {}
     ~ScratchLease() { owner.release(scratch); }
     ScratchLease(const ScratchLease&) = delete;
     ScratchLease& operator=(const ScratchLease&) = delete;
-    const LossOperator& owner;
+    const Products& owner;
     Scratch& scratch;
   };
 
-  void apply(const T* v, T* out, Scratch& ws) const {
-    const bool seeded = part_ != Part::functional, curved = part_ != Part::outer;
-    auto seed = [&](const T* dZ, T* dgZ) {
-      if (seeded) head_->vjp_tangent(*g_, dZ, dgZ);
-      return seeded;
-    };
-    std::fill_n(out, size_, T(0));  // a selected parameter that reaches nothing has zero rows
-    g_->hvp(ws, offset_, v, seed, curved, out);
-    require_finite(out, size_, "block: the Hessian-vector product H v (a vector of smaller magnitude may fit)");
-  }
-
-  std::unique_ptr<Graph<T>> g_;
-  std::unique_ptr<Head<T>> head_;
+  const Graph<T>& g_;
+  const Head<T>& head_;
   Part part_;
   std::vector<index_t> offset_;
   index_t size_ = 0;
-  T value_ = 0;
   mutable std::mutex scratch_mutex_;
   mutable std::vector<std::unique_ptr<Scratch>> scratch_;
   mutable std::vector<Scratch*> idle_scratch_;
+};
+
+// The products of the loss Hessian over the selected parameters of g, its reverse pass done.
+template <class T>
+Products<T> selected_products(Graph<T>& g, const Head<T>& head, Part part, const std::vector<bool>& wrt) {
+  g.select(wrt);
+  index_t P = 0;
+  std::vector<index_t> offset = g.offsets(wrt, &P);
+  return Products<T>(g, head, part, std::move(offset), P);
+}
+
+// The symmetric (P, P) loss Hessian (or its part) over the selected parameters, written through
+// `out` (HostHessian, or the GPU's DeviceHessian) from the per-token factors. Returns the loss.
+// FactorsDoNotReach where a selected parameter's factors cannot stay per token.
+template <class T, class Out>
+T loss_hessian_into(Graph<T>& g, Head<T>& head, Part part, const std::vector<bool>& wrt, Out& out) {
+  const T value = reverse_loss(g, head);
+  push_loss_factors(g, head, part, wrt);
+  assemble(g, loss_terms(g, outer_terms(g, head, part), part), g.offsets(wrt), out);
+  return value;
+}
+
+// Into host memory H (P x P). Where the per-token factors do not reach a selected parameter (a
+// lower block of a stack, an embedding: FactorsDoNotReach), H comes from P exact Hessian-vector
+// products with the columns of the identity instead (docs/derivation.md §5.4): H e_j is written as
+// row j, then each pair (i, j) is set to the mean of H e_j[i] and H e_i[j], which agree to rounding,
+// so that H is symmetric by construction.
+template <class T>
+T loss_hessian(Graph<T>& g, Head<T>& head, Part part, const std::vector<bool>& wrt, T* H) {
+  index_t P = 0;
+  g.offsets(wrt, &P);
+  try {
+    HostHessian<T> out{H, P};
+    return loss_hessian_into(g, head, part, wrt, out);
+  } catch (const FactorsDoNotReach&) {
+    g.clear_factors();
+  }
+  const T value = reverse_loss(g, head);
+  const Products<T> products = selected_products(g, head, part, wrt);
+  products.identity_columns([&](index_t j, const T* column) { std::copy_n(column, P, H + j * P); });
+  blockhess::detail::parallel_for(P, P, [&](index_t i) {
+    for (index_t j = i + 1; j < P; ++j) {
+      const T mean = (H[i * P + j] + H[j * P + i]) / T(2);
+      H[i * P + j] = mean;
+      H[j * P + i] = mean;
+    }
+  });
+  return value;
+}
+
+// The diagonal of that Hessian (P entries), exact, with no block of it formed: its trace and
+// per-parameter traces at sizes where no (P, P) matrix fits. An entry (p, p) needs p's factors
+// only, so it is formed a group of parameters at a time (one node's, which share their pushes:
+// Graph::factor_groups): the factors held at once are one group's, not every selected parameter's.
+// Where the factors do not reach a selected parameter, every entry comes from a product with a
+// column of the identity (P products, docs/derivation.md §5.4), refused (std::invalid_argument)
+// when P exceeds max_products.
+template <class T>
+T loss_hessian_diagonal(Graph<T>& g, Head<T>& head, Part part, const std::vector<bool>& wrt, T* diag,
+                        index_t max_products = std::numeric_limits<index_t>::max()) {
+  const T value = reverse_loss(g, head);
+  const Terms<T> outer = outer_terms(g, head, part);
+  index_t P = 0;
+  const std::vector<index_t> offset = g.offsets(wrt, &P);
+  std::fill_n(diag, P, T(0));
+  try {
+    for (const std::vector<int>& group : g.factor_groups()) {
+      std::vector<bool> some(wrt.size(), false);
+      bool any = false;
+      for (int p : group) some[static_cast<size_t>(p)] = wrt[static_cast<size_t>(p)], any = any || wrt[static_cast<size_t>(p)];
+      if (!any) continue;
+      push_loss_factors(g, head, part, some);
+      add_diagonal(g, loss_terms(g, outer, part), offset, diag);
+    }
+  } catch (const FactorsDoNotReach& declined) {
+    g.clear_factors();
+    if (P > max_products)
+      throw std::invalid_argument(std::string(declined.what()) + "; its exact diagonal then takes one Hessian-vector "
+                                  "product per parameter, P = " + std::to_string(P) + " above the limit of " +
+                                  std::to_string(max_products) + ": select fewer parameters (wrt) or estimate the "
+                                  "diagonal (exact=False)");
+    const Products<T> products = selected_products(g, head, part, wrt);
+    products.identity_columns([&](index_t j, const T* column) { diag[j] = column[j]; });
+  }
+  require_finite(diag, P, "block: the Hessian's diagonal");
+  return value;
+}
+
+// The loss Hessian (or its part) over the selected parameters as an operator, matrix-free
+// (Products): the forward pass, the head and the reverse pass do not depend on v: they run once, at
+// construction, and every product reuses them.
+template <class T>
+class LossOperator {
+ public:
+  LossOperator(std::unique_ptr<Graph<T>> g, std::unique_ptr<Head<T>> head, Part part, const std::vector<bool>& wrt)
+      : g_(std::move(g)), head_(std::move(head)), value_(reverse_loss(*g_, *head_)),
+        products_(selected_products(*g_, *head_, part, wrt)) {}
+
+  index_t size() const { return products_.size(); }
+  T loss_value() const { return value_; }
+  void apply(const T* v, T* out) const { products_.apply(v, out); }
+  void apply_columns(const T* V, index_t k, T* out) const { products_.apply_columns(V, k, out); }
+
+ private:
+  std::unique_ptr<Graph<T>> g_;
+  std::unique_ptr<Head<T>> head_;
+  T value_;
+  Products<T> products_;
 };
 
 }  // namespace blockhess::engine

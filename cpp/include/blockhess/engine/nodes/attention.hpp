@@ -475,10 +475,8 @@ class AttentionNode final : public Node<T> {
     for (index_t t = 1; constant && t < n; ++t) constant = (*in.vec)[t] == (*in.vec)[0];
     if (!constant)
       // A stack's lower layer under this attention: its factors would need a dense slab per token.
-      throw std::invalid_argument("engine: attention mixes tokens, so a parameter that moves its input must have the "
-                                  "same factor vector for every token (a parameter of a lower block of a stack has "
-                                  "not): its dense Hessian and diagonal are not available yet; Hessian-vector "
-                                  "products (loss_hvp, the operator) are exact there");
+      throw FactorsDoNotReach("engine: " + g.parameter(g.piece(f).param).name + " moves the input of an attention, "
+                              "which mixes tokens, differently at each token: the per-token factors do not reach it");
     Mixed m;
     m.piece = f, m.r = r, m.tokens = n;
     m.M.resize(n * d * r), m.Pq.resize(n * hk_ * r), m.Pk.resize(n * hk_ * r), m.Pv.resize(n * hv_ * r);

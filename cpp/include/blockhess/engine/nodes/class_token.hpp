@@ -36,9 +36,8 @@ class ClassTokenNode final : public Node<T> {
     bool moved = g.selected(param());
     for (const Factor<T>* f : g.factors(this->inputs[0])) moved = moved || f->present;
     if (moved)
-      throw std::invalid_argument("engine: the class token and the patch embedding move every token's input to the "
-                                  "attention, which mixes tokens: their dense Hessian and diagonal are not available "
-                                  "yet; Hessian-vector products (loss_hvp, the operator) are exact there");
+      throw FactorsDoNotReach("engine: the class token and the patch embedding move every token's input to the "
+                              "attention, which mixes tokens: the per-token factors do not reach them");
   }
 
   void curvature(const Graph<T>&, Terms<T>&) const override {}

@@ -42,9 +42,8 @@ class EmbeddingNode final : public Node<T> {
 
   void push(Graph<T>& g) const override {
     if (g.selected(param()))
-      throw std::invalid_argument("engine: " + g.parameter(param()).name + " moves every token's input to the "
-                                  "attention, which mixes tokens: its dense Hessian and diagonal are not available "
-                                  "yet; Hessian-vector products (loss_hvp, the operator) are exact there");
+      throw FactorsDoNotReach("engine: " + g.parameter(param()).name + " moves every token's input to the attention, "
+                              "which mixes tokens: the per-token factors do not reach it");
   }
 
   void curvature(const Graph<T>&, Terms<T>&) const override {}
