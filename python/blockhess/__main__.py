@@ -3,6 +3,7 @@
     blockhess check [options]        compute, verify and report a block's loss Hessian (the main job)
     blockhess spectrum [options]     per-block traces, extreme eigenvalues and the spectral density
     blockhess report OUTDIR          the paper's bounds, scaling claims and experiments, as a report
+    blockhess approximations         K-FAC-style, diagonal and layer-wise curvature against the exact matrix
     blockhess --cmakedir             print the directory holding blockhessConfig.cmake
     blockhess --includedir           print the C++ include directory
     blockhess --version              print the version
@@ -29,6 +30,7 @@ examples:
   blockhess check --help                   every option of the check
   blockhess spectrum --density d.png       traces, eigenvalues and the spectral density, no dense H
   blockhess report out --quick             the paper's bounds (stated vs corrected), scaling, experiments
+  blockhess approximations                 Kronecker / diagonal / layer-wise curvature vs the exact matrix
   cmake -Dblockhess_DIR="$(blockhess --cmakedir)" ...
 """
 
@@ -65,7 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the paper's bounds as stated and corrected against exact norms, its scaling claims measured, "
         "its experiments on scikit-learn's digits; `blockhess report --help` lists its options",
     )
-    del check, spectrum, report
+    approximations = commands.add_parser(
+        "approximations",
+        add_help=False,
+        help="Kronecker-factored, diagonal and layer-wise approximations of a ViT's curvature against its exact "
+        "Gauss-Newton matrix and Hessian; `blockhess approximations --help` lists its options",
+    )
+    del check, spectrum, report, approximations
     return parser
 
 
@@ -81,6 +89,12 @@ def _run_report(argv: list[str]) -> int:
     return report_main(argv)
 
 
+def _run_approximations(argv: list[str]) -> int:
+    from .approximations_cli import main as approximations_main
+
+    return approximations_main(argv)
+
+
 def _run_check(argv: list[str]) -> int:
     from .check import main as check_main
 
@@ -89,7 +103,8 @@ def _run_check(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    commands = {"check": _run_check, "spectrum": _run_spectrum, "report": _run_report}
+    commands = {"check": _run_check, "spectrum": _run_spectrum, "report": _run_report,
+                "approximations": _run_approximations}
     if argv and argv[0] in commands:  # everything after it belongs to the command's own parser
         return commands[argv[0]](argv[1:])
     parser = build_parser()

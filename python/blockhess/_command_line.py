@@ -57,7 +57,7 @@ def check_plot_format(path: str, option: str) -> None:
 _COMMANDS = ("blockhess.__main__", "blockhess.check", "blockhess.spectrum_cli", "blockhess.report",
              "blockhess._command_line", "blockhess._check_config", "blockhess._check_references",
              "blockhess._check_comparison", "blockhess._check_memory", "blockhess._check_report",
-             "blockhess._progress")
+             "blockhess._progress", "blockhess.approximations_cli")
 
 
 def raised_by_blockhess(err: BaseException) -> bool:

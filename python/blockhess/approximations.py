@@ -1,0 +1,189 @@
+"""The curvature approximations people use, measured against the exact matrix they approximate.
+
+For a model small enough that its dense loss Hessian H and its Gauss-Newton (outer) part G fit in
+memory, :func:`compare` takes both exactly (every cross-layer block; docs/derivation.md §4-5) and
+measures, for each parameter's diagonal block,
+
+- ``kronecker``: the best Kronecker-product fit ``A (x) B`` of the exact Gauss-Newton block of a
+  weight matrix (the nearest Kronecker product of Van Loan and Pitsianis: the leading singular
+  triplet of the block rearranged so that each (row, row') pair of the weight is a row and each
+  (column, column') pair a column), the best that any Kronecker-factored method (K-FAC, EKFAC's
+  basis, Shampoo's factors) can reach on that block;
+- ``diagonal``: the exact diagonal of the Gauss-Newton block;
+
+and for the whole model ``block_diagonal`` (the Gauss-Newton matrix with every block between two
+layers dropped: the layer-wise approximation) and ``diagonal`` (its diagonal), each against the
+exact Gauss-Newton matrix and against the exact Hessian. The errors: the relative Frobenius and
+spectral errors, the ratio of the largest eigenvalues, and the overlap of the top-k eigenspaces
+(``||U_exact^T U_approx||_F^2 / k``: 1 when they coincide). Beside them, how much the functional
+part, which no approximation has, weighs: ``||H - G||_F / ||H||_F`` per block and for the whole.
+A parameter the loss does not depend on (a key bias: softmax is invariant to it), whose exact blocks
+are zero, has no rows.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from .block import BlockParams, loss_hessian
+
+
+@dataclass(frozen=True)
+class Errors:
+    """How far an approximation M lies from an exact symmetric matrix E."""
+
+    relative_frobenius: float  # ||E - M||_F / ||E||_F
+    relative_spectral: float  # ||E - M||_2 / ||E||_2
+    top_eigenvalue_ratio: float | None  # lambda_max(M) / lambda_max(E); None where lambda_max(E) = 0
+    top_k_overlap: float  # ||U_E^T U_M||_F^2 / k over the k largest eigenvalues' eigenvectors
+
+
+@dataclass(frozen=True)
+class Row:
+    """One approximation of one block (a parameter's, or "model" for the whole matrix) against one
+    exact reference ("gauss_newton" or "hessian")."""
+
+    block: str
+    approximation: str
+    reference: str
+    errors: Errors
+
+
+@dataclass
+class Comparison:
+    """What :func:`compare` measured: a row per block, approximation and reference, and the
+    functional part's weight ``||H - G||_F / ||H||_F`` per block (and "model")."""
+
+    rows: list[Row] = field(default_factory=list)
+    functional_weight: dict[str, float] = field(default_factory=dict)
+    top_k: int = 5
+
+    def to_json(self) -> str:
+        return json.dumps({"top_k": self.top_k, "functional_weight": self.functional_weight,
+                           "rows": [asdict(r) for r in self.rows]}, indent=1, allow_nan=False)
+
+    def to_markdown(self) -> str:
+        """A table: one line per block and approximation, the errors against the Gauss-Newton
+        block and against the Hessian block side by side."""
+        lines = [f"| block | approximation | rel. Frobenius vs G | rel. spectral vs G | lambda_max ratio vs G | "
+                 f"top-{self.top_k} overlap vs G | rel. Frobenius vs H | rel. spectral vs H | functional weight |",
+                 "|---|---|---|---|---|---|---|---|---|"]
+        against = {(r.block, r.approximation, r.reference): r.errors for r in self.rows}
+        for block, approximation in dict.fromkeys((r.block, r.approximation) for r in self.rows):
+            g, h = against[block, approximation, "gauss_newton"], against[block, approximation, "hessian"]
+            ratio = "n/a" if g.top_eigenvalue_ratio is None else f"{g.top_eigenvalue_ratio:.3g}"
+            lines.append(f"| {block} | {approximation} | {g.relative_frobenius:.3g} | {g.relative_spectral:.3g} | "
+                         f"{ratio} | {g.top_k_overlap:.3g} | {h.relative_frobenius:.3g} | "
+                         f"{h.relative_spectral:.3g} | {self.functional_weight[block]:.3g} |")
+        return "\n".join(lines) + "\n"
+
+    def error_table(self, approximation: str, reference: str = "gauss_newton") -> dict[str, float]:
+        """{block: relative Frobenius error} of one approximation against one reference."""
+        return {r.block: r.errors.relative_frobenius for r in self.rows
+                if r.approximation == approximation and r.reference == reference}
+
+
+def nearest_kronecker(E: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """(A, B), A (rows, rows) and B (cols, cols), minimising ||E - A (x) B||_F for the (rows cols,
+    rows cols) block E of a (rows, cols) weight in row-major vec order (E[(i, j), (k, l)] ~
+    A[i, k] B[j, l]): the leading singular pair of E rearranged to R[(i, k), (j, l)]."""
+    R = E.reshape(rows, cols, rows, cols).transpose(0, 2, 1, 3).reshape(rows * rows, cols * cols)
+    U, s, Vt = np.linalg.svd(R, full_matrices=False)
+    A = (np.sqrt(s[0]) * U[:, 0]).reshape(rows, rows)
+    B = (np.sqrt(s[0]) * Vt[0]).reshape(cols, cols)
+    if np.trace(A) < 0:  # the pair's sign is free: take the positive (semi-definite) one
+        A, B = -A, -B
+    return (A + A.T) / 2, (B + B.T) / 2
+
+
+# Above this size eigenpairs come from Lanczos (scipy's ARPACK: the top k and the spectral norm
+# only) instead of a full dense eigendecomposition.
+_DENSE_EIGH = 1500
+
+
+def _top(E: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k largest eigenvalues (ascending) of symmetric E and their eigenvectors."""
+    if E.shape[0] <= _DENSE_EIGH:
+        values, vectors = np.linalg.eigh(E)
+        return values[-k:], vectors[:, -k:]
+    from scipy.sparse.linalg import eigsh
+
+    values, vectors = eigsh(E, k=k, which="LA", tol=1e-10)
+    order = np.argsort(values)
+    return values[order], vectors[:, order]
+
+
+def _spectral_norm(E: np.ndarray) -> float:
+    if E.shape[0] <= _DENSE_EIGH:
+        return float(np.abs(np.linalg.eigvalsh(E)).max())
+    from scipy.sparse.linalg import eigsh
+
+    return float(np.abs(eigsh(E, k=1, which="LM", tol=1e-10, return_eigenvectors=False)).max())
+
+
+def errors(E: np.ndarray, M: np.ndarray, top_k: int, exact_top=None) -> Errors:
+    """The errors of M against E (both symmetric); exact_top: E's _top(E, k), when known."""
+    k = max(1, min(top_k, E.shape[0] - 1 if E.shape[0] > _DENSE_EIGH else E.shape[0]))
+    e_values, e_vectors = exact_top if exact_top is not None else _top(E, k)
+    m_values, m_vectors = _top(M, k)
+    overlap = np.linalg.norm(e_vectors.T @ m_vectors) ** 2 / k
+    ratio = float(m_values[-1] / e_values[-1]) if e_values[-1] != 0 else None  # E = 0: no ratio
+    return Errors(_relative(E - M, E), _spectral_norm(E - M) / max(_spectral_norm(E), 1e-300), ratio, float(overlap))
+
+
+def layer_of(name: str) -> str:
+    """The layer a parameter belongs to: "h.<l>", "ln_f", or "input" / "head" for the rest."""
+    if name.startswith("h."):
+        return name.rsplit(".", 1)[0]
+    if name.startswith("ln_f."):
+        return "ln_f"
+    return "head" if name in ("W_C", "b_C") else "input"
+
+
+def compare(X: Any, target: Any, params: BlockParams, *, loss: str = "mse", eps: float | None = None,
+            head: Any = None, top_k: int = 5, progress: Callable[[str], None] | None = None) -> Comparison:
+    """The approximations of the module's docstring, measured against the exact Gauss-Newton matrix
+    and the exact Hessian of the loss at (X, target, params) (arguments as in
+    :func:`blockhess.loss_hessian`). Both dense matrices are formed: for models whose (P, P)
+    Hessian fits twice in the memory budget (blockhess.OutputTooLargeError otherwise).
+    ``progress(text)`` is called before each step."""
+    from ._validate import positive_int
+
+    top_k = positive_int(top_k, "top_k")
+    step = progress or (lambda text: None)
+    step("the exact Hessian")
+    H = np.asarray(loss_hessian(X, target, params, loss=loss, eps=eps, head=head))
+    step("the exact Gauss-Newton matrix")
+    G = np.asarray(loss_hessian(X, target, params, loss=loss, eps=eps, head=head, part="outer"))
+    result = Comparison(top_k=top_k)
+    slices = params.slices()
+    for name, shape in zip(params.names, params.shapes):
+        step(name)
+        where = slices[name]
+        G_b, H_b = G[where, where], H[where, where]
+        if not G_b.any() and not H_b.any():  # the loss does not depend on it (b_K: softmax's shift invariance)
+            continue
+        approximations = {"diagonal": np.diag(np.diag(G_b))}
+        if len(shape) == 2 and min(shape) > 1:
+            A, B = nearest_kronecker(G_b, *shape)
+            approximations["kronecker"] = np.kron(A, B)
+        for kind, M in approximations.items():
+            for reference, E in (("gauss_newton", G_b), ("hessian", H_b)):
+                result.rows.append(Row(name, kind, reference, errors(E, M, top_k)))
+        result.functional_weight[name] = _relative(H_b - G_b, H_b)
+    step("the whole model")
+    layer = np.concatenate([[layer_of(n)] * int(np.prod(s)) for n, s in zip(params.names, params.shapes)])
+    same_layer = layer[:, None] == layer[None, :]
+    for kind, M in (("block_diagonal", np.where(same_layer, G, 0.0)), ("diagonal", np.diag(np.diag(G)))):
+        for reference, E in (("gauss_newton", G), ("hessian", H)):
+            result.rows.append(Row("model", kind, reference, errors(E, M, top_k)))
+    result.functional_weight["model"] = _relative(H - G, H)
+    return result
+
+
+def _relative(difference: np.ndarray, reference: np.ndarray) -> float:
+    return float(np.linalg.norm(difference) / max(np.linalg.norm(reference), 1e-300))

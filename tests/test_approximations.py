@@ -1,0 +1,140 @@
+"""blockhess.approximations and ``blockhess approximations``: every error is computed from the exact
+blocks (whose correctness test_model_curvature.py proves against autograd), so what is tested here
+is each approximation and each measure against its definition, written independently:
+
+- the nearest Kronecker product against the rearrangement of Van Loan and Pitsianis written entry
+  by entry and a dense SVD of it: the fit's squared error is the sum of the trailing squared
+  singular values, it recovers an exact Kronecker product, and no perturbation of its factors
+  improves it;
+- the errors on matrices whose answers are known by hand;
+- the whole-model comparison's rows against the same quantities computed here from the dense
+  Gauss-Newton matrix and Hessian.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import blockhess
+from blockhess import BlockParams, BlockSpec, ModelSpec
+from blockhess.approximations import compare, errors, layer_of, nearest_kronecker
+
+
+def _rearranged(E, rows, cols):
+    """R[(i, k), (j, l)] = E[(i, j), (k, l)], entry by entry from the definition."""
+    R = np.empty((rows * rows, cols * cols))
+    for i in range(rows):
+        for j in range(cols):
+            for k in range(rows):
+                for l in range(cols):
+                    R[i * rows + k, j * cols + l] = E[i * cols + j, k * cols + l]
+    return R
+
+
+def test_the_nearest_kronecker_product_is_the_leading_singular_pair(rng):
+    rows, cols = 3, 4
+    M = rng.standard_normal((rows * cols, rows * cols))
+    E = M @ M.T
+    A, B = nearest_kronecker(E, rows, cols)
+    assert A.shape == (rows, rows) and B.shape == (cols, cols)
+    s = np.linalg.svd(_rearranged(E, rows, cols), compute_uv=False)
+    residual = np.linalg.norm(E - np.kron(A, B)) ** 2
+    assert abs(residual - np.sum(s[1:] ** 2)) <= 1e-10 * np.sum(s ** 2)
+    for _ in range(20):  # no nearby pair fits better
+        dA, dB = 1e-3 * rng.standard_normal(A.shape), 1e-3 * rng.standard_normal(B.shape)
+        assert np.linalg.norm(E - np.kron(A + dA, B + dB)) ** 2 >= residual - 1e-12
+    # An exact Kronecker product of two positive definite factors is recovered, with its sign.
+    P, Q = rng.standard_normal((rows, rows)), rng.standard_normal((cols, cols))
+    exact = np.kron(P @ P.T, Q @ Q.T)
+    A, B = nearest_kronecker(exact, rows, cols)
+    assert np.linalg.norm(np.kron(A, B) - exact) <= 1e-12 * np.linalg.norm(exact)
+    assert np.all(np.linalg.eigvalsh(A) > 0) and np.all(np.linalg.eigvalsh(B) > 0)
+
+
+def test_the_errors_of_hand_made_matrices():
+    E, M = np.diag([3.0, 2.0, 1.0]), np.diag([3.0, 2.0, 0.0])
+    e = errors(E, M, top_k=2)
+    assert e.relative_frobenius == pytest.approx(1 / np.sqrt(14), rel=1e-14)
+    assert e.relative_spectral == pytest.approx(1 / 3, rel=1e-14)
+    assert e.top_eigenvalue_ratio == pytest.approx(1.0) and e.top_k_overlap == pytest.approx(1.0)
+    swapped = errors(np.diag([3.0, 1.0]), np.diag([1.0, 3.0]), top_k=1)  # the top eigenvector moves by 90 degrees
+    assert swapped.top_k_overlap == pytest.approx(0.0, abs=1e-15) and swapped.top_eigenvalue_ratio == pytest.approx(1.0)
+    assert errors(np.zeros((2, 2)), np.eye(2), top_k=1).top_eigenvalue_ratio is None
+    # Above the dense size the top eigenpairs come from Lanczos: the same answers.
+    n = 1600
+    rng = np.random.default_rng(0)
+    Q = np.linalg.qr(rng.standard_normal((n, n)))[0]
+    values = np.linspace(0.0, 1.0, n) ** 4
+    E = (Q * values) @ Q.T
+    M = (Q * (values * 0.5)) @ Q.T
+    big = errors(E, M, top_k=3)
+    assert big.relative_spectral == pytest.approx(0.5, rel=1e-8) and big.top_k_overlap == pytest.approx(1.0, rel=1e-8)
+    assert big.top_eigenvalue_ratio == pytest.approx(0.5, rel=1e-8)
+    assert big.relative_frobenius == pytest.approx(0.5, rel=1e-10)
+
+
+def _model(rng):
+    spec = ModelSpec(BlockSpec(norm_position="pre", norm_affine=True, bias=True, heads=2, out_proj=True),
+                     n_layers=2, patch_dim=3, n_positions=4, classes=3)
+    params = BlockParams.random(spec, d=4, d_k=2, d_ff=5, seed=int(rng.integers(1 << 30)))
+    return rng.standard_normal((5, 4, 3)), rng.integers(0, 3, size=5), params
+
+
+def test_a_models_comparison_matches_its_definition(rng):
+    X, labels, params = _model(rng)
+    result = compare(X, labels, params, loss="pooled_cross_entropy", top_k=2)
+    H = blockhess.loss_hessian(X, labels, params, loss="pooled_cross_entropy")
+    G = blockhess.loss_hessian(X, labels, params, loss="pooled_cross_entropy", part="outer")
+    rows = {(r.block, r.approximation, r.reference): r.errors for r in result.rows}
+    where = params.slices()
+    for name, shape in zip(params.names, params.shapes):
+        G_b, H_b = G[where[name], where[name]], H[where[name], where[name]]
+        if name.endswith("b_K"):  # the loss does not depend on a key bias: no rows
+            assert not G_b.any() and not H_b.any() and (name, "diagonal", "hessian") not in rows
+            continue
+        diag_error = np.linalg.norm(G_b - np.diag(np.diag(G_b))) / np.linalg.norm(H_b)
+        assert rows[name, "diagonal", "hessian"].relative_frobenius == pytest.approx(
+            np.linalg.norm(H_b - np.diag(np.diag(G_b))) / np.linalg.norm(H_b), rel=1e-12)
+        assert diag_error >= 0
+        assert result.functional_weight[name] == pytest.approx(np.linalg.norm(H_b - G_b) / np.linalg.norm(H_b),
+                                                               rel=1e-12)
+        assert ((name, "kronecker", "gauss_newton") in rows) == (len(shape) == 2 and min(shape) > 1)
+    layers = np.array([layer_of(n) for n, s in zip(params.names, params.shapes) for _ in range(int(np.prod(s)))])
+    off_layer = np.where(layers[:, None] != layers[None, :], G, 0.0)
+    assert rows["model", "block_diagonal", "gauss_newton"].relative_frobenius == pytest.approx(
+        np.linalg.norm(off_layer) / np.linalg.norm(G), rel=1e-12)
+    assert set(layer_of(n) for n in params.names) == {"input", "h.0", "h.1", "head"}
+    assert json.loads(result.to_json())["rows"][0]["block"] == params.names[0]
+    table = result.to_markdown()
+    assert table.count("\n") == 2 + len({(r.block, r.approximation) for r in result.rows})
+    assert "| model | block_diagonal |" in table
+
+
+def test_the_command_writes_its_table_json_and_figure(tmp_path):
+    out = tmp_path / "appr"
+    done = subprocess.run([sys.executable, "-m", "blockhess", "approximations", "--layers", "1", "--batch", "4",
+                           "--steps", "2", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "| model | block_diagonal |" in done.stdout and "1 block (P = 3514)" in done.stdout
+    assert sorted(os.listdir(out)) == ["approximations.json", "approximations.md", "approximations.png"]
+    assert json.loads((out / "approximations.json").read_text())["top_k"] == 5
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--layers", "0"], "--layers must be >= 1, got 0"),
+    (["--batch", "5000"], "--batch must be <= 1437"),
+    (["--steps", "-1"], "--steps must be >= 0"),
+    (["--seed", "-3"], "--seed must be >= 0"),
+    (["--top-k", "x"], "invalid int value"),
+])
+def test_bad_options_are_one_line(argv, message):
+    done = subprocess.run([sys.executable, "-m", "blockhess", "approximations", *argv], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
+    assert done.stderr.count("\n") == 1
