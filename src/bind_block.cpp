@@ -5,6 +5,7 @@
 #include "binding.hpp"
 #include "block_problem.hpp"
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <stdexcept>
@@ -123,6 +124,34 @@ void bind_for(py::module_& m) {
       py::arg("values").noconvert().none(true), py::arg("classes").noconvert().none(true), py::arg("part"),
       py::arg("wrt"), py::arg("out").noconvert(), py::arg("max_products"),
       py::arg("head_weight").noconvert().none(true) = py::none(), py::arg("head_bias").noconvert().none(true) = py::none());
+
+  // K-FAC's factors of the selected weights applied to every token: a list of (parameter index,
+  // A, G), K-FAC-expand or (reduce) K-FAC-reduce (engine/kfac.hpp).
+  m.def(
+      "kfac_factors",
+      [](Input X, const SpecTuple& spec, Weights W, T eps, int kind, const optional_carray<T>& values,
+         const opt_classes& classes, const std::vector<bool>& wrt, bool reduce, const optional_carray<T>& head_weight,
+         const optional_carray<T>& head_bias) {
+        const auto c = curvature_call<T>(X, spec, W, kind, values, classes, 0, wrt, head_weight, head_bias);
+        std::vector<engine::KroneckerFactors<T>> factors;
+        {
+          py::gil_scoped_release release;
+          auto e = c.problem.evaluate(eps);
+          factors = e.kfac_factors(c.target, c.wrt, reduce);
+        }
+        py::list out;
+        for (const auto& f : factors) {
+          py::array_t<T> A({f.rows, f.rows}), G({f.cols, f.cols});
+          std::copy(f.A.begin(), f.A.end(), A.mutable_data());
+          std::copy(f.G.begin(), f.G.end(), G.mutable_data());
+          out.append(py::make_tuple(f.param, A, G));
+        }
+        return out;
+      },
+      py::arg("X").noconvert(), py::arg("spec"), py::arg("weights").noconvert(), py::arg("eps"), py::arg("kind"),
+      py::arg("values").noconvert().none(true), py::arg("classes").noconvert().none(true), py::arg("wrt"),
+      py::arg("reduce"), py::arg("head_weight").noconvert().none(true) = py::none(),
+      py::arg("head_bias").noconvert().none(true) = py::none());
 
   // One product H V (V of shape (P,) or (P, k)), the weights read in place: loss_hvp.
   m.def(

@@ -23,7 +23,7 @@ import pytest
 
 import blockhess
 from blockhess import BlockParams, BlockSpec, ModelSpec
-from blockhess.approximations import compare, errors, layer_of, nearest_kronecker
+from blockhess.approximations import compare, errors, kfac, layer_of, nearest_kronecker
 
 
 def _rearranged(E, rows, cols):
@@ -138,3 +138,94 @@ def test_bad_options_are_one_line(argv, message):
                           text=True, timeout=120)
     assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
     assert done.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("loss", ["mse", "cross_entropy", "pooled_cross_entropy"])
+def test_kfac_of_one_token_is_the_exact_gauss_newton_block(rng, loss):
+    """With one sample of one token both K-FAC flavours are exact: the block is
+    sum_c (x (x) g_c)(x (x) g_c)^T = (x x^T) (x) (sum_c g_c g_c^T), A (x) G by definition."""
+    if loss == "pooled_cross_entropy":
+        spec = ModelSpec(BlockSpec(norm_position="pre", norm_affine=True, bias=True, heads=2, out_proj=True),
+                         n_layers=2, patch_dim=3, n_positions=2, classes=3)
+        X, target = rng.standard_normal((1, 1, 3)), np.array([1])
+    else:
+        spec = ModelSpec(BlockSpec(norm_position="pre", norm_affine=True, bias=True, heads=2, out_proj=True),
+                         n_layers=2, final_norm=True)
+        X = rng.standard_normal((1, 1, 4))
+        target = rng.standard_normal((1, 1, 4)) if loss == "mse" else np.array([[2]])
+    params = BlockParams.random(spec, d=4, d_k=2, d_ff=5, seed=int(rng.integers(1 << 30)))
+    G = blockhess.loss_hessian(X, target, params, loss=loss, part="outer")
+    where = params.slices()
+    for flavour in ("expand", "reduce"):
+        factors = kfac(X, target, params, loss=loss, flavour=flavour)
+        weights = [n for n, s in zip(params.names, params.shapes) if n.rsplit(".", 1)[-1] in
+                   ("W_Q", "W_K", "W_V", "W_O", "W_1", "W_2", "W_E", "W_C")]
+        assert list(factors) == weights
+        for name, (A, G_out) in factors.items():
+            exact = G[where[name], where[name]]
+            assert np.linalg.norm(np.kron(A, G_out) - exact) <= 1e-12 * max(np.linalg.norm(exact), 1e-300), name
+
+
+def _hugging_face_vit(transformers, torch):
+    torch.manual_seed(0)
+    config = transformers.ViTConfig(image_size=4, patch_size=2, num_channels=1, hidden_size=8, num_hidden_layers=2,
+                                    num_attention_heads=2, intermediate_size=12, num_labels=3,
+                                    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                    attn_implementation="sdpa")
+    model = transformers.ViTForImageClassification(config).double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    return model
+
+
+@pytest.mark.parametrize("flavour", ["expand", "reduce"])
+def test_kfac_equals_curvlinops_on_a_hugging_face_vit(flavour):
+    """curvlinops' KFACLinearOperator (type-2 Fisher) of a Hugging Face ViT and blockhess's K-FAC of
+    the same model imported by from_torch: every Linear of its encoder, A and G to 1e-10 (float64,
+    sdpa's math kernel: the eager attention's softmax is float32). The classifier and the patch
+    embedding are left out: Hugging Face applies its classifier to the class token's row alone and
+    its Conv2d to the patches alone, where blockhess's nodes see every token (a class token's row
+    of the classifier's input, the class token's zero patch), so their A differ by design."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    curvlinops = pytest.importorskip("curvlinops")
+    model = _hugging_face_vit(transformers, torch)
+    spec, params = blockhess.from_torch(model)
+    images = torch.randn(5, 1, 4, 4, dtype=torch.float64)
+    labels = torch.tensor([0, 2, 1, 1, 0])
+
+    class Logits(torch.nn.Module):
+        def __init__(self, vit):
+            super().__init__()
+            self.vit = vit
+
+        def forward(self, pixel_values):
+            return self.vit(pixel_values=pixel_values).logits
+
+    wrapped = Logits(model)
+    linears = {name: module for name, module in wrapped.named_modules()
+               if isinstance(module, torch.nn.Linear) and ".layers." in name}
+    ours_of = {"attention.q_proj": "W_Q", "attention.k_proj": "W_K", "attention.v_proj": "W_V",
+               "attention.o_proj": "W_O", "mlp.fc1": "W_1", "mlp.fc2": "W_2"}
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        operator = curvlinops.KFACLinearOperator(
+            wrapped, torch.nn.CrossEntropyLoss(), [m.weight for m in linears.values()], [(images, labels)],
+            fisher_type=curvlinops.FisherType.TYPE2, kfac_approx=flavour, check_deterministic=False)
+        operator.compute_kronecker_factors()
+    ours = kfac(blockhess.image_patches(images, 2), labels.numpy(), params, loss="pooled_cross_entropy",
+                flavour=flavour)
+    assert len(linears) == 12
+    # K-FAC-reduce's G of a key weight is zero in exact arithmetic (the softmax Jacobian's rows sum to
+    # zero, so a sample's key cotangents do too): both sides are rounding noise there, measured
+    # against the largest G.
+    largest_G = max(np.linalg.norm(operator._gradient_covariances[name].numpy()) for name in linears)
+    for name in linears:
+        layer, part = name.split(".layers.")[1].split(".", 1)
+        A, G = ours[f"h.{layer}.{ours_of[part]}"]
+        theirs_A = operator._input_covariances[name].numpy()
+        theirs_G = operator._gradient_covariances[name].numpy()
+        assert np.linalg.norm(A - theirs_A) <= 1e-10 * np.linalg.norm(theirs_A), name
+        scale = largest_G if flavour == "reduce" and part == "attention.k_proj" else np.linalg.norm(theirs_G)
+        assert np.linalg.norm(G - theirs_G) <= 1e-10 * scale, name
+        assert np.linalg.norm(theirs_G) > 1e-6 * largest_G or (flavour, part) == ("reduce", "attention.k_proj")

@@ -10,6 +10,11 @@ measures, for each parameter's diagonal block,
   (column, column') pair a column), the best that any Kronecker-factored method (K-FAC, EKFAC's
   basis, Shampoo's factors) can reach on that block;
 - ``diagonal``: the exact diagonal of the Gauss-Newton block;
+- ``kfac_expand`` and ``kfac_reduce``: K-FAC's ``A (x) G`` (:func:`kfac`, the type-2 Fisher: the
+  loss's exact curvature backpropagated) for the weights applied to every token;
+- ``ekfac``: K-FAC-expand's eigenbasis with the exact Gauss-Newton block's diagonal in it, the
+  rescaling that EKFAC estimates from per-example gradients (the best any diagonal in that basis
+  does, in Frobenius norm);
 
 and for the whole model ``block_diagonal`` (the Gauss-Newton matrix with every block between two
 layers dropped: the layer-wise approximation) and ``diagonal`` (its diagonal), each against the
@@ -87,6 +92,31 @@ class Comparison:
                 if r.approximation == approximation and r.reference == reference}
 
 
+def kfac(X: Any, target: Any, params: BlockParams, *, loss: str = "mse", eps: float | None = None,
+         head: Any = None, wrt: Any = None, flavour: str = "expand") -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """K-FAC's Kronecker factors ``{name: (A, G)}`` of the weights in ``wrt`` (all by default) that the
+    model applies to every token (the attention's W_Q, W_K, W_V, W_O, the FFN's W_1 and W_2, a patch
+    embedding's W_E, a classifier's W_C), as defined for weights shared over a sequence (K-FAC-expand
+    and K-FAC-reduce, Eschenhagen et al. 2023, the definition curvlinops implements) with the type-2
+    Fisher (engine/kfac.hpp): A from the weight's inputs, G from its outputs' cotangents in one
+    reverse pass per column of a square root of the loss's Hessian in the model's output. The weight
+    W (rows, cols)'s Gauss-Newton block, in its row-major vec order, is approximated by
+    ``np.kron(A, G)``. Arguments as in :func:`blockhess.loss_hessian`; biases, norms and embeddings
+    by token id have no factors here."""
+    from . import _backend, _core
+    from ._validate import choice
+    from .block import _loss_inputs, _selection
+
+    flavour = choice(flavour, "flavour", ("expand", "reduce"))
+    params, X3, W, dtype, eps, kind, values, classes, head = _loss_inputs(X, target, params, loss, eps, head=head)
+    names, selected, _ = _selection(params, wrt)
+    if _backend.on_device(X3):
+        raise TypeError("kfac runs on the CPU; pass NumPy arrays (cupy.asnumpy)")
+    factors = _core.kfac_factors(X3, params.spec._core(), list(W), eps, kind, values, classes, selected,
+                                 flavour == "reduce", *head)
+    return {params.names[p]: (A, G) for p, A, G in factors}
+
+
 def nearest_kronecker(E: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
     """(A, B), A (rows, rows) and B (cols, cols), minimising ||E - A (x) B||_F for the (rows cols,
     rows cols) block E of a (rows, cols) weight in row-major vec order (E[(i, j), (k, l)] ~
@@ -159,6 +189,9 @@ def compare(X: Any, target: Any, params: BlockParams, *, loss: str = "mse", eps:
     H = np.asarray(loss_hessian(X, target, params, loss=loss, eps=eps, head=head))
     step("the exact Gauss-Newton matrix")
     G = np.asarray(loss_hessian(X, target, params, loss=loss, eps=eps, head=head, part="outer"))
+    step("K-FAC's factors")
+    kfacs = {flavour: kfac(X, target, params, loss=loss, eps=eps, head=head, flavour=flavour)
+             for flavour in ("expand", "reduce")}
     result = Comparison(top_k=top_k)
     slices = params.slices()
     for name, shape in zip(params.names, params.shapes):
@@ -171,6 +204,10 @@ def compare(X: Any, target: Any, params: BlockParams, *, loss: str = "mse", eps:
         if len(shape) == 2 and min(shape) > 1:
             A, B = nearest_kronecker(G_b, *shape)
             approximations["kronecker"] = np.kron(A, B)
+        if name in kfacs["expand"]:
+            for flavour, factors in kfacs.items():
+                approximations[f"kfac_{flavour}"] = np.kron(*factors[name])
+            approximations["ekfac"] = _ekfac(G_b, *kfacs["expand"][name])
         for kind, M in approximations.items():
             for reference, E in (("gauss_newton", G_b), ("hessian", H_b)):
                 result.rows.append(Row(name, kind, reference, errors(E, M, top_k)))
@@ -183,6 +220,13 @@ def compare(X: Any, target: Any, params: BlockParams, *, loss: str = "mse", eps:
             result.rows.append(Row("model", kind, reference, errors(E, M, top_k)))
     result.functional_weight["model"] = _relative(H - G, H)
     return result
+
+
+def _ekfac(G_b: np.ndarray, A: np.ndarray, G: np.ndarray) -> np.ndarray:
+    """U diag(s) U^T, U = U_A (x) U_G the eigenbasis of A (x) G, s the diagonal of U^T G_b U."""
+    U = np.kron(np.linalg.eigh(A)[1], np.linalg.eigh(G)[1])
+    scale = np.einsum("ij,ij->j", U, G_b @ U)
+    return (U * scale) @ U.T
 
 
 def _relative(difference: np.ndarray, reference: np.ndarray) -> float:

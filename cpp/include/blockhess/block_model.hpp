@@ -18,6 +18,7 @@
 #include "blockhess/config.hpp"
 #include "blockhess/engine/graph.hpp"
 #include "blockhess/engine/head.hpp"
+#include "blockhess/engine/kronecker_factors.hpp"
 #include "blockhess/heads.hpp"
 #include "blockhess/params.hpp"
 
@@ -82,6 +83,11 @@ class Model {
   // (std::invalid_argument above max_products).
   T loss_hessian_diagonal(const Target<T>& target, Part part, const Selection& wrt, T* diag,
                           index_t max_products = std::numeric_limits<index_t>::max());
+
+  // K-FAC's factors (engine/kfac.hpp) of the weights in wrt that the model applies to every token
+  // (the attention's W_Q, W_K, W_V, W_O, the FFN's, a patch embedding's, a classifier's), K-FAC-expand
+  // or (reduce) K-FAC-reduce, in the canonical order.
+  std::vector<engine::KroneckerFactors<T>> kfac_factors(const Target<T>& target, const Selection& wrt, bool reduce);
 
   // The engine graph, for assembly into another target (the GPU's DeviceHessian, engine/loss.hpp).
   engine::Graph<T>& graph() { return *graph_; }

@@ -9,6 +9,7 @@
 #include "blockhess/block_model.hpp"
 #include "blockhess/blocks/family.hpp"
 #include "blockhess/engine/derivatives.hpp"
+#include "blockhess/engine/kfac.hpp"
 #include "blockhess/engine/loss.hpp"
 
 namespace blockhess::block {
@@ -66,6 +67,12 @@ template <class T>
 T Model<T>::loss_hessian_diagonal(const Target<T>& target, Part part, const Selection& wrt, T* diag,
                                     index_t max_products) {
   return engine::loss_hessian_diagonal(*graph_, *heads::make(target), part, wrt, diag, max_products);
+}
+
+template <class T>
+std::vector<engine::KroneckerFactors<T>> Model<T>::kfac_factors(const Target<T>& target, const Selection& wrt,
+                                                                bool reduce) {
+  return engine::kfac_factors(*graph_, *heads::make(target), wrt, reduce);
 }
 
 template <class T>

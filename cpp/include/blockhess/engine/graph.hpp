@@ -103,6 +103,15 @@ struct Tangent {
   }
 };
 
+// A weight applied to every token, out_t = in_t W (+ b): its inputs' rows (tokens, rows of W) and,
+// after a reverse pass, its outputs' cotangent rows (tokens, columns of W); null where the parameter
+// is not used so. What methods that factor a weight's curvature by its two sides read (kfac.hpp).
+template <class T>
+struct LinearUse {
+  const T* inputs = nullptr;
+  const T* cotangents = nullptr;
+};
+
 template <class T>
 class Node {
  public:
@@ -125,6 +134,8 @@ class Node {
   // Token-local with one input and no parameters: a site at its output is the site
   // J_t^T Omega_t J_t at its input (every factor at the output is J_t times one at the input).
   virtual bool pulls_sites() const { return false; }
+  // Where the node applies parameter p (one of its own) to every token as a weight: LinearUse.
+  virtual LinearUse<T> linear_use(const Graph<T>& /*g*/, int /*p*/) const { return {}; }
   virtual void pull_site(const Graph<T>&, index_t /*t*/, const T* /*omega_out*/, T* /*omega_in*/) const {}
 };
 
@@ -279,6 +290,16 @@ class Graph {
     for (auto it = nodes_.rbegin(); it != nodes_.rend(); ++it)
       if (varies((*it)->output)) (*it)->vjp(*this);
     for (const auto& [v, stage] : checked_) require_finite(cotangent(v), tokens() * width(v), stage);
+  }
+
+  // Where parameter p is a weight applied to every token (Node::linear_use), by its one owner;
+  // empty for a shared parameter or one used otherwise.
+  LinearUse<T> linear_use(int p) const {
+    if (uses_[static_cast<size_t>(p)] != 1) return {};
+    for (const auto& node : nodes_)
+      for (int q : node->params)
+        if (q == p) return node->linear_use(*this, p);
+    return {};
   }
 
   // The parameters whose factors are best formed together: a node's, or each of them alone where

@@ -4,7 +4,10 @@
 //   curvature    its second derivative at Z as a site (terms.hpp): the outer (Gauss-Newton) part of
 //                the Hessian, J^T H_l J (docs/derivation.md §4.1);
 //   vjp_tangent  that second derivative applied to a tangent dZ: the Hessian-vector product's seed,
-//                with no d x d block formed.
+//                with no d x d block formed;
+//   root_column  one column of a square root of it, S_c with d2l/dZ^2 = sum_c S_c S_c^T, block by
+//                block (a token's, or a sample's where the loss couples its tokens): the seeds that
+//                methods backpropagating the loss's curvature take (K-FAC, kfac.hpp).
 // A new loss is one head (heads/) and one entry of the registry (heads.hpp); nothing else switches
 // on a loss.
 #pragma once
@@ -32,6 +35,12 @@ class Head {
   virtual void curvature(const Graph<T>& g, Terms<T>& terms) const = 0;
   // dgZ = (d2l/dZ^2) dZ, after forward.
   virtual void vjp_tangent(const Graph<T>& g, const T* dZ, T* dgZ) const = 0;
+  // The number of columns of the square root (the width of a row's loss block), and column c of
+  // it, (tokens, width), into S: for each loss term its block's square root
+  // sqrt(w) (diag sqrt(p) - p sqrt(p)^T) (cross-entropy, w its weight in the mean; MSE sqrt(2 w) I),
+  // the same column c of every term's block at once. After forward.
+  virtual index_t root_columns(const Graph<T>& g) const = 0;
+  virtual void root_column(const Graph<T>& g, index_t c, T* S) const = 0;
   // Whether its site couples the tokens of a sample: the parameters' factors are then needed at Z
   // itself (Graph::push_factors(true)), not pulled back through Z's producer.
   virtual bool couples_tokens() const { return false; }

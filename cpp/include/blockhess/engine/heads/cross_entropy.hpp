@@ -8,6 +8,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <stdexcept>
@@ -64,6 +65,17 @@ class CrossEntropyHead final : public Head<T> {
         for (index_t b = 0; b < d; ++b) O[a * d + b] = scale_ * ((a == b ? p[a] : T(0)) - p[a] * p[b]);
     }
     terms.sites.push_back(Site<T>{g.output(), std::move(omega), false});
+  }
+
+  // Column c of each token's sqrt(1/(B L)) (diag sqrt(p) - p sqrt(p)^T): sqrt(p_c / (B L)) (e_c - p).
+  index_t root_columns(const Graph<T>& g) const override { return g.width(g.output()); }
+  void root_column(const Graph<T>& g, index_t c, T* S) const override {
+    const index_t n = g.tokens(), d = g.width(g.output());
+    for (index_t t = 0; t < n; ++t) {
+      const T* p = p_.data() + t * d;
+      const T root = std::sqrt(scale_ * p[c]);  // 0 for an ignored token (p = 0)
+      for (index_t a = 0; a < d; ++a) S[t * d + a] = root * ((a == c ? T(1) : T(0)) - p[a]);
+    }
   }
 
   // Per row: 1/(B L) (p * dz - p (p . dz)).

@@ -3,6 +3,8 @@
 // token: a diagonal site at Z.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <memory>
 #include <stdexcept>
 
@@ -35,6 +37,15 @@ class MseHead final : public Head<T> {
   void curvature(const Graph<T>& g, Terms<T>& terms) const override {
     const index_t n = g.tokens() * g.width(g.output());
     terms.sites.push_back(Site<T>{g.output(), std::make_shared<const Buffer<T>>(static_cast<size_t>(n), 2 * scale_), true});
+  }
+
+  // sqrt(2 / (B L d)) e_c at every token.
+  index_t root_columns(const Graph<T>& g) const override { return g.width(g.output()); }
+  void root_column(const Graph<T>& g, index_t c, T* S) const override {
+    const index_t n = g.tokens(), d = g.width(g.output());
+    std::fill_n(S, n * d, T(0));
+    const T root = std::sqrt(2 * scale_);
+    for (index_t t = 0; t < n; ++t) S[t * d + c] = root;
   }
 
   void vjp_tangent(const Graph<T>& g, const T* dZ, T* dgZ) const override {

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <stdexcept>
@@ -41,6 +42,7 @@ class PooledCrossEntropyHead final : public Head<T> {
     if (!W_ && d != C_) throw std::logic_error("loss: pooled logits of width " + std::to_string(d) + " for " +
                                                std::to_string(C_) + " classes");
     blocks_ = std::make_shared<Buffer<T>>(static_cast<size_t>(B * d * d));
+    p_.resize(static_cast<size_t>(B * C_));
     Buffer<T> m(d), logits(C_), p(C_), gm(d);
     const T inv_B = T(1) / static_cast<T>(B), inv_L = T(1) / static_cast<T>(L);
     T value = 0;
@@ -57,6 +59,7 @@ class PooledCrossEntropyHead final : public Head<T> {
         logits[c] = s;
       }
       value += inv_B * softmax::cross_entropy_row(logits.data(), C_, k, p.data());
+      std::copy(p.begin(), p.end(), p_.begin() + b * C_);
       for (index_t a = 0; a < d; ++a) {
         T s = 0;
         for (index_t c = 0; c < C_; ++c) s += w(a, c) * (p[c] - (c == k ? T(1) : T(0)));
@@ -85,6 +88,24 @@ class PooledCrossEntropyHead final : public Head<T> {
     terms.pooled.push_back(PooledSite<T>{g.output(), blocks_});
   }
 
+  // The logits' block sqrt(1/B) (diag sqrt(p_b) - p_b sqrt(p_b)^T) seen from each token of sample b,
+  // whose logits move by W_C^T / L: column c is sqrt(p_b,c / B) / L W_C (e_c - p_b) at every token.
+  index_t root_columns(const Graph<T>&) const override { return C_; }
+  void root_column(const Graph<T>& g, index_t c, T* S) const override {
+    const index_t B = g.samples(), L = g.tokens_per_sample(), d = g.width(g.output());
+    Buffer<T> row(d);
+    for (index_t b = 0; b < B; ++b) {
+      const T* p = p_.data() + b * C_;
+      const T root = std::sqrt(p[c] / static_cast<T>(B)) / static_cast<T>(L);
+      for (index_t a = 0; a < d; ++a) {
+        T s = 0;
+        for (index_t e = 0; e < C_; ++e) s += w(a, e) * ((e == c ? T(1) : T(0)) - p[e]);
+        row[a] = root * s;
+      }
+      for (index_t t = 0; t < L; ++t) std::copy(row.begin(), row.end(), S + (b * L + t) * d);
+    }
+  }
+
   // Every row of sample b gets G_b sum_s dZ_b,s.
   void vjp_tangent(const Graph<T>& g, const T* dZ, T* dgZ) const override {
     const index_t B = g.samples(), L = g.tokens_per_sample(), d = g.width(g.output());
@@ -111,6 +132,7 @@ class PooledCrossEntropyHead final : public Head<T> {
   const T* b_;
   index_t C_;
   std::shared_ptr<Buffer<T>> blocks_;  // G_b, (B, d, d)
+  Buffer<T> p_;                        // softmax(logits_b), (B, C)
 };
 
 }  // namespace blockhess::engine

@@ -24,6 +24,8 @@ class RelabelledCrossEntropy : public Head<T> {
   }
   void curvature(const Graph<T>& g, Terms<T>& terms) const override { per_token_->curvature(g, terms); }
   void vjp_tangent(const Graph<T>& g, const T* dZ, T* dgZ) const override { per_token_->vjp_tangent(g, dZ, dgZ); }
+  index_t root_columns(const Graph<T>& g) const override { return per_token_->root_columns(g); }
+  void root_column(const Graph<T>& g, index_t c, T* S) const override { per_token_->root_column(g, c, S); }
 
  protected:
   // Writes each token's class into classes (g.tokens() entries, all kIgnoredClass on entry).

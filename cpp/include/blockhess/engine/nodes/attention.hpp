@@ -84,6 +84,15 @@ class AttentionNode final : public Node<T> {
     require_finite(F, n * hv_, "block: the attention output A X W_V");
   }
 
+  // W_Q, W_K and W_V are applied to every token of X: their cotangent rows are gQ, gK and gV (kept
+  // by the last reverse pass).
+  LinearUse<T> linear_use(const Graph<T>& g, int p) const override {
+    if (p == wq()) return {g.value(x()), gQ_.data()};
+    if (p == wk()) return {g.value(x()), gK_.data()};
+    if (p == wv()) return {g.value(x()), gV_.data()};
+    return {};
+  }
+
   // gA = gF V^T, gT = Jsm gA (row by row), head by head; the cotangents of Q, K and V,
   // gQ = s gT K, gK = s gT^T Q, gV = A^T gF (kept: curvature and vjp_tangent read them), then the
   // gradients X^T gQ, X^T gK, X^T gV (and their column sums for the biases) and, where the input

@@ -41,6 +41,11 @@ class LinearNode final : public Node<T> {
       if (T* grad = g.gradient_out(bias_param())) column_sums(gout, grad);
   }
 
+  LinearUse<T> linear_use(const Graph<T>& g, int p) const override {
+    if (p != param()) return {};
+    return {g.value(in()), g.cotangent(this->output)};
+  }
+
   void push(Graph<T>& g) const override {
     const index_t n = g.tokens();
     g.set_factors(this->output, left_multiply_weight(g.factors(in()), n, g.weight(param()), w_in(g), w_out(g)));

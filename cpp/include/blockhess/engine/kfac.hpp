@@ -1,0 +1,73 @@
+// K-FAC's Kronecker factors of the weights of a wired graph, as the approximation is defined for
+// weights shared over a sequence (Eschenhagen et al., 2023; the definition curvlinops implements),
+// with the type-2 Fisher: the head's exact curvature, backpropagated one column of its square root
+// at a time (Head::root_column). For a weight W (rows x cols) applied to every token, out_t = in_t W:
+//   expand:  A = 1/(B T) sum_t in_t in_t^T,             G = sum_c sum_t g_t,c g_t,c^T
+//   reduce:  A = 1/B sum_b mean_t(in_b,t) mean_t(...)^T, G = sum_c sum_b (sum_t g_b,t,c)(...)^T
+// with g_t,c the cotangent of out_t in the reverse pass seeded by column c (every loss term's column
+// c at once), T the tokens per sample. The Gauss-Newton block of W, in W's row-major vec order, is
+// then approximated by A (x) G. Only the weights' own factors: biases, shared and embedding
+// parameters have none here.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "blockhess/buffer.hpp"
+#include "blockhess/config.hpp"
+#include "blockhess/eigen.hpp"
+#include "blockhess/engine/graph.hpp"
+#include "blockhess/engine/head.hpp"
+#include "blockhess/engine/kronecker_factors.hpp"
+#include "blockhess/engine/loss.hpp"
+
+namespace blockhess::engine {
+
+namespace detail {
+
+// The rows of a (tokens, width) array, or (reduce) each sample's rows combined into one: their
+// mean (an input's) or sum (a cotangent's).
+template <class T>
+Mat<T> kfac_rows(const T* rows, index_t B, index_t L, index_t width, bool reduce, bool mean) {
+  const MapC<T> all(rows, B * L, width);
+  if (!reduce) return all;
+  Mat<T> out = Mat<T>::Zero(B, width);
+  for (index_t b = 0; b < B; ++b) out.row(b) = all.middleRows(b * L, L).colwise().sum();
+  if (mean) out /= static_cast<T>(L);
+  return out;
+}
+
+}  // namespace detail
+
+// The factors of every selected weight that the graph applies to every token (Graph::linear_use);
+// the graph's forward pass done. Runs the loss's reverse pass, then one more per column of the
+// head's square root.
+template <class T>
+std::vector<KroneckerFactors<T>> kfac_factors(Graph<T>& g, Head<T>& head, const std::vector<bool>& wrt, bool reduce) {
+  reverse_loss(g, head);
+  const index_t B = g.samples(), L = g.tokens_per_sample(), n = g.tokens();
+  std::vector<KroneckerFactors<T>> out;
+  for (int p = 0; p < g.num_params(); ++p) {
+    if (!wrt.at(static_cast<size_t>(p)) || !g.linear_use(p).inputs) continue;
+    KroneckerFactors<T> f;
+    f.param = p, f.rows = g.parameter(p).rows, f.cols = g.parameter(p).cols;
+    const Mat<T> x = detail::kfac_rows(g.linear_use(p).inputs, B, L, f.rows, reduce, /*mean=*/true);
+    f.A.resize(static_cast<size_t>(f.rows * f.rows));
+    MapM<T>(f.A.data(), f.rows, f.rows).noalias() = x.transpose() * x / static_cast<T>(x.rows());
+    f.G.assign(static_cast<size_t>(f.cols * f.cols), T(0));
+    out.push_back(std::move(f));
+  }
+  const index_t width = g.width(g.output());
+  Buffer<T> seed(static_cast<size_t>(n * width));
+  for (index_t c = 0; c < head.root_columns(g); ++c) {
+    head.root_column(g, c, seed.data());
+    g.reverse(seed.data());
+    for (KroneckerFactors<T>& f : out) {
+      const Mat<T> gy = detail::kfac_rows(g.linear_use(f.param).cotangents, B, L, f.cols, reduce, /*mean=*/false);
+      MapM<T>(f.G.data(), f.cols, f.cols).noalias() += gy.transpose() * gy;
+    }
+  }
+  return out;
+}
+
+}  // namespace blockhess::engine
