@@ -143,7 +143,8 @@ def test_bad_options_are_one_line(argv, message):
 @pytest.mark.parametrize("loss", ["mse", "cross_entropy", "pooled_cross_entropy"])
 def test_kfac_of_one_token_is_the_exact_gauss_newton_block(rng, loss):
     """With one sample of one token both K-FAC flavours are exact: the block is
-    sum_c (x (x) g_c)(x (x) g_c)^T = (x x^T) (x) (sum_c g_c g_c^T), A (x) G by definition."""
+    sum_c (x (x) g_c)(x (x) g_c)^T = (x x^T) (x) (sum_c g_c g_c^T), A (x) G by definition (a bias's
+    x = 1)."""
     if loss == "pooled_cross_entropy":
         spec = ModelSpec(BlockSpec(norm_position="pre", norm_affine=True, bias=True, heads=2, out_proj=True),
                          n_layers=2, patch_dim=3, n_positions=2, classes=3)
@@ -158,8 +159,7 @@ def test_kfac_of_one_token_is_the_exact_gauss_newton_block(rng, loss):
     where = params.slices()
     for flavour in ("expand", "reduce"):
         factors = kfac(X, target, params, loss=loss, flavour=flavour)
-        weights = [n for n, s in zip(params.names, params.shapes) if n.rsplit(".", 1)[-1] in
-                   ("W_Q", "W_K", "W_V", "W_O", "W_1", "W_2", "W_E", "W_C")]
+        weights = [n for n in params.names if n.rsplit(".", 1)[-1][2:] in ("Q", "K", "V", "O", "1", "2", "E", "C")]
         assert list(factors) == weights
         for name, (A, G_out) in factors.items():
             exact = G[where[name], where[name]]
@@ -182,8 +182,8 @@ def _hugging_face_vit(transformers, torch):
 @pytest.mark.parametrize("flavour", ["expand", "reduce"])
 def test_kfac_equals_curvlinops_on_a_hugging_face_vit(flavour):
     """curvlinops' KFACLinearOperator (type-2 Fisher) of a Hugging Face ViT and blockhess's K-FAC of
-    the same model imported by from_torch: every Linear of its encoder, A and G to 1e-10 (float64,
-    sdpa's math kernel: the eager attention's softmax is float32). The classifier and the patch
+    the same model imported by from_torch: every Linear of its encoder, A and G (and each bias's G)
+    to 1e-10 (float64, sdpa's math kernel: the eager attention's softmax is float32). The classifier and the patch
     embedding are left out: Hugging Face applies its classifier to the class token's row alone and
     its Conv2d to the patches alone, where blockhess's nodes see every token (a class token's row
     of the classifier's input, the class token's zero patch), so their A differ by design."""
@@ -228,4 +228,7 @@ def test_kfac_equals_curvlinops_on_a_hugging_face_vit(flavour):
         assert np.linalg.norm(A - theirs_A) <= 1e-10 * np.linalg.norm(theirs_A), name
         scale = largest_G if flavour == "reduce" and part == "attention.k_proj" else np.linalg.norm(theirs_G)
         assert np.linalg.norm(G - theirs_G) <= 1e-10 * scale, name
+        # The bias: curvlinops' separate bias has the module's G alone (an input of 1).
+        one, bias_G = ours[f"h.{layer}.{ours_of[part].replace('W_', 'b_')}"]
+        assert one.tolist() == [[1.0]] and np.linalg.norm(bias_G - theirs_G) <= 1e-10 * scale, name
         assert np.linalg.norm(theirs_G) > 1e-6 * largest_G or (flavour, part) == ("reduce", "attention.k_proj")

@@ -11,7 +11,7 @@ measures, for each parameter's diagonal block,
   basis, Shampoo's factors) can reach on that block;
 - ``diagonal``: the exact diagonal of the Gauss-Newton block;
 - ``kfac_expand`` and ``kfac_reduce``: K-FAC's ``A (x) G`` (:func:`kfac`, the type-2 Fisher: the
-  loss's exact curvature backpropagated) for the weights applied to every token;
+  loss's exact curvature backpropagated) for the weights applied to every token and their biases;
 - ``ekfac``: K-FAC-expand's eigenbasis with the exact Gauss-Newton block's diagonal in it, the
   rescaling that EKFAC estimates from per-example gradients (the best any diagonal in that basis
   does, in Frobenius norm);
@@ -96,13 +96,15 @@ def kfac(X: Any, target: Any, params: BlockParams, *, loss: str = "mse", eps: fl
          head: Any = None, wrt: Any = None, flavour: str = "expand") -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """K-FAC's Kronecker factors ``{name: (A, G)}`` of the weights in ``wrt`` (all by default) that the
     model applies to every token (the attention's W_Q, W_K, W_V, W_O, the FFN's W_1 and W_2, a patch
-    embedding's W_E, a classifier's W_C), as defined for weights shared over a sequence (K-FAC-expand
-    and K-FAC-reduce, Eschenhagen et al. 2023, the definition curvlinops implements) with the type-2
+    embedding's W_E, a classifier's W_C, and their biases), as defined for weights shared over a
+    sequence (K-FAC-expand and K-FAC-reduce, Eschenhagen et al. 2023, the definition curvlinops
+    implements) with the type-2
     Fisher (engine/kfac.hpp): A from the weight's inputs, G from its outputs' cotangents in one
     reverse pass per column of a square root of the loss's Hessian in the model's output. The weight
     W (rows, cols)'s Gauss-Newton block, in its row-major vec order, is approximated by
-    ``np.kron(A, G)``. Arguments as in :func:`blockhess.loss_hessian`; biases, norms and embeddings
-    by token id have no factors here."""
+    ``np.kron(A, G)``; a bias is a weight whose input is 1 (A = [[1]], curvlinops' separate bias).
+    Arguments as in :func:`blockhess.loss_hessian`; norms, shared parameters (a tied ``wte``) and
+    embeddings by token id have no factors here."""
     from . import _backend, _core
     from ._validate import choice
     from .block import _loss_inputs, _selection

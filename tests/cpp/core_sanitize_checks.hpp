@@ -770,7 +770,8 @@ inline std::vector<std::vector<double>> random_weights(std::mt19937_64& rng,
 }
 
 // K-FAC's factors of every weight (engine/kfac.hpp: the head's square root backpropagated column
-// by column), both flavours: present for each weight the model applies to every token, symmetric.
+// by column), both flavours: present for each weight (and bias) the model applies to every token,
+// symmetric.
 template <class MakeModel>
 void check_kfac(const MakeModel& model_at, const std::vector<std::vector<double>>& W,
                 const std::vector<bh::block::ParamShape>& shapes, const bh::block::Target<double>& target,
@@ -822,7 +823,7 @@ inline void check_stack(std::mt19937_64& rng) {
   };
   check_hv_against_differences(rng, model_at, W, mse, ctx);
   check_dense_against_operator(rng, model_at, W, shapes, mse, {"h.2.", "ln_f."}, ctx);
-  check_kfac(model_at, W, shapes, mse, 3 * 6, ctx);  // W_Q, W_K, W_V, W_O, W_1, W_2 per layer
+  check_kfac(model_at, W, shapes, mse, 3 * 12, ctx);  // W_Q, W_K, W_V, W_O, W_1, W_2 and biases per layer
   check_dense_against_operator(rng, model_at, W, shapes, mse, {"h.0.", "h.2.", "ln_f."}, ctx + " with layer 0");
   blk::Selection first(shapes.size(), false);
   first[0] = true;  // h.0.W_Q: under layers 1 and 2's attention
@@ -870,7 +871,7 @@ inline void check_language_model(std::mt19937_64& rng) {
   auto model_at = [&](const std::vector<std::vector<double>>& weights) { return model_with(weights, ids); };
   check_hv_against_differences(rng, model_at, W, next, ctx);
   check_dense_against_operator(rng, model_at, W, shapes, next, {"h.1.", "ln_f."}, ctx);
-  check_kfac(model_at, W, shapes, next, 2 * 6, ctx);  // wte is shared (the LM head's too): no factors
+  check_kfac(model_at, W, shapes, next, 2 * 12, ctx);  // wte is shared (the LM head's too): no factors
   // wte (tied to the LM head) and wpe: out of the factors' reach, from products.
   check_dense_against_operator(rng, model_at, W, shapes, next, {"wte", "wpe", "h.1."}, ctx + " with the embeddings");
   auto bad = ids;
@@ -918,7 +919,7 @@ inline void check_vit(std::mt19937_64& rng, bool class_token) {
   };
   check_hv_against_differences(rng, model_at, W, pooled, ctx);
   check_dense_against_operator(rng, model_at, W, shapes, pooled, {"h.1.", "ln_f.", "W_C", "b_C"}, ctx);
-  check_kfac(model_at, W, shapes, pooled, 2 * 6 + 2, ctx);  // and W_E, W_C
+  check_kfac(model_at, W, shapes, pooled, 2 * 12 + 4, ctx);  // and W_E, b_E, W_C, b_C
 }
 
 // Bad input must end in the documented exceptions, without leaking what was allocated before.

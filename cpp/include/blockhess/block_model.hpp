@@ -85,7 +85,8 @@ class Model {
                           index_t max_products = std::numeric_limits<index_t>::max());
 
   // K-FAC's factors (engine/kfac.hpp) of the weights in wrt that the model applies to every token
-  // (the attention's W_Q, W_K, W_V, W_O, the FFN's, a patch embedding's, a classifier's), K-FAC-expand
+  // (the attention's W_Q, W_K, W_V, W_O, the FFN's, a patch embedding's, a classifier's, and their
+  // biases), K-FAC-expand
   // or (reduce) K-FAC-reduce, in the canonical order.
   std::vector<engine::KroneckerFactors<T>> kfac_factors(const Target<T>& target, const Selection& wrt, bool reduce);
 

@@ -104,8 +104,9 @@ struct Tangent {
 };
 
 // A weight applied to every token, out_t = in_t W (+ b): its inputs' rows (tokens, rows of W) and,
-// after a reverse pass, its outputs' cotangent rows (tokens, columns of W); null where the parameter
-// is not used so. What methods that factor a weight's curvature by its two sides read (kfac.hpp).
+// after a reverse pass, its outputs' cotangent rows (tokens, columns of W); for the bias b the same
+// cotangents and inputs null (a bias is a weight whose input is 1); all null where the parameter is
+// not used so. What methods that factor a weight's curvature by its two sides read (kfac.hpp).
 template <class T>
 struct LinearUse {
   const T* inputs = nullptr;
@@ -292,8 +293,8 @@ class Graph {
     for (const auto& [v, stage] : checked_) require_finite(cotangent(v), tokens() * width(v), stage);
   }
 
-  // Where parameter p is a weight applied to every token (Node::linear_use), by its one owner;
-  // empty for a shared parameter or one used otherwise.
+  // Where parameter p is a weight (or its bias) applied to every token (Node::linear_use), by its
+  // one owner; empty for a shared parameter or one used otherwise.
   LinearUse<T> linear_use(int p) const {
     if (uses_[static_cast<size_t>(p)] != 1) return {};
     for (const auto& node : nodes_)

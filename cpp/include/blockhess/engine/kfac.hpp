@@ -6,8 +6,8 @@
 //   reduce:  A = 1/B sum_b mean_t(in_b,t) mean_t(...)^T, G = sum_c sum_b (sum_t g_b,t,c)(...)^T
 // with g_t,c the cotangent of out_t in the reverse pass seeded by column c (every loss term's column
 // c at once), T the tokens per sample. The Gauss-Newton block of W, in W's row-major vec order, is
-// then approximated by A (x) G. Only the weights' own factors: biases, shared and embedding
-// parameters have none here.
+// then approximated by A (x) G. A bias is a weight whose input is 1 (A = [1], curvlinops' separate
+// bias); shared parameters and embeddings by token id have no factors here.
 #pragma once
 
 #include <string>
@@ -48,12 +48,17 @@ std::vector<KroneckerFactors<T>> kfac_factors(Graph<T>& g, Head<T>& head, const 
   const index_t B = g.samples(), L = g.tokens_per_sample(), n = g.tokens();
   std::vector<KroneckerFactors<T>> out;
   for (int p = 0; p < g.num_params(); ++p) {
-    if (!wrt.at(static_cast<size_t>(p)) || !g.linear_use(p).inputs) continue;
+    const LinearUse<T> use = g.linear_use(p);
+    if (!wrt.at(static_cast<size_t>(p)) || !use.cotangents) continue;
     KroneckerFactors<T> f;
     f.param = p, f.rows = g.parameter(p).rows, f.cols = g.parameter(p).cols;
-    const Mat<T> x = detail::kfac_rows(g.linear_use(p).inputs, B, L, f.rows, reduce, /*mean=*/true);
-    f.A.resize(static_cast<size_t>(f.rows * f.rows));
-    MapM<T>(f.A.data(), f.rows, f.rows).noalias() = x.transpose() * x / static_cast<T>(x.rows());
+    if (use.inputs) {
+      const Mat<T> x = detail::kfac_rows(use.inputs, B, L, f.rows, reduce, /*mean=*/true);
+      f.A.resize(static_cast<size_t>(f.rows * f.rows));
+      MapM<T>(f.A.data(), f.rows, f.rows).noalias() = x.transpose() * x / static_cast<T>(x.rows());
+    } else {
+      f.A.assign(1, T(1));  // a bias: (1, cols), its input 1
+    }
     f.G.assign(static_cast<size_t>(f.cols * f.cols), T(0));
     out.push_back(std::move(f));
   }

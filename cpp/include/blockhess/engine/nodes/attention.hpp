@@ -84,12 +84,15 @@ class AttentionNode final : public Node<T> {
     require_finite(F, n * hv_, "block: the attention output A X W_V");
   }
 
-  // W_Q, W_K and W_V are applied to every token of X: their cotangent rows are gQ, gK and gV (kept
-  // by the last reverse pass).
+  // W_Q, W_K and W_V (and their biases) are applied to every token of X: their cotangent rows are
+  // gQ, gK and gV (kept by the last reverse pass).
   LinearUse<T> linear_use(const Graph<T>& g, int p) const override {
     if (p == wq()) return {g.value(x()), gQ_.data()};
     if (p == wk()) return {g.value(x()), gK_.data()};
     if (p == wv()) return {g.value(x()), gV_.data()};
+    if (biased() && p == bq()) return {nullptr, gQ_.data()};
+    if (biased() && p == bk()) return {nullptr, gK_.data()};
+    if (biased() && p == bv()) return {nullptr, gV_.data()};
     return {};
   }
 

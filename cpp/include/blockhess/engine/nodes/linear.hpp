@@ -42,8 +42,9 @@ class LinearNode final : public Node<T> {
   }
 
   LinearUse<T> linear_use(const Graph<T>& g, int p) const override {
-    if (p != param()) return {};
-    return {g.value(in()), g.cotangent(this->output)};
+    if (p == param()) return {g.value(in()), g.cotangent(this->output)};
+    if (has_bias() && p == bias_param()) return {nullptr, g.cotangent(this->output)};
+    return {};
   }
 
   void push(Graph<T>& g) const override {
