@@ -232,3 +232,31 @@ def test_kfac_equals_curvlinops_on_a_hugging_face_vit(flavour):
         one, bias_G = ours[f"h.{layer}.{ours_of[part].replace('W_', 'b_')}"]
         assert one.tolist() == [[1.0]] and np.linalg.norm(bias_G - theirs_G) <= 1e-10 * scale, name
         assert np.linalg.norm(theirs_G) > 1e-6 * largest_G or (flavour, part) == ("reduce", "attention.k_proj")
+
+
+@pytest.mark.parametrize("loss", ["mse", "cross_entropy", "pooled_cross_entropy", "first_token"])
+def test_kfac_reduce_of_a_bias_is_its_exact_gauss_newton_block(rng, loss):
+    """A bias's gradient is the sum of its output cotangents over a sample's tokens, so K-FAC-reduce's
+    G of a bias, sum_c sum_b (sum_t g_b,t,c)(...)^T, is its exact Gauss-Newton block wherever each
+    sample is one loss term: a pooled or class-token classifier at any number of tokens, a per-token
+    loss at one token per sample (with more, the reverse pass seeded by every token's column c at
+    once, as curvlinops defines K-FAC, adds products of different tokens' columns that the exact
+    matrix does not have). At several samples: the heads' square roots and the reverse passes they
+    seed, checked against the exact matrix."""
+    block = BlockSpec(norm_position="pre", norm_affine=True, bias=True, heads=2, out_proj=True, causal=True)
+    if loss in ("pooled_cross_entropy", "first_token"):
+        spec = ModelSpec(block, n_layers=2, patch_dim=3, n_positions=5, classes=3, class_token=loss == "first_token")
+        X, target = rng.standard_normal((3, 4, 3)), rng.integers(0, 3, size=3)
+        loss = "pooled_cross_entropy"
+    else:
+        spec = ModelSpec(block, n_layers=2, final_norm=True)
+        X = rng.standard_normal((3, 1, 4))
+        target = rng.standard_normal((3, 1, 4)) if loss == "mse" else rng.integers(0, 4, size=(3, 1))
+    params = BlockParams.random(spec, d=4, d_k=2, d_ff=5, seed=int(rng.integers(1 << 30)))
+    biases = tuple(n for n in params.names if n.rsplit(".", 1)[-1] in ("b_Q", "b_K", "b_V", "b_O", "b_1", "b_2"))
+    G = blockhess.loss_hessian(X, target, params, loss=loss, part="outer", wrt=biases, layout="blocks")
+    factors = kfac(X, target, params, loss=loss, wrt=biases, flavour="reduce")
+    assert list(factors) == list(biases)
+    scale = max(np.linalg.norm(G[b, b]) for b in biases)  # b_K's block is zero: softmax's shift invariance
+    for name, (one, bias_G) in factors.items():
+        assert one.tolist() == [[1.0]] and np.linalg.norm(bias_G - G[name, name]) <= 1e-12 * scale, name

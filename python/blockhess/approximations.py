@@ -103,6 +103,8 @@ def kfac(X: Any, target: Any, params: BlockParams, *, loss: str = "mse", eps: fl
     reverse pass per column of a square root of the loss's Hessian in the model's output. The weight
     W (rows, cols)'s Gauss-Newton block, in its row-major vec order, is approximated by
     ``np.kron(A, G)``; a bias is a weight whose input is 1 (A = [[1]], curvlinops' separate bias).
+    With a per-token loss each reverse pass is seeded by every token's column at once, as curvlinops
+    does, so G carries products of different tokens' columns that the exact matrix has not.
     Arguments as in :func:`blockhess.loss_hessian`; norms, shared parameters (a tied ``wte``) and
     embeddings by token id have no factors here."""
     from . import _backend, _core

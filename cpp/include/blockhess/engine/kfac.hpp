@@ -6,7 +6,11 @@
 //   reduce:  A = 1/B sum_b mean_t(in_b,t) mean_t(...)^T, G = sum_c sum_b (sum_t g_b,t,c)(...)^T
 // with g_t,c the cotangent of out_t in the reverse pass seeded by column c (every loss term's column
 // c at once), T the tokens per sample. The Gauss-Newton block of W, in W's row-major vec order, is
-// then approximated by A (x) G. A bias is a weight whose input is 1 (A = [1], curvlinops' separate
+// then approximated by A (x) G. With several loss terms per sample (a per-token loss) the seed holds
+// every term's column c at once, so G also carries products of different terms' columns that
+// attention brings together, which the exact Gauss-Newton matrix has not: K-FAC as curvlinops
+// computes it. With one term per sample (a pooled or class-token classifier) there are none.
+// A bias is a weight whose input is 1 (A = [1], curvlinops' separate
 // bias); shared parameters and embeddings by token id have no factors here.
 #pragma once
 
