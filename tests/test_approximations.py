@@ -110,6 +110,8 @@ def test_a_models_comparison_matches_its_definition(rng):
     assert rows["model", "block_diagonal", "gauss_newton"].relative_frobenius == pytest.approx(
         np.linalg.norm(off_layer) / np.linalg.norm(G), rel=1e-12)
     assert set(layer_of(n) for n in params.names) == {"input", "h.0", "h.1", "head"}
+    assert [layer_of(n) for n in ("wte", "cls_token", "W_Q", "gamma_2", "ln_f.beta")] == \
+        ["input", "input", "block", "block", "ln_f"]  # a one-block model's block is unprefixed
     assert json.loads(result.to_json())["rows"][0]["block"] == params.names[0]
     table = result.to_markdown()
     assert table.count("\n") == 2 + len({(r.block, r.approximation) for r in result.rows})

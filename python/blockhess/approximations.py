@@ -169,13 +169,20 @@ def errors(E: np.ndarray, M: np.ndarray, top_k: int, exact_top=None) -> Errors:
     return Errors(_relative(E - M, E), _spectral_norm(E - M) / max(_spectral_norm(E), 1e-300), ratio, float(overlap))
 
 
+# A model's parameters before its first block (a one-block model's block parameters are unprefixed).
+_INPUT = ("wte", "wpe", "W_E", "b_E", "cls_token")
+
+
 def layer_of(name: str) -> str:
-    """The layer a parameter belongs to: "h.<l>", "ln_f", or "input" / "head" for the rest."""
+    """The layer a parameter belongs to: "h.<l>", "ln_f", "input" (the embeddings), "head" (a
+    classifier), or "block" (the one block of a one-block model, whose names have no prefix)."""
     if name.startswith("h."):
         return name.rsplit(".", 1)[0]
     if name.startswith("ln_f."):
         return "ln_f"
-    return "head" if name in ("W_C", "b_C") else "input"
+    if name in ("W_C", "b_C"):
+        return "head"
+    return "input" if name in _INPUT else "block"
 
 
 def compare(X: Any, target: Any, params: BlockParams, *, loss: str = "mse", eps: float | None = None,

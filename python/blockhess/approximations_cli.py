@@ -57,8 +57,9 @@ def train(params: BlockParams, steps: int, batch: int, seed: int):
 
 
 def plot(result: approximations.Comparison, names: tuple[str, ...], path: str) -> None:
-    """One heat map per approximation: layers (rows) x parameter kinds (columns), the relative
-    Frobenius error against the exact Gauss-Newton block; blank where it does not apply."""
+    """One heat map per approximation (K-FAC-expand, K-FAC-reduce, the nearest Kronecker product, the
+    diagonal): layers (rows) x parameter kinds (columns), the relative Frobenius error against the
+    exact Gauss-Newton block; blank where it does not apply."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -66,10 +67,9 @@ def plot(result: approximations.Comparison, names: tuple[str, ...], path: str) -
 
     layers = list(dict.fromkeys(approximations.layer_of(n) for n in names))
     kinds = list(dict.fromkeys(n.rsplit(".", 1)[-1] for n in names))
-    shown = ("kronecker", "diagonal")
-    fig, axes = plt.subplots(1, len(shown), figsize=(1.0 + 0.55 * len(kinds) * len(shown), 1.2 + 0.5 * len(layers)),
-                             squeeze=False)
-    for ax, kind in zip(axes[0], shown):
+    shown = ("kfac_expand", "kfac_reduce", "kronecker", "diagonal")
+    fig, axes = plt.subplots(2, 2, figsize=(1.5 + 1.1 * len(kinds), 2.4 + 1.0 * len(layers)), squeeze=False)
+    for ax, kind in zip(axes.flat, shown):
         table = result.error_table(kind)
         grid = np.full((len(layers), len(kinds)), np.nan)
         for n in names:
@@ -79,7 +79,7 @@ def plot(result: approximations.Comparison, names: tuple[str, ...], path: str) -
         ax.set_xticks(range(len(kinds)), kinds, rotation=90)
         ax.set_yticks(range(len(layers)), layers)
         ax.set_title(f"{kind} vs exact Gauss-Newton")
-    fig.colorbar(image, ax=list(axes[0]), label="relative Frobenius error")
+    fig.colorbar(image, ax=list(axes.flat), label="relative Frobenius error")
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
