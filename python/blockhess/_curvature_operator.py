@@ -103,7 +103,8 @@ class CurvatureOperator:
                 for n, a, b in zip(self.names, bounds[:-1], bounds[1:])}
 
     def _hutchinson(self, probes: int, seed: int):
-        """(diagonal, per-block traces) Estimates from ``probes`` Rademacher probes (estimate.py)."""
+        """(diagonal, per-block traces, whole trace) Estimates from ``probes`` Rademacher probes
+        (estimate.py)."""
         probes = positive_int(probes, "probes")
         if probes < 2:
             raise ValueError("probes must be at least 2 (the standard error needs two), got 1")

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -159,14 +159,32 @@ def _spectral_norm(E: np.ndarray) -> float:
     return float(np.abs(eigsh(E, k=1, which="LM", tol=1e-10, return_eigenvectors=False)).max())
 
 
-def errors(E: np.ndarray, M: np.ndarray, top_k: int, exact_top=None) -> Errors:
-    """The errors of M against E (both symmetric); exact_top: E's _top(E, k), when known."""
+class _Exact(NamedTuple):
+    """What every approximation of one exact matrix E is measured against, computed once."""
+
+    E: np.ndarray
+    k: int  # the eigenspace's size
+    top: tuple[np.ndarray, np.ndarray]  # its k largest eigenvalues and their eigenvectors
+    spectral_norm: float
+
+
+def _exact(E: np.ndarray, top_k: int) -> _Exact:
     k = max(1, min(top_k, E.shape[0] - 1 if E.shape[0] > _DENSE_EIGH else E.shape[0]))
-    e_values, e_vectors = exact_top if exact_top is not None else _top(E, k)
+    return _Exact(E, k, _top(E, k), _spectral_norm(E))
+
+
+def errors(E: np.ndarray, M: np.ndarray, top_k: int) -> Errors:
+    """The errors of M against E (both symmetric)."""
+    return _errors(_exact(E, top_k), M)
+
+
+def _errors(exact: _Exact, M: np.ndarray) -> Errors:
+    (e_values, e_vectors), k = exact.top, exact.k
     m_values, m_vectors = _top(M, k)
     overlap = np.linalg.norm(e_vectors.T @ m_vectors) ** 2 / k
     ratio = float(m_values[-1] / e_values[-1]) if e_values[-1] != 0 else None  # E = 0: no ratio
-    return Errors(_relative(E - M, E), _spectral_norm(E - M) / max(_spectral_norm(E), 1e-300), ratio, float(overlap))
+    return Errors(_relative(exact.E - M, exact.E), _spectral_norm(exact.E - M) / max(exact.spectral_norm, 1e-300),
+                  ratio, float(overlap))
 
 
 # A model's parameters before its first block (a one-block model's block parameters are unprefixed).
@@ -189,8 +207,8 @@ def compare(X: Any, target: Any, params: BlockParams, *, loss: str = "mse", eps:
             head: Any = None, top_k: int = 5, progress: Callable[[str], None] | None = None) -> Comparison:
     """The approximations of the module's docstring, measured against the exact Gauss-Newton matrix
     and the exact Hessian of the loss at (X, target, params) (arguments as in
-    :func:`blockhess.loss_hessian`). Both dense matrices are formed: for models whose (P, P)
-    Hessian fits twice in the memory budget (blockhess.OutputTooLargeError otherwise).
+    :func:`blockhess.loss_hessian`). Both dense (P, P) matrices are formed and held at once: for
+    small models (each must fit the memory budget: blockhess.OutputTooLargeError otherwise).
     ``progress(text)`` is called before each step."""
     from ._validate import positive_int
 
@@ -219,16 +237,18 @@ def compare(X: Any, target: Any, params: BlockParams, *, loss: str = "mse", eps:
             for flavour, factors in kfacs.items():
                 approximations[f"kfac_{flavour}"] = np.kron(*factors[name])
             approximations["ekfac"] = _ekfac(G_b, *kfacs["expand"][name])
+        references = {"gauss_newton": _exact(G_b, top_k), "hessian": _exact(H_b, top_k)}
         for kind, M in approximations.items():
-            for reference, E in (("gauss_newton", G_b), ("hessian", H_b)):
-                result.rows.append(Row(name, kind, reference, errors(E, M, top_k)))
+            for reference, exact in references.items():
+                result.rows.append(Row(name, kind, reference, _errors(exact, M)))
         result.functional_weight[name] = _relative(H_b - G_b, H_b)
     step("the whole model")
     layer = np.concatenate([[layer_of(n)] * int(np.prod(s)) for n, s in zip(params.names, params.shapes)])
     same_layer = layer[:, None] == layer[None, :]
+    references = {"gauss_newton": _exact(G, top_k), "hessian": _exact(H, top_k)}
     for kind, M in (("block_diagonal", np.where(same_layer, G, 0.0)), ("diagonal", np.diag(np.diag(G)))):
-        for reference, E in (("gauss_newton", G), ("hessian", H)):
-            result.rows.append(Row("model", kind, reference, errors(E, M, top_k)))
+        for reference, exact in references.items():
+            result.rows.append(Row("model", kind, reference, _errors(exact, M)))
     result.functional_weight["model"] = _relative(H - G, H)
     return result
 

@@ -37,8 +37,8 @@ class HessianOperator(CurvatureOperator):
 
     Curvature without a dense matrix: :meth:`diagonal`, :meth:`trace` (whole or per parameter) exact
     from the per-token factors (or, for a model's lower layers, from one product per parameter), or
-    estimated with their standard errors (exact=False); :meth:`eigsh` (extreme eigenvalues by Lanczos through H v) and
-    :meth:`spectral_density` (stochastic Lanczos quadrature). The diagonal and eigsh's results are
+    estimated with their standard errors (exact=False); :meth:`eigsh` (extreme eigenvalues by
+    Lanczos through H v) and :meth:`spectral_density` (stochastic Lanczos quadrature). The diagonal and eigsh's results are
     torch tensors when the operator was built from tensors.
 
     The operator keeps its own copies of the inputs: every method answers for X, the target, the

@@ -186,13 +186,19 @@ Products<T> selected_products(Graph<T>& g, const Head<T>& head, Part part, const
 }
 
 // The symmetric (P, P) loss Hessian (or its part) over the selected parameters, written through
-// `out` (HostHessian, or the GPU's DeviceHessian) from the per-token factors. Returns the loss.
+// `out` (HostHessian, or the GPU's DeviceHessian) from the per-token factors, the reverse pass done.
 // FactorsDoNotReach where a selected parameter's factors cannot stay per token.
+template <class T, class Out>
+void assemble_factored(Graph<T>& g, const Head<T>& head, Part part, const std::vector<bool>& wrt, Out& out) {
+  push_loss_factors(g, head, part, wrt);
+  assemble(g, loss_terms(g, outer_terms(g, head, part), part), g.offsets(wrt), out);
+}
+
+// The same, the reverse pass run first. Returns the loss.
 template <class T, class Out>
 T loss_hessian_into(Graph<T>& g, Head<T>& head, Part part, const std::vector<bool>& wrt, Out& out) {
   const T value = reverse_loss(g, head);
-  push_loss_factors(g, head, part, wrt);
-  assemble(g, loss_terms(g, outer_terms(g, head, part), part), g.offsets(wrt), out);
+  assemble_factored(g, head, part, wrt, out);
   return value;
 }
 
@@ -205,13 +211,14 @@ template <class T>
 T loss_hessian(Graph<T>& g, Head<T>& head, Part part, const std::vector<bool>& wrt, T* H) {
   index_t P = 0;
   g.offsets(wrt, &P);
+  const T value = reverse_loss(g, head);
   try {
     HostHessian<T> out{H, P};
-    return loss_hessian_into(g, head, part, wrt, out);
+    assemble_factored(g, head, part, wrt, out);
+    return value;
   } catch (const FactorsDoNotReach&) {
     g.clear_factors();
   }
-  const T value = reverse_loss(g, head);
   const Products<T> products = selected_products(g, head, part, wrt);
   products.identity_columns([&](index_t j, const T* column) { std::copy_n(column, P, H + j * P); });
   blockhess::detail::parallel_for(P, P, [&](index_t i) {
