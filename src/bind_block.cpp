@@ -225,6 +225,36 @@ void bind_block(py::module_& m) {
       },
       "The parameters of a block (or a stack) in the canonical order: [(name, shape)] (params.hpp).", py::arg("spec"),
       py::arg("d"), py::arg("d_k"), py::arg("d_v"), py::arg("d_ff"));
+  m.def(
+      "working_memory",
+      [](const SpecTuple& spec, index_t B, index_t L, index_t d, index_t dk, index_t dv, index_t dff, int call, int loss,
+         index_t head_classes, int part, const std::vector<bool>& wrt, index_t columns, index_t threads,
+         index_t itemsize) {
+        if (call < 0 || call > static_cast<int>(engine::Call::output_hessian))
+          throw std::invalid_argument("working_memory: bad call");
+        if (part < 0 || part > 2) throw std::invalid_argument("working_memory: bad part");
+        const block::Spec s = spec_of(spec);
+        const block::Dims D{L, d, dk, dff, dv};
+        block::check(s, D);
+        block::Target<double> target;
+        if (loss >= 0) {
+          registry::checked(heads::kNames, loss, "loss");
+          target.loss = loss;
+          const block::Stack stack = stack_of(spec);
+          target.classifier.classes = stack.classes > 0 ? stack.classes : head_classes;
+          target.classifier.first_token = stack.classes > 0 && stack.class_token;
+        }
+        const index_t elements = block::Model<double>::working_memory(
+            s, D, stack_of(spec), B, loss >= 0 ? &target : nullptr, static_cast<engine::Call>(call),
+            static_cast<block::Part>(part), wrt, columns, threads);
+        return elements * itemsize;
+      },
+      "The bytes a call would allocate besides its result, estimated by the core from the model's wiring "
+      "(engine/working_memory.hpp); nothing is computed. call: engine::Call's code; loss: a loss code, or -1 "
+      "for the calls without one; head_classes: a pooled head's classes (its W_C's columns), else 0.",
+      py::arg("spec"), py::arg("B"), py::arg("L"), py::arg("d"), py::arg("d_k"), py::arg("d_v"), py::arg("d_ff"),
+      py::arg("call"), py::arg("loss"), py::arg("head_classes"), py::arg("part"), py::arg("wrt"), py::arg("columns"),
+      py::arg("threads"), py::arg("itemsize"));
   m.def("layer_prefix", &block::layer_prefix,
         "The name prefix of layer l of a stack of `layers` blocks: \"h.<l>.\", or none for a lone block (params.hpp).",
         py::arg("layers"), py::arg("l"));

@@ -146,7 +146,7 @@ def test_bad_options_are_one_line(argv, message):
 def test_kfac_of_one_token_is_the_exact_gauss_newton_block(rng, loss):
     """With one sample of one token both K-FAC flavours are exact: the block is
     sum_c (x (x) g_c)(x (x) g_c)^T = (x x^T) (x) (sum_c g_c g_c^T), A (x) G by definition (a bias's
-    x = 1)."""
+    x = 1; learned positions' x the one-hot of position 0)."""
     if loss == "pooled_cross_entropy":
         spec = ModelSpec(BlockSpec(norm_position="pre", norm_affine=True, bias=True, heads=2, out_proj=True),
                          n_layers=2, patch_dim=3, n_positions=2, classes=3)
@@ -161,7 +161,8 @@ def test_kfac_of_one_token_is_the_exact_gauss_newton_block(rng, loss):
     where = params.slices()
     for flavour in ("expand", "reduce"):
         factors = kfac(X, target, params, loss=loss, flavour=flavour)
-        weights = [n for n in params.names if n.rsplit(".", 1)[-1][2:] in ("Q", "K", "V", "O", "1", "2", "E", "C")]
+        weights = [n for n in params.names if n.rsplit(".", 1)[-1][2:] in ("Q", "K", "V", "O", "1", "2", "E", "C")
+                   or n in ("wpe", "cls_token")]
         assert list(factors) == weights
         for name, (A, G_out) in factors.items():
             exact = G[where[name], where[name]]
@@ -262,3 +263,91 @@ def test_kfac_reduce_of_a_bias_is_its_exact_gauss_newton_block(rng, loss):
     scale = max(np.linalg.norm(G[b, b]) for b in biases)  # b_K's block is zero: softmax's shift invariance
     for name, (one, bias_G) in factors.items():
         assert one.tolist() == [[1.0]] and np.linalg.norm(bias_G - G[name, name]) <= 1e-12 * scale, name
+
+
+@pytest.mark.parametrize("flavour", ["expand", "reduce"])
+def test_kfac_of_an_embedding_is_that_of_a_linear_map_of_one_hot_inputs(rng, flavour):
+    """A lookup by id is the linear map of the id's one-hot: a language model's wte (untied) and the
+    patch embedding W_E of the same model reading one-hot patches (b_E = 0) have the same K-FAC, A
+    the ids' frequencies (on the diagonal for expand) from the lookup and from the dense inputs of
+    the linear map, whose K-FAC curvlinops checks; wpe is the same lookup in both models."""
+    block = BlockSpec(norm_position="pre", norm_affine=True, bias=True, heads=2, out_proj=True, causal=True)
+    V, B, L = 7, 3, 5
+    lm = BlockParams.random(ModelSpec(block, n_layers=2, vocab_size=V, n_positions=L, final_norm=True),
+                            d=4, d_k=2, d_ff=5, seed=int(rng.integers(1 << 30)))
+    patches = ModelSpec(block, n_layers=2, patch_dim=V, n_positions=L, final_norm=True)
+    arrays = {("W_E" if n == "wte" else n): lm[n] for n in lm.names}
+    linear = BlockParams.from_arrays(patches, {**arrays, "b_E": np.zeros(4)})
+    ids = rng.integers(0, V, size=(B, L))
+    one_hot = np.eye(V)[ids]
+    target = rng.integers(0, 4, size=(B, L))
+    looked_up = kfac(ids, target, lm, loss="cross_entropy", flavour=flavour)
+    mapped = kfac(one_hot, target, linear, loss="cross_entropy", flavour=flavour)
+    for ours, theirs in (("wte", "W_E"), ("wpe", "wpe")):
+        for a, b in zip(looked_up[ours], mapped[theirs]):
+            assert np.linalg.norm(a - b) <= 1e-12 * np.linalg.norm(b), ours
+    A = looked_up["wte"][0]
+    if flavour == "expand":
+        assert np.array_equal(A, np.diag(np.bincount(ids.ravel(), minlength=V) / (B * L)))
+
+
+@pytest.mark.parametrize("flavour", ["expand", "reduce"])
+def test_kfac_of_a_class_token_is_a_one_row_lookup(rng, flavour):
+    """The class token is a table of one row that each sample's first token looks up: A = [[1/L]]
+    (expand: one token in L) or [[1/L^2]] (reduce: the per-sample frequency squared), and G the sum
+    over every token of its output's cotangents (K-FAC's definition, whatever the input), the same
+    cotangents learned positions after it see: their G are equal."""
+    block = BlockSpec(norm_position="pre", norm_affine=True, bias=True, heads=2, out_proj=True)
+    L = 4
+    spec = ModelSpec(block, n_layers=2, patch_dim=3, n_positions=L, classes=3, class_token=True)
+    params = BlockParams.random(spec, d=4, d_k=2, d_ff=5, seed=int(rng.integers(1 << 30)))
+    X, target = rng.standard_normal((3, L - 1, 3)), rng.integers(0, 3, size=3)  # the class token the L-th token
+    factors = kfac(X, target, params, loss="pooled_cross_entropy", flavour=flavour, wrt=("cls_token", "wpe"))
+    (A_c, G_c), (A_p, G_p) = factors["cls_token"], factors["wpe"]
+    assert A_c.shape == (1, 1) and A_c[0, 0] == pytest.approx(1 / L if flavour == "expand" else 1 / L**2, rel=1e-15)
+    expected_A_p = np.eye(L) / L if flavour == "expand" else np.full((L, L), 1 / L**2)
+    assert np.allclose(A_p, expected_A_p, rtol=1e-15, atol=0)
+    assert np.linalg.norm(G_c - G_p) <= 1e-14 * np.linalg.norm(G_p) and np.linalg.norm(G_p) > 0
+
+
+@pytest.mark.parametrize("flavour", ["expand", "reduce"])
+def test_kfac_of_a_tied_lm_head_equals_curvlinops_on_a_hugging_face_gpt2(flavour):
+    """A wte tied to the LM head has K-FAC's factors of its use as the head's weight, logits_t =
+    h_t wte^T, as curvlinops defines them (it hooks the LM head's Linear, not the embedding): wte's
+    rows are the head's outputs, so its A (vocab, vocab) is curvlinops' gradient covariance and its
+    G (d, d) the head's input covariance; to 1e-10 (float64, sdpa's math kernel) on a Hugging Face
+    GPT-2 with the next-token loss."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    curvlinops = pytest.importorskip("curvlinops")
+    torch.manual_seed(0)
+    V = 11
+    config = transformers.GPT2Config(vocab_size=V, n_positions=6, n_embd=8, n_layer=2, n_head=2, n_inner=12,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa",
+                                     bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config).double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    _, params = blockhess.from_torch(model)
+    ids = torch.randint(0, V, (3, 6))
+
+    class ShiftedLogits(torch.nn.Module):  # the logits that predict a next token, one row each
+        def __init__(self, lm):
+            super().__init__()
+            self.lm = lm
+
+        def forward(self, input_ids):
+            return self.lm(input_ids=input_ids).logits[:, :-1].reshape(-1, V)
+
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        operator = curvlinops.KFACLinearOperator(
+            ShiftedLogits(model), torch.nn.CrossEntropyLoss(), [model.lm_head.weight], [(ids, ids[:, 1:].reshape(-1))],
+            fisher_type=curvlinops.FisherType.TYPE2, kfac_approx=flavour, check_deterministic=False)
+        operator.compute_kronecker_factors()
+    (name,) = operator._input_covariances
+    A, G = kfac(ids.numpy(), ids.numpy(), params, loss="next_token", flavour=flavour, wrt=("wte",))["wte"]
+    theirs_A, theirs_G = operator._gradient_covariances[name].numpy(), operator._input_covariances[name].numpy()
+    assert A.shape == (V, V) and G.shape == (8, 8)
+    assert np.linalg.norm(A - theirs_A) <= 1e-10 * np.linalg.norm(theirs_A)
+    assert np.linalg.norm(G - theirs_G) <= 1e-10 * np.linalg.norm(theirs_G)

@@ -119,16 +119,17 @@ def test_spectrum_frobenius_through_products_and_left_out_above_the_limit(tmp_pa
 
 
 def test_spectrum_trace_is_na_where_a_block_diagonal_exceeds_the_budget(tmp_path, capsys, monkeypatch):
-    from blockhess import _working_memory
+    from blockhess import _core, _working_memory
 
-    estimate = _working_memory.hessian_diagonal
+    estimate = _working_memory.model
 
-    def w1_too_large(B, L, d, dk, dff, itemsize, selected, **options):
+    def w1_too_large(spec, dims, B, L, itemsize, call, *, selected=None, **options):
         # W_1's factors alone exceed the budget: so do the whole block's; the other blocks fit alone
-        too_large = any(name == "W_1" for name, _ in selected)
-        return 1 << 60 if too_large else estimate(B, L, d, dk, dff, itemsize, selected, **options)
+        names = [name for name, _ in _core.block_parameters(spec._core(), *dims)]
+        too_large = call == "diagonal" and (selected is None or selected[names.index("W_1")])
+        return 1 << 60 if too_large else estimate(spec, dims, B, L, itemsize, call, selected=selected, **options)
 
-    monkeypatch.setattr(_working_memory, "hessian_diagonal", w1_too_large)
+    monkeypatch.setattr(_working_memory, "model", w1_too_large)
     out = tmp_path / "s.json"
     assert spectrum_cli.main([*SMALL, "-k", "2", "--json", str(out)]) == 0
     r = json.loads(out.read_text())

@@ -52,10 +52,14 @@ class Config:
     def pooled(self) -> bool:
         return self.loss == "pooled_cross_entropy"
 
+    @property
+    def dims(self) -> tuple[int, int, int, int]:
+        """(d, d_k, d_v, d_ff): d_k per head, d_v = d / heads."""
+        return self.d, self.d_k, max(1, self.d // self.heads), self.d_ff
+
     def parameters(self) -> list[tuple[str, tuple[int, ...]]]:
-        """[(name, shape)] of the block's parameters in the canonical order (d_k per head; d_v =
-        d / heads)."""
-        return _parameter_table(self.spec, self.d, self.d_k, max(1, self.d // self.heads), self.d_ff)
+        """[(name, shape)] of the block's parameters in the canonical order."""
+        return _parameter_table(self.spec, *self.dims)
 
     def describe(self) -> str:
         """The block in words: "post-LN Transformer block" for the paper's, its options otherwise."""

@@ -42,11 +42,11 @@ def _device_free_memory() -> int | None:
 
 
 def _closed_form_working(cfg: Config, itemsize: int) -> int:
-    """Bytes that one loss_hessian call allocates besides its result."""
+    """Bytes that one loss_hessian call allocates besides its result (the core's estimate)."""
     from . import _working_memory
 
-    return _working_memory.block(cfg.batch, cfg.L, cfg.d, cfg.d_k, cfg.d_ff, itemsize, hessian=True,
-                                 heads=cfg.heads, P=parameter_count(cfg), pooled=cfg.pooled)
+    return _working_memory.model(cfg.spec, cfg.dims, cfg.batch, cfg.L, itemsize, "loss_hessian", loss=cfg.loss,
+                                 head_classes=cfg.classes if cfg.pooled else 0)
 
 
 def _memory_needs(cfg: Config, P: int, reference: str) -> dict[str, int]:

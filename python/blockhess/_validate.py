@@ -192,10 +192,10 @@ def choice(value: Any, name: str, allowed: tuple[str, ...]) -> str:
 def require_output_fits(
     shape: tuple[int, ...], dtype: np.dtype, what: str, alternative: str, *, working: int = 0,
     into_out: bool = False,
-) -> None:
+) -> int:
     """Refuse a call whose result (``shape``, unless it goes into the caller's ``out=``) and working
     arrays (``working`` bytes) together exceed the memory budget, with an error that says what was
-    asked, what fits and the way out."""
+    asked, what fits and the way out; returns the bytes checked."""
     output = 0 if into_out else math.prod(shape) * np.dtype(dtype).itemsize
     total = output + working
     budget = get_memory_budget()
@@ -212,6 +212,7 @@ def require_output_fits(
             f"{format_bytes(budget)}; {alternative} (or raise the budget with "
             "blockhess.set_memory_budget or BLOCKHESS_MEMORY_BUDGET)"
         )
+    return total
 
 
 def require_finite(result: Any, what: str) -> Any:

@@ -96,7 +96,9 @@ def kfac(X: Any, target: Any, params: BlockParams, *, loss: str = "mse", eps: fl
          head: Any = None, wrt: Any = None, flavour: str = "expand") -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """K-FAC's Kronecker factors ``{name: (A, G)}`` of the weights in ``wrt`` (all by default) that the
     model applies to every token (the attention's W_Q, W_K, W_V, W_O, the FFN's W_1 and W_2, a patch
-    embedding's W_E, a classifier's W_C, and their biases), as defined for weights shared over a
+    embedding's W_E, a classifier's W_C, and their biases) or looks up by id (an untied ``wte``, a
+    ``wpe``, a class token: a weight whose input is the id's one-hot, A then the ids' frequencies),
+    as defined for weights shared over a
     sequence (K-FAC-expand and K-FAC-reduce, Eschenhagen et al. 2023, the definition curvlinops
     implements) with the type-2
     Fisher (engine/kfac.hpp): A from the weight's inputs, G from its outputs' cotangents in one
@@ -105,17 +107,27 @@ def kfac(X: Any, target: Any, params: BlockParams, *, loss: str = "mse", eps: fl
     ``np.kron(A, G)``; a bias is a weight whose input is 1 (A = [[1]], curvlinops' separate bias).
     With a per-token loss each reverse pass is seeded by every token's column at once, as curvlinops
     does, so G carries products of different tokens' columns that the exact matrix has not.
-    Arguments as in :func:`blockhess.loss_hessian`; norms, shared parameters (a tied ``wte``) and
-    embeddings by token id have no factors here."""
+    A ``wte`` tied to the LM head has the factors of its use as the head's weight, ``logits_t = h_t
+    wte^T``, as curvlinops defines them (it sees the head's Linear, not the lookup): wte's rows are
+    the head's outputs, so there A (vocab, vocab) comes from the logits' cotangents and G (d, d)
+    from the head's inputs. Arguments as in :func:`blockhess.loss_hessian`; norms have no factors.
+    The factors must fit the memory budget with the model's passes (a ``wte``'s A is (vocab,
+    vocab))."""
     from . import _backend, _core
-    from ._validate import choice
-    from .block import _loss_inputs, _selection
+    from ._validate import choice, require_output_fits
+    from .block import _loss_inputs, _selection, _sizes, _working
 
     flavour = choice(flavour, "flavour", ("expand", "reduce"))
     params, X3, W, dtype, eps, kind, values, classes, head = _loss_inputs(X, target, params, loss, eps, head=head)
     names, selected, _ = _selection(params, wrt)
     if _backend.on_device(X3):
         raise TypeError("kfac runs on the CPU; pass NumPy arrays (cupy.asnumpy)")
+    # Every selected parameter counted as if it had factors (rows^2 + cols^2 entries): an over-count.
+    sides = [shape if len(shape) == 2 else (1, shape[0]) for shape, keep in zip(params.shapes, selected) if keep]
+    B, L, _ = _sizes(X3, params)
+    require_output_fits((sum(r * r + c * c for r, c in sides),), dtype, f"K-FAC's factors of {', '.join(names)}",
+                        "pass wrt=(...) with fewer parameters",
+                        working=_working(params, B, L, dtype.itemsize, "gradient", kind=kind, head=head))
     factors = _core.kfac_factors(X3, params.spec._core(), list(W), eps, kind, values, classes, selected,
                                  flavour == "reduce", *head)
     return {params.names[p]: (A, G) for p, A, G in factors}

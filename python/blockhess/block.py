@@ -15,7 +15,6 @@ import numpy as np
 
 from . import _backend, _core, _gpu, _working_memory
 from ._interop import as_array, is_torch_tensor, returns_callers_kind, to_torch
-from ._threads import get_num_threads
 from ._validate import _xp as _array_module
 from .model import ModelSpec
 from .spec import PAPER_BLOCK, BlockSpec, loss_names
@@ -290,10 +289,13 @@ def _on_gpu(X3: Any, params: BlockParams, head: Any = (None, None)) -> bool:
     return True
 
 
-def _family_size(params: BlockParams) -> dict[str, int]:
-    """What the working-memory estimates need beyond the paper's sizes (_working_memory.py)."""
-    return {"heads": params.spec.heads, "P": params.size, "layers": params.spec.n_layers,
-            "vocab": params.spec.vocab_size if params.spec.lm_head else 0}
+def _working(params: BlockParams, B: int, L: int, itemsize: int, call: str, *, kind: int | None = None,
+             head: tuple = (None, None), **options: Any) -> int:
+    """The core's working-memory estimate of ``call`` on the block or model of ``params``
+    (_working_memory.model): kind the loss's code, head a pooled head's (W_C, b_C)."""
+    return _working_memory.model(params.spec, (params.d, params.d_k, params.d_v, params.d_ff), B, L, itemsize, call,
+                                 loss=None if kind is None else loss_names()[kind],
+                                 head_classes=0 if head[0] is None else int(head[0].shape[1]), **options)
 
 
 def _eps(eps: Any, params: BlockParams) -> float:
@@ -462,7 +464,7 @@ def block_forward(X: Any, params: BlockParams, *, eps: float | None = None) -> n
     B, L, d = _sizes(X3, params)
     width = _output_width(params)
     require_output_fits((B, L, width), dtype, "the block output", "pass fewer samples or tokens at a time",
-                        working=_working_memory.block(B, L, d, params.d_k, params.d_ff, dtype.itemsize, hessian=False, **_family_size(params)))
+                        working=_working(params, B, L, dtype.itemsize, "gradient"))
     if _on_gpu(X3, params):
         return require_finite(_gpu.block_forward(X3, W, eps), "the block output Z").reshape(shape)
     out = np.empty((B, L, width), dtype=dtype)
@@ -479,7 +481,7 @@ def block_jacobian(X: Any, params: BlockParams, wrt: str, *, eps: float | None =
     X3, W, dtype, _ = _batch(X, params, single=True)
     _, L, d = _sizes(X3, params)
     shape = (L * _output_width(params), params.sizes[p])
-    working = _working_memory.block(1, L, d, params.d_k, params.d_ff, dtype.itemsize, hessian=True, outer=False, **_family_size(params))
+    working = _working(params, 1, L, dtype.itemsize, "jacobian", selected=[k == p for k in range(len(params.names))])
     require_output_fits(shape, dtype, f"the block Jacobian with respect to {wrt}", "use loss_gradient or a smaller L",
                         working=working)
     what = f"the block Jacobian with respect to {wrt}"
@@ -503,8 +505,8 @@ def block_output_hessian(X: Any, params: BlockParams, wrt_i: str, wrt_j: str, *,
     X3, W, dtype, _ = _batch(X, params, single=True)
     _, L, d = _sizes(X3, params)
     shape = (L * _output_width(params) * params.sizes[i], params.sizes[j])
-    pair = params.sizes[i] + (params.sizes[j] if i != j else 0)
-    working = _working_memory.block(1, L, d, params.d_k, params.d_ff, dtype.itemsize, hessian=True, **_family_size(params)) + pair**2 * dtype.itemsize
+    working = _working(params, 1, L, dtype.itemsize, "output_hessian",
+                       selected=[k in (i, j) for k in range(len(params.names))])
     require_output_fits(shape, dtype, f"d2Z/d{wrt_i}d{wrt_j}", "use loss_hessian, which contracts it with the loss",
                         working=working)
     if _backend.on_device(X3):
@@ -544,7 +546,7 @@ def loss_value(X: Any, target: Any, params: BlockParams, *, loss: str = "mse", e
     params, X3, W, dtype, eps, kind, values, classes, head = _loss_inputs(X, target, params, loss, eps, head=head)
     B, L, d = _sizes(X3, params)
     require_output_fits((1,), dtype, "the loss", "pass fewer samples at a time",
-                        working=_working_memory.block(B, L, d, params.d_k, params.d_ff, dtype.itemsize, hessian=False, **_family_size(params)))
+                        working=_working(params, B, L, dtype.itemsize, "gradient", kind=kind, head=head))
     if _on_gpu(X3, params, head):
         value = float(_gpu.loss_value(X3, W, eps, kind, values, classes))
         return float(require_finite(np.asarray(value), "the loss value"))
@@ -565,7 +567,7 @@ def loss_gradient(X: Any, target: Any, params: BlockParams, *, loss: str = "mse"
     params, X3, W, dtype, eps, kind, values, classes, head = _loss_inputs(X, target, params, loss, eps, head=head)
     B, L, d = _sizes(X3, params)
     require_output_fits((params.size,), dtype, "the loss gradient", "pass fewer samples at a time",
-                        working=_working_memory.block(B, L, d, params.d_k, params.d_ff, dtype.itemsize, hessian=False, **_family_size(params)))
+                        working=_working(params, B, L, dtype.itemsize, "gradient", kind=kind, head=head))
     if _on_gpu(X3, params, head):
         return require_finite(_gpu.loss_gradient(X3, W, eps, kind, values, classes), "the loss gradient")
     out = np.empty(params.size, dtype=dtype)
@@ -612,11 +614,8 @@ def loss_hessian(
     layout = choice(layout, "layout", ("dense", "blocks"))
     names, selected, P = _selection(params, wrt)
     B, L, d = _sizes(X3, params)
-    working = max(_working_memory.block(B, L, d, params.d_k, params.d_ff, dtype.itemsize, hessian=True,
-                                        outer=part != "functional", pooled=loss == "pooled_cross_entropy",
-                                        **_family_size(params)),
-                  _working_memory.identity_products(B, L, d, params.d_k, params.d_ff, dtype.itemsize, P,
-                                                    get_num_threads(), **_family_size(params)))
+    working = _working(params, B, L, dtype.itemsize, "loss_hessian", kind=kind, head=head, part_code=part_code,
+                       selected=selected)
     if out is None:
         require_output_fits(
             (P, P), dtype, f"the loss Hessian over {', '.join(names)} (P = {P})",

@@ -11,12 +11,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _backend, _core, _working_memory
+from . import _backend, _core
 from ._curvature_operator import CurvatureOperator
 from ._interop import holds_torch, returns_callers_kind
-from ._threads import get_num_threads
 from ._validate import choice, contiguous, float_array, require_output_fits
-from .block import _PARTS, BlockParams, _family_size, _loss_inputs, _selected_sizes, _selection, _sizes
+from .block import _PARTS, BlockParams, _loss_inputs, _selected_sizes, _selection, _sizes, _working
 from .spec import loss_names
 
 
@@ -59,18 +58,13 @@ class HessianOperator(CurvatureOperator):
 
     def _compute_diagonal(self) -> np.ndarray:
         problem, params = self._problem, self._problem.params
-        B, L, d = _sizes(problem.X3, params)
-        chosen = [(n, shape) for n, shape, keep in zip(params.names, params.shapes, problem.selected) if keep]
-        itemsize = problem.dtype.itemsize
-        factored = _working_memory.hessian_diagonal(B, L, d, params.d_k, params.d_ff, itemsize, chosen,
-                                                    pooled=problem.loss == "pooled_cross_entropy",
-                                                    pre_ln=params.spec.norm_position == "pre", **_family_size(params))
-        products = _working_memory.identity_products(B, L, d, params.d_k, params.d_ff, itemsize, problem.P,
-                                                     get_num_threads(), **_family_size(params))
+        B, L, _ = _sizes(problem.X3, params)
+        working = _working(params, B, L, problem.dtype.itemsize, "diagonal", kind=problem.kind, head=problem.head,
+                           part_code=_PARTS[problem.part], selected=problem.selected)
         require_output_fits((problem.P,), problem.dtype,
                             f"the Hessian's diagonal over {', '.join(problem.names)} (P = {problem.P})",
                             "pass wrt=(...) with fewer parameters, or fewer samples or tokens",
-                            working=max(factored, products))
+                            working=working)
         out = np.empty(problem.P, dtype=problem.dtype)
         _core.loss_hessian_diagonal(*problem.core_args, out, EXACT_PRODUCTS_LIMIT, *problem.head)
         return out
@@ -163,11 +157,10 @@ def _products_working(problem: _Problem, columns: int) -> int:
     """Bytes that products with ``columns`` columns hold besides their (P, columns) result: the
     core's (the operator's caches and the products in flight) and the columns' copy in the
     problem's dtype (_vectors)."""
-    params, itemsize = problem.params, problem.dtype.itemsize
-    B, L, d = _sizes(problem.X3, params)
-    core = _working_memory.hvp(B, L, d, params.d_k, params.d_ff, itemsize, columns, get_num_threads(),
-                               **_family_size(params))
-    return core + problem.P * columns * itemsize
+    B, L, _ = _sizes(problem.X3, problem.params)
+    core = _working(problem.params, B, L, problem.dtype.itemsize, "products", kind=problem.kind, head=problem.head,
+                    part_code=_PARTS[problem.part], selected=problem.selected, columns=columns)
+    return core + problem.P * columns * problem.dtype.itemsize
 
 
 def _kept(problem: _Problem) -> _Problem:

@@ -30,6 +30,7 @@ from ._errors import OutputTooLargeError
 from ._threads import get_num_threads
 from .block import BlockParams
 from .hvp import hessian_operator
+from .spec import BlockSpec
 from .spectrum import arpack_memory
 
 # Blocks this small get their spectrum from the dense block (k < n is ARPACK's rule).
@@ -239,27 +240,29 @@ def import_module(path: str) -> BlockParams:
         raise UsageError(f"--module {path}: {err}") from None
 
 
-def _block_sizes(cfg: Config, imported: BlockParams | None) -> tuple[list[int], int, int, int]:
-    """(each parameter block's size, d_k, d_ff, heads) of the block studied, known before it is made."""
+def _block_shape(cfg: Config, imported: BlockParams | None) -> tuple[list[int], BlockSpec, tuple[int, int, int, int]]:
+    """(each parameter block's size, the spec, (d, d_k, d_v, d_ff)) of the block studied, known before
+    it is made."""
     if imported is None:
-        return [math.prod(shape) for _, shape in cfg.parameters()], cfg.d_k, cfg.d_ff, cfg.heads
-    return list(imported.sizes), imported.d_k, imported.d_ff, imported.spec.heads
+        return [math.prod(shape) for _, shape in cfg.parameters()], cfg.spec, cfg.dims
+    return list(imported.sizes), imported.spec, (imported.d, imported.d_k, imported.d_v, imported.d_ff)
 
 
 def _memory_need(cfg: Config, imported: BlockParams | None, k: int, steps: int, density: bool) -> int:
     """Bytes that :func:`run` holds at its peak, over-counted on purpose: the seeded problem (drawn in
     float64, cast to the dtype and copied into the block's parameters and the operator), the whole
-    block's operator and one parameter block's at once (blockhess._working_memory.hvp, a product in
+    block's operator and one parameter block's at once (the core's estimate of products, one in
     flight per thread), and the largest of the eigenvalue solvers' and the density's Lanczos vectors.
     The traces' diagonals are left out: one that does not fit is reported as n/a."""
     drawn = cfg if imported is None else _module_config(cfg, imported)
     itemsize = np.dtype(drawn.dtype).itemsize
     B, L, d = drawn.batch, drawn.L, drawn.d
-    sizes, d_k, d_ff, heads = _block_sizes(cfg, imported)
+    sizes, spec, dims = _block_shape(cfg, imported)
     P = sum(sizes)
     problem = 3 * 8 * (2 * B * L * d + parameter_count(drawn) + (d + 1) * cfg.classes)
     threads = get_num_threads()
-    operators = 2 * _working_memory.hvp(B, L, d, d_k, d_ff, itemsize, threads, threads, heads=heads, P=P)
+    operators = 2 * _working_memory.model(spec, dims, B, L, itemsize, "products", loss=cfg.loss,
+                                          head_classes=cfg.classes if cfg.pooled else 0, columns=threads)
     kk = min(k, P - 1)
     solvers = [arpack_memory(P, kk)]
     if density:
@@ -284,7 +287,7 @@ def _check_memory(cfg: Config, imported: BlockParams | None, k: int, steps: int,
     else:
         block = f"--L {cfg.L} with the imported {imported!r}"
     asked = (f"{block}{f' --batch {cfg.batch}' if cfg.batch > 1 else ''} gives "
-             f"P = {sum(_block_sizes(cfg, imported)[0])} parameters")
+             f"P = {sum(_block_shape(cfg, imported)[0])} parameters")
     smaller = f"use smaller sizes{' or fewer --steps' if density else ''}"
     if need > budget:
         raise UsageError(

@@ -782,10 +782,28 @@ void check_kfac(const MakeModel& model_at, const std::vector<std::vector<double>
     CHECK(static_cast<index_t>(factors.size()) == expected, ctx + " K-FAC factors for every weight");
     double asymmetry = 0;
     for (const auto& f : factors)
-      for (index_t i = 0; i < f.cols; ++i)
-        for (index_t j = 0; j < f.cols; ++j) asymmetry = std::max(asymmetry, std::abs(f.G[i * f.cols + j] - f.G[j * f.cols + i]));
-    CHECK(asymmetry < 1e-12, ctx + " K-FAC's G symmetric");
+      for (const auto& [side, n] : {std::pair{&f.A, static_cast<index_t>(std::sqrt(f.A.size()))}, std::pair{&f.G, f.cols}})
+        for (index_t i = 0; i < n; ++i)
+          for (index_t j = 0; j < n; ++j) asymmetry = std::max(asymmetry, std::abs((*side)[i * n + j] - (*side)[j * n + i]));
+    CHECK(asymmetry < 1e-12, ctx + " K-FAC's A and G symmetric");
   }
+}
+
+// The working-memory estimate of every call (engine/working_memory.hpp) from a graph wired for its
+// shapes only: nothing is read through its null input, ids or weights (the sanitizers would say),
+// and a dense Hessian needs at least what the passes of the gradient do.
+inline void check_working_memory(const bh::block::Spec& spec, const bh::block::Dims& D, const bh::block::Stack& stack,
+                                 index_t B, const bh::block::Target<double>& target, const std::string& ctx) {
+  using Call = bh::engine::Call;
+  const bh::block::Selection all(bh::block::parameters(spec, D, stack).size(), true);
+  auto bytes = [&](Call call, const bh::block::Target<double>* t) {
+    return bh::block::Model<double>::working_memory(spec, D, stack, B, t, call, bh::block::Part::full, all, 4, 2);
+  };
+  const index_t gradient = bytes(Call::gradient, &target);
+  CHECK(gradient > 0, ctx + " working memory of the gradient");
+  for (Call call : {Call::loss_hessian, Call::diagonal, Call::products})
+    CHECK(bytes(call, &target) >= gradient, ctx + " working memory of a curvature call covers the gradient's");
+  CHECK(bytes(Call::jacobian, nullptr) > 0, ctx + " working memory of a Jacobian");
 }
 
 // The weights' data pointers, in order.
@@ -871,7 +889,8 @@ inline void check_language_model(std::mt19937_64& rng) {
   auto model_at = [&](const std::vector<std::vector<double>>& weights) { return model_with(weights, ids); };
   check_hv_against_differences(rng, model_at, W, next, ctx);
   check_dense_against_operator(rng, model_at, W, shapes, next, {"h.1.", "ln_f."}, ctx);
-  check_kfac(model_at, W, shapes, next, 2 * 12, ctx);  // wte is shared (the LM head's too): no factors
+  check_kfac(model_at, W, shapes, next, 2 * 12 + 2, ctx);  // and wpe, and wte as the tied LM head's weight
+  check_working_memory(spec, D, stack, B, next, ctx);
   // wte (tied to the LM head) and wpe: out of the factors' reach, from products.
   check_dense_against_operator(rng, model_at, W, shapes, next, {"wte", "wpe", "h.1."}, ctx + " with the embeddings");
   auto bad = ids;
@@ -919,7 +938,8 @@ inline void check_vit(std::mt19937_64& rng, bool class_token) {
   };
   check_hv_against_differences(rng, model_at, W, pooled, ctx);
   check_dense_against_operator(rng, model_at, W, shapes, pooled, {"h.1.", "ln_f.", "W_C", "b_C"}, ctx);
-  check_kfac(model_at, W, shapes, pooled, 2 * 12 + 4, ctx);  // and W_E, b_E, W_C, b_C
+  check_kfac(model_at, W, shapes, pooled, 2 * 12 + 5 + class_token, ctx);  // and W_E, b_E, wpe, W_C, b_C (cls_token)
+  check_working_memory(spec, D, stack, B, pooled, ctx);
 }
 
 // Bad input must end in the documented exceptions, without leaking what was allocated before.

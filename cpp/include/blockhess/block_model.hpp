@@ -19,6 +19,7 @@
 #include "blockhess/engine/graph.hpp"
 #include "blockhess/engine/head.hpp"
 #include "blockhess/engine/kronecker_factors.hpp"
+#include "blockhess/engine/working_memory.hpp"
 #include "blockhess/heads.hpp"
 #include "blockhess/params.hpp"
 
@@ -89,6 +90,14 @@ class Model {
   // biases), K-FAC-expand
   // or (reduce) K-FAC-reduce, in the canonical order.
   std::vector<engine::KroneckerFactors<T>> kfac_factors(const Target<T>& target, const Selection& wrt, bool reduce);
+
+  // What `call` would allocate besides its result, in elements (engine/working_memory.hpp), for
+  // the model of these sizes at `samples` samples, without computing anything: the loss's target
+  // (null for the calls without one) names its head only, and its arrays are not read. columns:
+  // the products' columns; threads: the threads that run them.
+  static index_t working_memory(const Spec& spec, const Dims& dims, const Stack& stack, index_t samples,
+                                const Target<T>* target, engine::Call call, Part part, const Selection& wrt,
+                                index_t columns, index_t threads);
 
   // The engine graph, for assembly into another target (the GPU's DeviceHessian, engine/loss.hpp).
   engine::Graph<T>& graph() { return *graph_; }

@@ -41,6 +41,39 @@ Model<T> Model<T>::language_model(const Spec& spec, const Dims& dims, const Stac
   return Model(spec, dims, stack, samples, nullptr, ids, weights, eps, storage);
 }
 template <class T>
+index_t Model<T>::working_memory(const Spec& spec, const Dims& dims, const Stack& stack, index_t samples,
+                                 const Target<T>* target, engine::Call call, Part part, const Selection& wrt,
+                                 index_t columns, index_t threads) {
+  dims.check(!spec.attention_only);
+  engine::Graph<T> g(samples, dims.L);
+  const std::vector<const T*> no_weights(parameters(spec, dims, stack).size(), nullptr);
+  blocks::wire_stack(g, spec, dims, stack, blocks::Input<T>{nullptr, nullptr, true}, no_weights, T(0),
+                     engine::Storage::borrow);
+  if (wrt.size() != static_cast<size_t>(g.num_params()))
+    throw std::invalid_argument("block: wrt needs one flag per parameter (" + std::to_string(g.num_params()) + ")");
+  std::unique_ptr<engine::Head<T>> head;
+  if (target) {  // the head's arrays are never read here: stand-ins where the target has none
+    static constexpr std::int64_t kStandInClass = 0;
+    const T stand_in_value = T(0);
+    Target<T> shapes = *target;
+    if (!shapes.values) shapes.values = &stand_in_value;
+    if (!shapes.classes) shapes.classes = &kStandInClass;
+    if (shapes.loss == heads::kPooledCrossEntropy && stack.classes == 0 && !shapes.classifier.weight)
+      shapes.classifier.weight = shapes.classifier.bias = &stand_in_value;
+    head = heads::make(shapes);
+  }
+  const engine::WorkingMemory<T> memory(g, head.get(), wrt, threads);
+  index_t total = memory.of(call, part, columns);
+  if (call == engine::Call::output_hessian) {  // output_hessian's (P, P) assembly target over the pair
+    index_t P = 0;
+    for (int p = 0; p < g.num_params(); ++p)
+      if (wrt[static_cast<size_t>(p)]) P += g.parameter(p).size();
+    total += P * P;
+  }
+  return total;
+}
+
+template <class T>
 Model<T>::Model(Model&&) noexcept = default;
 template <class T>
 Model<T>& Model<T>::operator=(Model&&) noexcept = default;

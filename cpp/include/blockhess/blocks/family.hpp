@@ -37,10 +37,12 @@ Values wire_block(engine::Graph<T>& g, const block::Spec& s, const block::Dims& 
 
 // What a model reads: X (samples x L x d) for a stack of blocks, or (samples x L x patch_dim) for a
 // ViT's patch embedding, or the token ids (samples x L) of a language model (Stack::vocab > 0).
+// shapes_only: neither, for a graph wired for its shapes only (engine/working_memory.hpp).
 template <class T>
 struct Input {
   const T* X = nullptr;
   const std::int64_t* ids = nullptr;
+  bool shapes_only = false;
 };
 
 // The model's input value: X, its patches' embedding, or the ids' (wte's id into *wte); then the
@@ -53,11 +55,11 @@ int wire_input(engine::Graph<T>& g, const block::Dims& D, const block::Stack& st
                                 std::to_string(stack.positions) + " positions");
   int x = -1;
   if (stack.reads_tokens()) {
-    if (!in.ids) throw std::invalid_argument("model: a language model reads token ids");
+    if (!in.ids && !in.shapes_only) throw std::invalid_argument("model: a language model reads token ids");
     *wte = p.take("wte");
     x = g.add(std::make_unique<engine::EmbeddingNode<T>>(in.ids, g.tokens(), stack.vocab), {}, {*wte}, D.d);
   } else {
-    if (!in.X) throw std::invalid_argument("block: X is missing");
+    if (!in.X && !in.shapes_only) throw std::invalid_argument("block: X is missing");
     x = g.input(in.X, stack.reads_patches() ? stack.patch_dim : D.d);
     if (stack.reads_patches())
       x = g.add(std::make_unique<engine::LinearNode<T>>("model: the patch embedding"), {x},

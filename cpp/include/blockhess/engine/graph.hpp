@@ -105,12 +105,25 @@ struct Tangent {
 
 // A weight applied to every token, out_t = in_t W (+ b): its inputs' rows (tokens, rows of W) and,
 // after a reverse pass, its outputs' cotangent rows (tokens, columns of W); for the bias b the same
-// cotangents and inputs null (a bias is a weight whose input is 1); all null where the parameter is
-// not used so. What methods that factor a weight's curvature by its two sides read (kfac.hpp).
+// cotangents and inputs null (a bias is a weight whose input is 1); for a table looked up by id (an
+// embedding's rows, learned positions, a class token) ids instead of inputs, token t's input the
+// one-hot of ids[t] (none where -1); transposed for a weight applied as out_t = in_t W^T (a tied LM
+// head), its inputs then (tokens, columns of W) and its cotangents (tokens, rows); all null where
+// the parameter is not used so. What methods that factor a weight's curvature by its two sides read
+// (kfac.hpp).
 template <class T>
 struct LinearUse {
   const T* inputs = nullptr;
   const T* cotangents = nullptr;
+  const std::int64_t* ids = nullptr;
+  bool transposed = false;
+};
+
+// A node's working memory in elements beside the values, cotangents and tangents the graph holds
+// for it (engine/working_memory.hpp): what forward() keeps, what vjp() keeps, one Hessian-vector
+// product's scratch (Tangent::scratch), and its curvature terms' buffers (a site's Omegas).
+struct Footprint {
+  index_t forward = 0, reverse = 0, tangent = 0, curvature = 0;
 };
 
 template <class T>
@@ -138,6 +151,17 @@ class Node {
   // Where the node applies parameter p (one of its own) to every token as a weight: LinearUse.
   virtual LinearUse<T> linear_use(const Graph<T>& /*g*/, int /*p*/) const { return {}; }
   virtual void pull_site(const Graph<T>&, index_t /*t*/, const T* /*omega_out*/, T* /*omega_in*/) const {}
+
+  // What the engine's working-memory estimate reads (engine/working_memory.hpp); each node states
+  // the buffers its own passes allocate, where they allocate them. The defaults: none.
+  virtual Footprint footprint(const Graph<T>& /*g*/) const { return {}; }
+  // The columns of the tangent factors its parameters push (their G_t, factor.hpp), and what
+  // parameter p's factor brings where it enters (its vec and any fixed right factor R_t).
+  virtual index_t factor_columns(const Graph<T>& g) const;
+  virtual index_t entering_factor(const Graph<T>& g, int p) const;
+  // What a factor of r columns from below costs passing through it beside its G_t at the output
+  // (attention's mix(): the factor's slabs at Q, K, V and the logits).
+  virtual index_t passing_factor(const Graph<T>& /*g*/, index_t /*r*/) const { return 0; }
 };
 
 template <class T>
@@ -161,9 +185,11 @@ class Graph {
   index_t tokens() const { return B_ * L_; }
 
   // ---- building (a wiring) ----
+  // X null: a graph wired for its shapes only (a working-memory estimate, working_memory.hpp),
+  // whose passes never run.
   int input(const T* X, index_t width) {
     const int v = new_value(width, -1, false);
-    values_[static_cast<size_t>(v)] = std::make_shared<Buffer<T>>(X, X + tokens() * width);
+    if (X) values_[static_cast<size_t>(v)] = std::make_shared<Buffer<T>>(X, X + tokens() * width);
     return v;
   }
   int param(std::string name, index_t rows, index_t cols, const T* data, Storage storage = Storage::copy) {
@@ -215,6 +241,7 @@ class Graph {
   int num_values() const { return static_cast<int>(width_.size()); }
   int num_params() const { return static_cast<int>(params_.size()); }
   int num_pieces() const { return static_cast<int>(pieces_.size()); }
+  const std::vector<std::unique_ptr<Node<T>>>& nodes() const { return nodes_; }
   const Piece& piece(int f) const { return pieces_[static_cast<size_t>(f)]; }
   const std::vector<int>& pieces_of(int p) const { return pieces_of_[static_cast<size_t>(p)]; }
   int whole(int p) const {  // the one piece of an unsplit parameter
@@ -294,12 +321,19 @@ class Graph {
   }
 
   // Where parameter p is a weight (or its bias) applied to every token (Node::linear_use), by its
-  // one owner; empty for a shared parameter or one used otherwise.
+  // owner; a shared parameter's use as a matrix applied to its inputs where it has one such use
+  // and other uses by lookup (a tied embedding's use as the LM head's weight), else none.
   LinearUse<T> linear_use(int p) const {
-    if (uses_[static_cast<size_t>(p)] != 1) return {};
+    std::vector<LinearUse<T>> uses;
     for (const auto& node : nodes_)
       for (int q : node->params)
-        if (q == p) return node->linear_use(*this, p);
+        if (q == p) uses.push_back(node->linear_use(*this, p));
+    if (uses.size() == 1) return uses[0];
+    const auto applied = [](const LinearUse<T>& u) { return u.inputs != nullptr; };
+    const auto looked_up = [](const LinearUse<T>& u) { return u.ids != nullptr; };
+    if (std::count_if(uses.begin(), uses.end(), applied) == 1 &&
+        std::count_if(uses.begin(), uses.end(), looked_up) == static_cast<std::ptrdiff_t>(uses.size()) - 1)
+      return *std::find_if(uses.begin(), uses.end(), applied);
     return {};
   }
 
@@ -431,6 +465,19 @@ class Graph {
   std::vector<std::pair<int, std::string>> checked_;
   int output_ = -1;
 };
+
+// By default a parameter's factor carries at most as many columns as its longer side, and brings
+// its vec and a Gamma diagonal where it enters.
+template <class T>
+index_t Node<T>::factor_columns(const Graph<T>& g) const {
+  index_t r = 0;
+  for (int p : params) r = std::max({r, g.parameter(p).rows, g.parameter(p).cols});
+  return r;
+}
+template <class T>
+index_t Node<T>::entering_factor(const Graph<T>& g, int p) const {
+  return g.tokens() * (g.parameter(p).rows + g.parameter(p).cols);
+}
 
 // Writes the values of a node's share of a cotangent (or any accumulated quantity) into a slot.
 template <class T>

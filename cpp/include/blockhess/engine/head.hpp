@@ -44,6 +44,9 @@ class Head {
   // Whether its site couples the tokens of a sample: the parameters' factors are then needed at Z
   // itself (Graph::push_factors(true)), not pulled back through Z's producer.
   virtual bool couples_tokens() const { return false; }
+  // Its working memory in elements (engine/working_memory.hpp): what forward keeps beside dl/dZ,
+  // and with `site` its curvature's Omegas.
+  virtual index_t footprint(const Graph<T>& g, bool site) const = 0;
 };
 
 // A cross-entropy head's class index k, checked against its number of classes.

@@ -11,7 +11,7 @@ template <class T>
 struct KroneckerFactors {
   int param = -1;             // the weight's index among the graph's parameters
   index_t rows = 0, cols = 0;  // the weight's shape
-  Buffer<T> A, G;             // (rows, rows): its inputs' side; (cols, cols): its outputs' side
+  Buffer<T> A, G;             // (rows, rows) and (cols, cols): its inputs' and its outputs' sides (kfac.hpp)
 };
 
 }  // namespace blockhess::engine

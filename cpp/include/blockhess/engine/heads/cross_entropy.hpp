@@ -55,6 +55,12 @@ class CrossEntropyHead final : public Head<T> {
     return value;
   }
 
+  // p; a (d, d) Omega a token.
+  index_t footprint(const Graph<T>& g, bool site) const override {
+    const index_t d = g.width(g.output());
+    return g.tokens() * (d + (site ? d * d : 0));
+  }
+
   void curvature(const Graph<T>& g, Terms<T>& terms) const override {
     const index_t n = g.tokens(), d = g.width(g.output());
     auto omega = std::make_shared<Buffer<T>>(static_cast<size_t>(n * d * d));

@@ -34,6 +34,11 @@ class MseHead final : public Head<T> {
     return value;
   }
 
+  // Its site's diagonal.
+  index_t footprint(const Graph<T>& g, bool site) const override {
+    return site ? g.tokens() * g.width(g.output()) : 0;
+  }
+
   void curvature(const Graph<T>& g, Terms<T>& terms) const override {
     const index_t n = g.tokens() * g.width(g.output());
     terms.sites.push_back(Site<T>{g.output(), std::make_shared<const Buffer<T>>(static_cast<size_t>(n), 2 * scale_), true});

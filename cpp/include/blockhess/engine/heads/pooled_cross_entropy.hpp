@@ -33,6 +33,11 @@ class PooledCrossEntropyHead final : public Head<T> {
   }
 
   bool couples_tokens() const override { return true; }
+  // p and the per-sample (d, d) blocks (forward forms them either way).
+  index_t footprint(const Graph<T>& g, bool) const override {
+    const index_t d = g.width(g.output());
+    return g.samples() * (C_ + d * d) + 4 * (d + C_);
+  }
 
   // The loss, its gradient (the same row 1/(B L) W_C (p_b - e_class) for every token of sample b)
   // and the per-sample blocks of its second derivative (B d^2 numbers: the HVP's seed needs them too).

@@ -25,6 +25,11 @@ class RelabelledCrossEntropy : public Head<T> {
   void curvature(const Graph<T>& g, Terms<T>& terms) const override { per_token_->curvature(g, terms); }
   void vjp_tangent(const Graph<T>& g, const T* dZ, T* dgZ) const override { per_token_->vjp_tangent(g, dZ, dgZ); }
   index_t root_columns(const Graph<T>& g) const override { return per_token_->root_columns(g); }
+  // The relabelled classes, and the per-token head's (p, and its site).
+  index_t footprint(const Graph<T>& g, bool site) const override {
+    const index_t d = g.width(g.output());
+    return g.tokens() * (1 + d + (site ? d * d : 0));
+  }
   void root_column(const Graph<T>& g, index_t c, T* S) const override { per_token_->root_column(g, c, S); }
 
  protected:

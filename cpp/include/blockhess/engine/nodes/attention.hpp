@@ -84,6 +84,29 @@ class AttentionNode final : public Node<T> {
     require_finite(F, n * hv_, "block: the attention output A X W_V");
   }
 
+  // forward: Q, K, V and every head's weights A; vjp: gA, gT, gQ, gK, gV; a product: dQ, dK, dV,
+  // dA and their cotangents' tangents, two (L, L) rows; curvature: the cotangent rows it keeps.
+  Footprint footprint(const Graph<T>& g) const override {
+    const index_t n = g.tokens(), L = g.tokens_per_sample(), hk = g.parameter(wq()).cols, hv = g.width(this->output);
+    const index_t rows = n * (2 * hk + hv), weights = g.samples() * heads_ * L * L;
+    return {rows + weights, rows + 2 * weights, 2 * rows + weights + 2 * L * L, n * (1 + hv + heads_ * g.width(x()))};
+  }
+  // Every parameter moves its head's rows of F: one (h d_v, d_v) G_t per head (push()); W_Q and W_K
+  // bring their R_t, W_K its scaled queries, W_V its A X rows.
+  index_t factor_columns(const Graph<T>& g) const override { return g.width(this->output); }
+  index_t entering_factor(const Graph<T>& g, int p) const override {
+    const index_t n = g.tokens(), hv = g.width(this->output), hk = g.parameter(wq()).cols;
+    if (p == wq()) return n * hv * (hk / heads_);
+    if (p == wk()) return n * (hv * g.width(x()) + hk);
+    if (p == wv()) return n * heads_ * g.width(x());
+    return n;
+  }
+  // mix(): the factor at X, Q, K and V, each head's logit tangents, and at F.
+  index_t passing_factor(const Graph<T>& g, index_t r) const override {
+    const index_t n = g.tokens(), hv = g.width(this->output), hk = g.parameter(wq()).cols;
+    return n * r * (g.width(x()) + 2 * hk + 2 * hv + heads_ * g.tokens_per_sample());
+  }
+
   // W_Q, W_K and W_V (and their biases) are applied to every token of X: their cotangent rows are
   // gQ, gK and gV (kept by the last reverse pass).
   LinearUse<T> linear_use(const Graph<T>& g, int p) const override {

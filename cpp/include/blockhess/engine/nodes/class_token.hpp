@@ -5,12 +5,14 @@
 // dc there.
 //
 // c, and every parameter below it, moves the first block's attention input, which mixes tokens:
-// their dense Hessian and diagonal are not covered yet (the attention node's refusal), and push()
-// refuses them here with the same advice.
+// the per-token factors do not reach them, and push() says so (FactorsDoNotReach: their dense
+// Hessian and diagonal come from Hessian-vector products, loss.hpp).
 #pragma once
 
 #include <algorithm>
+#include <cstdint>
 #include <stdexcept>
+#include <vector>
 
 #include "blockhess/engine/graph.hpp"
 
@@ -21,6 +23,8 @@ class ClassTokenNode final : public Node<T> {
  public:
   void forward(Graph<T>& g) override {
     const index_t n = g.tokens(), d = width(g), L = g.tokens_per_sample();
+    rows_.resize(static_cast<size_t>(n));
+    for (index_t t = 0; t < n; ++t) rows_[static_cast<size_t>(t)] = t % L == 0 ? 0 : -1;
     const T *in = g.value(this->inputs[0]), *c = g.weight(param());
     T* out = g.value_out(this->output);
     for (index_t t = 0; t < n; ++t) std::copy_n(t % L == 0 ? c : in + t * d, d, out + t * d);
@@ -41,6 +45,10 @@ class ClassTokenNode final : public Node<T> {
   }
 
   void curvature(const Graph<T>&, Terms<T>&) const override {}
+
+  // c is a table of one row that every sample's first token looks up (LinearUse), the others none.
+  LinearUse<T> linear_use(const Graph<T>& g, int) const override { return {nullptr, g.cotangent(this->output), rows_.data()}; }
+  Footprint footprint(const Graph<T>& g) const override { return {g.tokens(), 0, 0, 0}; }
 
   void jvp(const Graph<T>& g, Tangent<T>& tg) const override {
     const T* din = tg.in(this->inputs[0]);
@@ -64,6 +72,7 @@ class ClassTokenNode final : public Node<T> {
  private:
   int param() const { return this->params[0]; }
   index_t width(const Graph<T>& g) const { return g.width(this->output); }
+  std::vector<std::int64_t> rows_;  // per token: 0 for a sample's first (c's one row), else -1
 
   // The slot gets `rows` with every sample's first row zero (it does not reach the output).
   void write_masked(const Graph<T>& g, const Slot<T>& slot, const T* rows) const {

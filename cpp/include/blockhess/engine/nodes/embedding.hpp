@@ -23,13 +23,20 @@ namespace blockhess::engine {
 template <class T>
 class EmbeddingNode final : public Node<T> {
  public:
-  // ids: one per token (samples x L), each in [0, vocab); copied (the node may outlive them).
-  EmbeddingNode(const std::int64_t* ids, index_t tokens, index_t vocab) : ids_(ids, ids + tokens) {
+  // ids: one per token (samples x L), each in [0, vocab); copied (the node may outlive them). Null
+  // in a graph wired for its shapes only (Graph::input).
+  EmbeddingNode(const std::int64_t* ids, index_t tokens, index_t vocab) : ids_(ids, ids ? ids + tokens : ids) {
     for (const std::int64_t id : ids_)
       if (id < 0 || id >= vocab)
         throw std::invalid_argument("embedding: token id " + std::to_string(id) + " is out of range [0, " +
                                     std::to_string(vocab) + ")");
   }
+
+  // W_E's rows looked up by the tokens' ids (LinearUse).
+  LinearUse<T> linear_use(const Graph<T>& g, int) const override { return {nullptr, g.cotangent(this->output), ids_.data()}; }
+
+  // The ids it copied.
+  Footprint footprint(const Graph<T>& g) const override { return {g.tokens(), 0, 0, 0}; }
 
   void forward(Graph<T>& g) override {
     const index_t n = g.tokens(), d = g.width(this->output);

@@ -53,6 +53,13 @@ class PointwiseNode final : public Node<T> {
     terms.sites.push_back(Site<T>{in(), std::move(omega), /*diagonal=*/true});
   }
 
+  // forward: phi' (and phi'' for a smooth phi); curvature: its diagonal site.
+  Footprint footprint(const Graph<T>& g) const override {
+    const index_t size = g.tokens() * g.width(this->output);
+    const bool smooth = !activation::is_piecewise_linear(kind_);
+    return {smooth ? 2 * size : size, 0, 0, smooth ? size : 0};
+  }
+
   bool pulls_sites() const override { return true; }
   void pull_site(const Graph<T>& g, index_t t, const T* omega_out, T* omega_in) const override {
     const index_t w = g.width(in());

@@ -5,11 +5,12 @@
 // positions' rows of dW_P. A factor at the input passes through unchanged.
 //
 // W_P moves every token's input to the first block's attention, which mixes tokens, each token
-// by another row: the per-token factors of a dense Hessian or diagonal do not cover it yet (the
-// attention node's refusal), and push() refuses it here with the same advice.
+// by another row: the per-token factors do not reach it, and push() says so (FactorsDoNotReach:
+// its dense Hessian and diagonal come from Hessian-vector products, loss.hpp).
 #pragma once
 
 #include <algorithm>
+#include <cstdint>
 #include <stdexcept>
 #include <vector>
 
@@ -22,6 +23,8 @@ class PositionsNode final : public Node<T> {
  public:
   void forward(Graph<T>& g) override {
     const index_t n = g.tokens(), d = width(g), L = g.tokens_per_sample();
+    positions_.resize(static_cast<size_t>(n));
+    for (index_t t = 0; t < n; ++t) positions_[static_cast<size_t>(t)] = t % L;
     const T *in = g.value(this->inputs[0]), *P = g.weight(param());
     T* out = g.value_out(this->output);
     for (index_t t = 0; t < n; ++t)
@@ -46,6 +49,12 @@ class PositionsNode final : public Node<T> {
 
   void curvature(const Graph<T>&, Terms<T>&) const override {}
 
+  // W_P's rows looked up by the tokens' positions (LinearUse), which forward() keeps.
+  LinearUse<T> linear_use(const Graph<T>& g, int) const override {
+    return {nullptr, g.cotangent(this->output), positions_.data()};
+  }
+  Footprint footprint(const Graph<T>& g) const override { return {g.tokens(), 0, 0, 0}; }
+
   void jvp(const Graph<T>& g, Tangent<T>& tg) const override {
     const T* din = tg.in(this->inputs[0]);
     const T* dP = tg.dW[static_cast<size_t>(param())];
@@ -66,6 +75,7 @@ class PositionsNode final : public Node<T> {
  private:
   int param() const { return this->params[0]; }
   index_t width(const Graph<T>& g) const { return g.width(this->output); }
+  std::vector<std::int64_t> positions_;  // each token's position in its sample
 
   // out (W_P's shape) = each token's row of `rows` summed onto its position's row; rows past L stay 0.
   void scatter(const Graph<T>& g, T* out, const T* rows) const {

@@ -51,6 +51,14 @@ class UnembeddingNode final : public Node<T> {
     g.set_factors(this->output, left_multiply_weight(g.factors(in()), g.tokens(), transposed.data(), d(g), vocab(g)));
   }
 
+  // W_E applied transposed to every token (LinearUse): logits_t = x_t W_E^T.
+  LinearUse<T> linear_use(const Graph<T>& g, int) const override {
+    return {g.value(in()), g.cotangent(this->output), nullptr, /*transposed=*/true};
+  }
+
+  // push(): W_E^T, where factors from below reach it.
+  Footprint footprint(const Graph<T>& g) const override { return {d(g) * vocab(g), 0, 0, 0}; }
+
   // Its only curvature is bilinear in the input and W_E, which needs W_E selected (refused above).
   void curvature(const Graph<T>&, Terms<T>&) const override {}
 
