@@ -145,8 +145,8 @@ class Node {
   // output; a linear weight and its bias both enter as the identity), so that they are best
   // formed together: Graph::factor_groups.
   virtual bool parameters_move_alike() const { return true; }
-  // Token-local with one input and no parameters: a site at its output is the site
-  // J_t^T Omega_t J_t at its input (every factor at the output is J_t times one at the input).
+  // Token-local with one input, and no parameter that carries factors: a site at its output is the
+  // site J_t^T Omega_t J_t at its input (every factor at the output is J_t times one at the input).
   virtual bool pulls_sites() const { return false; }
   // Where the node applies parameter p (one of its own) to every token as a weight: LinearUse.
   virtual LinearUse<T> linear_use(const Graph<T>& /*g*/, int /*p*/) const { return {}; }

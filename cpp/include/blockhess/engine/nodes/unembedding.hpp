@@ -62,6 +62,15 @@ class UnembeddingNode final : public Node<T> {
   // Its only curvature is bilinear in the input and W_E, which needs W_E selected (refused above).
   void curvature(const Graph<T>&, Terms<T>&) const override {}
 
+  // Token-local and, with W_E never carrying factors (above), linear in its input alone: a site at
+  // the logits is W_E^T Omega_t W_E at its input (d, d), where the factors meet it instead of being
+  // carried to the vocabulary's width.
+  bool pulls_sites() const override { return true; }
+  void pull_site(const Graph<T>& g, index_t /*t*/, const T* omega_out, T* omega_in) const override {
+    const Mat<T> omega_W = MapC<T>(omega_out, vocab(g), vocab(g)) * W(g);
+    MapM<T>(omega_in, d(g), d(g)).noalias() = W(g).transpose() * omega_W;
+  }
+
   void jvp(const Graph<T>& g, Tangent<T>& tg) const override {
     const T* din = tg.in(in());
     const T* dW = tg.dW[static_cast<size_t>(param())];
