@@ -128,9 +128,31 @@ def test_the_command_writes_its_table_json_and_figure(tmp_path):
     assert json.loads((out / "approximations.json").read_text())["top_k"] == 5
 
 
+def test_the_command_measures_a_language_model(tmp_path):
+    out = tmp_path / "lm"
+    done = subprocess.run([sys.executable, "-m", "blockhess", "approximations", "--model", "lm", "--layers", "1",
+                           "--batch", "2", "--steps", "2", "--out", str(out)], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "language model with 1 block on copy sequences" in done.stdout and "2 sequences" in done.stdout
+    # The tied embedding has the LM head's K-FAC, learned positions theirs as a lookup.
+    assert "| wte | kfac_expand |" in done.stdout and "| wpe | kfac_reduce |" in done.stdout
+    assert json.loads((out / "approximations.json").read_text())["functional_weight"]["wte"] >= 0
+
+
+def test_copy_sequences_repeat_their_first_half():
+    from blockhess.approximations_cli import copy_sequences
+
+    ids = copy_sequences(5, seed=3)
+    assert ids.shape == (5, 16) and ids.dtype == np.int64 and np.array_equal(ids[:, :8], ids[:, 8:])
+    assert np.array_equal(ids, copy_sequences(5, seed=3)) and not np.array_equal(ids, copy_sequences(5, seed=4))
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--layers", "0"], "--layers must be >= 1, got 0"),
     (["--batch", "5000"], "--batch must be <= 1437"),
+    (["--model", "lm", "--batch", "5000"], "--batch must be <= 2000 (the training sequences)"),
+    (["--model", "bert"], "--model must be vit or lm, got 'bert'"),
     (["--steps", "-1"], "--steps must be >= 0"),
     (["--seed", "-3"], "--seed must be >= 0"),
     (["--top-k", "x"], "invalid int value"),

@@ -70,8 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     approximations = commands.add_parser(
         "approximations",
         add_help=False,
-        help="Kronecker-factored, diagonal and layer-wise approximations of a ViT's curvature against its exact "
-        "Gauss-Newton matrix and Hessian; `blockhess approximations --help` lists its options",
+        help="Kronecker-factored, diagonal and layer-wise approximations of a ViT's or a language model's curvature "
+        "against its exact Gauss-Newton matrix and Hessian; `blockhess approximations --help` lists its options",
     )
     del check, spectrum, report, approximations
     return parser
