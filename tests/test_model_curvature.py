@@ -149,14 +149,22 @@ def test_hutchinsons_estimates_are_labelled_and_their_standard_errors_honest(rng
 
 
 def test_an_exact_diagonal_beyond_the_product_limit_is_refused_and_names_the_estimate(rng, monkeypatch):
+    """The limit counts the entries the factors do not reach, which alone take products."""
     params, X, target, loss, _, _ = _problem("encoder", rng)
     top = tuple(n for n in params.names if n.startswith(("h.1.", "ln_f.")))
     monkeypatch.setattr(blockhess.hvp, "EXACT_PRODUCTS_LIMIT", 10)
     with pytest.raises(ValueError, match=r"h\.0\.W_Q moves the input of an attention.*one Hessian-vector product "
-                                         r"per parameter.*above the limit of 10.*exact=False"):
+                                         r"per entry the factors do not reach, \d+ above the limit of 10.*exact=False"):
         blockhess.hessian_operator(X, target, params, loss=loss).diagonal()
     with pytest.raises(ValueError, match="exact=False"):
-        blockhess.hessian_operator(X, target, params, loss=loss, wrt=("h.0.b_Q", "h.1")).trace()
+        blockhess.hessian_operator(X, target, params, loss=loss, wrt=("h.0.W_Q", "h.1")).trace()
+    # Only the entries the factors do not reach take products: h.0.b_Q's few, under the limit, beside
+    # the top layer's from its factors; the diagonal of the dense matrix (from products alone).
+    mixed = ("h.0.b_Q", "h.1")
+    assert params["h.0.b_Q"].size <= 10
+    diagonal = blockhess.hessian_operator(X, target, params, loss=loss, wrt=mixed).diagonal()
+    exact = np.diag(blockhess.loss_hessian(X, target, params, loss=loss, wrt=mixed))
+    assert np.abs(diagonal - exact).max() <= 1e-12 * np.abs(exact).max()
     # The last layer's factors reach: no products, no limit.
     top_size = sum(params.slices()[n].stop - params.slices()[n].start for n in top)
     assert blockhess.hessian_operator(X, target, params, loss=loss, wrt=top).diagonal().shape == (top_size,)

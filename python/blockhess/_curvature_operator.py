@@ -68,10 +68,10 @@ class CurvatureOperator:
         """The Hessian's diagonal (P,) (a torch tensor when the operator was built from tensors).
 
         exact=True: assembled from the per-token factors and curvature terms like the dense Hessian,
-        with no block of it formed and no random probes; where the factors do not reach a selected
-        parameter (a model's lower layers, its embeddings), from one exact product per parameter
-        (P products, docs/derivation.md §5.4), refused above ``blockhess.hvp.EXACT_PRODUCTS_LIMIT``
-        (65,536) parameters.
+        with no block of it formed and no random probes; the entries of the parameters the factors do
+        not reach (a model's lower layers, its embeddings) from one exact product each
+        (docs/derivation.md §5.4), refused above ``blockhess.hvp.EXACT_PRODUCTS_LIMIT`` (65,536) of
+        them.
         exact=False: Hutchinson's estimate from ``probes`` Rademacher probes (``probes`` products),
         returned as an :class:`blockhess.estimate.Estimate` (value, standard_error, probes)."""
         if not boolean(exact, "exact"):

@@ -14,6 +14,7 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <numeric>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -131,8 +132,16 @@ class Products {
   // handed to take(j, column) as it is done (column: size() entries, valid during the call).
   template <class Take>
   void identity_columns(Take&& take) const {
+    std::vector<index_t> every(static_cast<size_t>(size_));
+    std::iota(every.begin(), every.end(), index_t(0));
+    unit_columns(every, take);
+  }
+  // The same for the j in `which` only.
+  template <class Take>
+  void unit_columns(const std::vector<index_t>& which, Take&& take) const {
     const index_t P = size_;
-    blockhess::detail::parallel_for(P, cost(), [&](index_t j) {
+    blockhess::detail::parallel_for(static_cast<index_t>(which.size()), cost(), [&](index_t k) {
+      const index_t j = which[static_cast<size_t>(k)];
       Buffer<T> unit(P), column(P);  // zeroed
       unit[j] = T(1);
       apply(unit.data(), column.data());
@@ -235,9 +244,9 @@ T loss_hessian(Graph<T>& g, Head<T>& head, Part part, const std::vector<bool>& w
 // per-parameter traces at sizes where no (P, P) matrix fits. An entry (p, p) needs p's factors
 // only, so it is formed a group of parameters at a time (one node's, which share their pushes:
 // Graph::factor_groups): the factors held at once are one group's, not every selected parameter's.
-// Where the factors do not reach a selected parameter, every entry comes from a product with a
-// column of the identity (P products, docs/derivation.md §5.4), refused (std::invalid_argument)
-// when P exceeds max_products.
+// The entries of a group whose factors do not reach it (a lower block of a stack, an embedding)
+// come from products with those columns of the identity instead (one product per entry,
+// docs/derivation.md §5.4), refused (std::invalid_argument) when there are more than max_products.
 template <class T>
 T loss_hessian_diagonal(Graph<T>& g, Head<T>& head, Part part, const std::vector<bool>& wrt, T* diag,
                         index_t max_products = std::numeric_limits<index_t>::max()) {
@@ -246,24 +255,33 @@ T loss_hessian_diagonal(Graph<T>& g, Head<T>& head, Part part, const std::vector
   index_t P = 0;
   const std::vector<index_t> offset = g.offsets(wrt, &P);
   std::fill_n(diag, P, T(0));
-  try {
-    for (const std::vector<int>& group : g.factor_groups()) {
-      std::vector<bool> some(wrt.size(), false);
-      bool any = false;
-      for (int p : group) some[static_cast<size_t>(p)] = wrt[static_cast<size_t>(p)], any = any || wrt[static_cast<size_t>(p)];
-      if (!any) continue;
+  std::vector<index_t> declined;  // the entries the factors do not reach
+  std::string reason;
+  for (const std::vector<int>& group : g.factor_groups()) {
+    std::vector<bool> some(wrt.size(), false);
+    bool any = false;
+    for (int p : group) some[static_cast<size_t>(p)] = wrt[static_cast<size_t>(p)], any = any || wrt[static_cast<size_t>(p)];
+    if (!any) continue;
+    try {
       push_loss_factors(g, head, part, some);
       add_diagonal(g, loss_terms(g, outer, part), offset, diag);
+    } catch (const FactorsDoNotReach& refusal) {
+      g.clear_factors();
+      if (reason.empty()) reason = refusal.what();
+      for (int p : group)
+        if (wrt[static_cast<size_t>(p)])
+          for (index_t k = 0; k < g.parameter(p).size(); ++k) declined.push_back(offset[static_cast<size_t>(p)] + k);
     }
-  } catch (const FactorsDoNotReach& declined) {
-    g.clear_factors();
-    if (P > max_products)
-      throw std::invalid_argument(std::string(declined.what()) + "; its exact diagonal then takes one Hessian-vector "
-                                  "product per parameter, P = " + std::to_string(P) + " above the limit of " +
-                                  std::to_string(max_products) + ": select fewer parameters (wrt) or estimate the "
-                                  "diagonal (exact=False)");
+  }
+  g.clear_factors();
+  if (static_cast<index_t>(declined.size()) > max_products)
+    throw std::invalid_argument(reason + "; its exact diagonal then takes one Hessian-vector product per entry the "
+                                "factors do not reach, " + std::to_string(declined.size()) + " above the limit of " +
+                                std::to_string(max_products) + ": select fewer parameters (wrt) or estimate the "
+                                "diagonal (exact=False)");
+  if (!declined.empty()) {
     const Products<T> products = selected_products(g, head, part, wrt);
-    products.identity_columns([&](index_t j, const T* column) { diag[j] = column[j]; });
+    products.unit_columns(declined, [&](index_t j, const T* column) { diag[j] = column[j]; });
   }
   require_finite(diag, P, "block: the Hessian's diagonal");
   return value;
