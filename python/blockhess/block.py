@@ -604,10 +604,10 @@ def loss_hessian(
 
     A model (:class:`ModelSpec`): parameters are named by layer ("h.0.W_Q", ...) and ``wrt`` takes
     names or prefixes ("h.0", "ln_f"). The last block's, a final norm's and a classifier's Hessian is
-    assembled from per-token factors; a selection with any parameter below the last block's
-    attention (a lower block, an embedding, positions, a class token) comes from P exact
-    Hessian-vector products, one per column, P the selection's size (docs/derivation.md §5.4): every
-    cross-layer block is exact, at the cost of P products.
+    assembled from per-token factors; the rows and columns of a parameter below the last block's
+    attention (a lower block, an embedding, positions, a class token) come from exact Hessian-vector
+    products, one per entry of such parameters (docs/derivation.md §5.4): every cross-layer block is
+    exact, at the cost of that many products.
     """
     params, X3, W, dtype, eps, kind, values, classes, head = _loss_inputs(X, target, params, loss, eps, head=head)
     part_code = _PARTS[choice(part, "part", tuple(_PARTS))]

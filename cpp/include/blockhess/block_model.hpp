@@ -52,7 +52,7 @@ class Model {
   // covers every parameter. A dense Hessian or diagonal is assembled from the per-token factors
   // over the last layer, the final norm and the classifier; a lower layer's parameters, and the
   // input's, reach another block's attention through its input, which the factors do not cover,
-  // and a selection with any of them is computed from Hessian-vector products (loss_hessian).
+  // and their rows and columns are computed from Hessian-vector products (loss_hessian).
   static Model stack(const Spec& spec, const Dims& dims, const Stack& stack, index_t samples, const T* X,
                      const std::vector<const T*>& weights, T eps, engine::Storage storage = engine::Storage::copy);
   // A language model (stack.vocab > 0) at the token ids (samples x L, each in [0, vocab)): its

@@ -211,15 +211,36 @@ T loss_hessian_into(Graph<T>& g, Head<T>& head, Part part, const std::vector<boo
   return value;
 }
 
+// The selected parameters whose factors reach the output: each group of them (a node's,
+// Graph::factor_groups) pushed alone, the ones whose push is refused (FactorsDoNotReach) left out.
+template <class T>
+std::vector<bool> reached_by_factors(Graph<T>& g, const Head<T>& head, Part part, const std::vector<bool>& wrt) {
+  std::vector<bool> reached(wrt.size(), false);
+  for (const std::vector<int>& group : g.factor_groups()) {
+    std::vector<bool> some(wrt.size(), false);
+    bool any = false;
+    for (int p : group) some[static_cast<size_t>(p)] = wrt[static_cast<size_t>(p)], any = any || wrt[static_cast<size_t>(p)];
+    if (!any) continue;
+    try {
+      push_loss_factors(g, head, part, some);
+      for (int p : group) reached[static_cast<size_t>(p)] = reached[static_cast<size_t>(p)] || wrt[static_cast<size_t>(p)];
+    } catch (const FactorsDoNotReach&) {
+    }
+    g.clear_factors();
+  }
+  return reached;
+}
+
 // Into host memory H (P x P). Where the per-token factors do not reach a selected parameter (a
-// lower block of a stack, an embedding: FactorsDoNotReach), H comes from P exact Hessian-vector
-// products with the columns of the identity instead (docs/derivation.md §5.4): H e_j is written as
-// row j, then each pair (i, j) is set to the mean of H e_j[i] and H e_i[j], which agree to rounding,
-// so that H is symmetric by construction.
+// lower block of a stack, an embedding: FactorsDoNotReach), its rows and columns come from exact
+// Hessian-vector products with those columns of the identity instead (docs/derivation.md §5.4),
+// the block of the parameters they reach from the factors: H e_j is written as row j and as column
+// j where the other index is reached, and a pair (i, j) of two unreached entries is set to the mean
+// of H e_j[i] and H e_i[j], which agree to rounding, so that H is symmetric by construction.
 template <class T>
 T loss_hessian(Graph<T>& g, Head<T>& head, Part part, const std::vector<bool>& wrt, T* H) {
   index_t P = 0;
-  g.offsets(wrt, &P);
+  const std::vector<index_t> offset = g.offsets(wrt, &P);
   const T value = reverse_loss(g, head);
   try {
     HostHessian<T> out{H, P};
@@ -228,13 +249,34 @@ T loss_hessian(Graph<T>& g, Head<T>& head, Part part, const std::vector<bool>& w
   } catch (const FactorsDoNotReach&) {
     g.clear_factors();
   }
+  const std::vector<bool> reached = reached_by_factors(g, head, part, wrt);
+  std::fill_n(H, P * P, T(0));
+  if (std::find(reached.begin(), reached.end(), true) != reached.end()) {
+    HostHessian<T> out{H, P};  // the reached parameters' block, at their places in the selection
+    push_loss_factors(g, head, part, reached);
+    assemble(g, loss_terms(g, outer_terms(g, head, part), part), offset, out);
+    g.clear_factors();
+  }
+  std::vector<char> from_products(static_cast<size_t>(P), 0);
+  std::vector<index_t> columns;
+  for (int p = 0; p < g.num_params(); ++p)
+    if (wrt[static_cast<size_t>(p)] && !reached[static_cast<size_t>(p)])
+      for (index_t k = 0; k < g.parameter(p).size(); ++k) {
+        columns.push_back(offset[static_cast<size_t>(p)] + k);
+        from_products[static_cast<size_t>(columns.back())] = 1;
+      }
   const Products<T> products = selected_products(g, head, part, wrt);
-  products.identity_columns([&](index_t j, const T* column) { std::copy_n(column, P, H + j * P); });
-  blockhess::detail::parallel_for(P, P, [&](index_t i) {
-    for (index_t j = i + 1; j < P; ++j) {
-      const T mean = (H[i * P + j] + H[j * P + i]) / T(2);
-      H[i * P + j] = mean;
-      H[j * P + i] = mean;
+  products.unit_columns(columns, [&](index_t j, const T* column) { std::copy_n(column, P, H + j * P); });
+  blockhess::detail::parallel_for(static_cast<index_t>(columns.size()), P, [&](index_t k) {
+    const index_t j = columns[static_cast<size_t>(k)];
+    for (index_t i = 0; i < P; ++i) {
+      if (!from_products[static_cast<size_t>(i)]) {
+        H[i * P + j] = H[j * P + i];
+      } else if (i < j) {  // each pair of unreached entries once, by its larger index
+        const T mean = (H[i * P + j] + H[j * P + i]) / T(2);
+        H[i * P + j] = mean;
+        H[j * P + i] = mean;
+      }
     }
   });
   return value;
