@@ -10,8 +10,8 @@ import numpy as np
 
 from ._config import get_memory_budget
 from ._interop import is_torch_tensor, to_torch
-from ._validate import boolean, float_array, integer, positive_int, require_output_fits
-from .estimate import hutchinson
+from ._validate import boolean, choice, float_array, integer, positive_int, require_output_fits
+from .estimate import hutch_plus_plus, hutchinson
 
 
 class CurvatureOperator:
@@ -87,12 +87,19 @@ class CurvatureOperator:
             self._diagonal.setflags(write=False)
         return self._diagonal
 
-    def trace(self, by_block: bool = False, exact: bool = True, *, probes: int = 100, seed: int = 0):
+    def trace(self, by_block: bool = False, exact: bool = True, *, probes: int = 100, seed: int = 0,
+              method: str = "hutchinson"):
         """tr(H) (the sum of :meth:`diagonal`); by_block=True: a dict keyed like
         ``loss_hessian(layout="blocks")``'s diagonal blocks, ``{("W_Q", "W_Q"): tr(H_QQ), ...}``.
-        exact=False: Hutchinson's estimates (an :class:`blockhess.estimate.Estimate`, or a dict of
-        them, from the same ``probes`` products), for where the exact diagonal costs too much."""
+        exact=False: estimates (an :class:`blockhess.estimate.Estimate`, or a dict of them) from
+        ``probes`` products, for where the exact diagonal costs too much: method="hutchinson"
+        (Rademacher probes, every block's from the same ones) or, for the whole trace, "hutch++"
+        (estimate.py: a sketch of the top of the spectrum taken exactly, Hutchinson's on the rest;
+        at least 4 probes, and it holds (P, probes / 3) arrays at once)."""
+        method = choice(method, "method", ("hutchinson", "hutch++"))
         if not boolean(exact, "exact"):
+            if method == "hutch++":
+                return self._hutch_plus_plus(by_block, probes, seed)
             _, traces, total = self._hutchinson(probes, seed)
             return {(n, n): t for n, t in zip(self.names, traces)} if by_block else total
         diag = self._diagonal_array()
@@ -111,6 +118,21 @@ class CurvatureOperator:
         chunk = min(probes, self._column_chunk("the probes H Z that the estimate takes, a chunk at a time,",
                                                "build the operator over fewer parameters, e.g. wrt=(name,)"))
         return hutchinson(self._product, self._sizes, self.dtype, probes, integer(seed, "seed", least=0), chunk)
+
+    def _hutch_plus_plus(self, by_block: bool, probes: int, seed: int):
+        """Hutch++'s estimate of the whole trace (estimate.py)."""
+        if by_block:
+            raise ValueError("method='hutch++' estimates the whole trace (its sketch spans every block); "
+                             "for the blocks' traces use method='hutchinson' or exact=True")
+        probes = positive_int(probes, "probes")
+        if probes < 4:
+            raise ValueError(f"probes must be at least 4 for method='hutch++' (a sketch, its basis and two "
+                             f"residual probes), got {probes}")
+        P = self.shape[0]
+        require_output_fits((P, 2 * (probes // 3)), self.dtype, "Hutch++'s sketch and its products",
+                            "use fewer probes, or method='hutchinson', which takes its probes a chunk at a time",
+                            working=self._product_working(probes // 3))
+        return hutch_plus_plus(self._product, P, self.dtype, probes, integer(seed, "seed", least=0))
 
     def frobenius_norm(self, by_block: bool = False) -> float | dict[tuple[str, str], float]:
         """||H||_F, exact and without random probes: the columns of H come from products with the
