@@ -62,15 +62,7 @@ index_t Model<T>::working_memory(const Spec& spec, const Dims& dims, const Stack
       shapes.classifier.weight = shapes.classifier.bias = &stand_in_value;
     head = heads::make(shapes);
   }
-  const engine::WorkingMemory<T> memory(g, head.get(), wrt, threads);
-  index_t total = memory.of(call, part, columns);
-  if (call == engine::Call::output_hessian) {  // output_hessian's (P, P) assembly target over the pair
-    index_t P = 0;
-    for (int p = 0; p < g.num_params(); ++p)
-      if (wrt[static_cast<size_t>(p)]) P += g.parameter(p).size();
-    total += P * P;
-  }
-  return total;
+  return engine::WorkingMemory<T>(g, head.get(), wrt, threads).of(call, part, columns);
 }
 
 template <class T>

@@ -211,19 +211,34 @@ T loss_hessian_into(Graph<T>& g, Head<T>& head, Part part, const std::vector<boo
   return value;
 }
 
+// The parameters of `group` that wrt selects (a flag per parameter); all false where it selects none.
+inline std::vector<bool> selected_in(const std::vector<int>& group, const std::vector<bool>& wrt) {
+  std::vector<bool> some(wrt.size(), false);
+  for (int p : group) some[static_cast<size_t>(p)] = wrt[static_cast<size_t>(p)];
+  return some;
+}
+
+// Where every entry of the parameters `which` flags sits in the selection laid out by `offset`.
+template <class T>
+std::vector<index_t> entries_of(const Graph<T>& g, const std::vector<bool>& which, const std::vector<index_t>& offset) {
+  std::vector<index_t> entries;
+  for (int p = 0; p < g.num_params(); ++p)
+    if (which[static_cast<size_t>(p)])
+      for (index_t k = 0; k < g.parameter(p).size(); ++k) entries.push_back(offset[static_cast<size_t>(p)] + k);
+  return entries;
+}
+
 // The selected parameters whose factors reach the output: each group of them (a node's,
 // Graph::factor_groups) pushed alone, the ones whose push is refused (FactorsDoNotReach) left out.
 template <class T>
 std::vector<bool> reached_by_factors(Graph<T>& g, const Head<T>& head, Part part, const std::vector<bool>& wrt) {
   std::vector<bool> reached(wrt.size(), false);
   for (const std::vector<int>& group : g.factor_groups()) {
-    std::vector<bool> some(wrt.size(), false);
-    bool any = false;
-    for (int p : group) some[static_cast<size_t>(p)] = wrt[static_cast<size_t>(p)], any = any || wrt[static_cast<size_t>(p)];
-    if (!any) continue;
+    const std::vector<bool> some = selected_in(group, wrt);
+    if (std::find(some.begin(), some.end(), true) == some.end()) continue;
     try {
       push_loss_factors(g, head, part, some);
-      for (int p : group) reached[static_cast<size_t>(p)] = reached[static_cast<size_t>(p)] || wrt[static_cast<size_t>(p)];
+      for (int p : group) reached[static_cast<size_t>(p)] = reached[static_cast<size_t>(p)] || some[static_cast<size_t>(p)];
     } catch (const FactorsDoNotReach&) {
     }
     g.clear_factors();
@@ -257,14 +272,11 @@ T loss_hessian(Graph<T>& g, Head<T>& head, Part part, const std::vector<bool>& w
     assemble(g, loss_terms(g, outer_terms(g, head, part), part), offset, out);
     g.clear_factors();
   }
+  std::vector<bool> unreached(wrt.size(), false);
+  for (size_t p = 0; p < wrt.size(); ++p) unreached[p] = wrt[p] && !reached[p];
+  const std::vector<index_t> columns = entries_of(g, unreached, offset);
   std::vector<char> from_products(static_cast<size_t>(P), 0);
-  std::vector<index_t> columns;
-  for (int p = 0; p < g.num_params(); ++p)
-    if (wrt[static_cast<size_t>(p)] && !reached[static_cast<size_t>(p)])
-      for (index_t k = 0; k < g.parameter(p).size(); ++k) {
-        columns.push_back(offset[static_cast<size_t>(p)] + k);
-        from_products[static_cast<size_t>(columns.back())] = 1;
-      }
+  for (index_t j : columns) from_products[static_cast<size_t>(j)] = 1;
   const Products<T> products = selected_products(g, head, part, wrt);
   products.unit_columns(columns, [&](index_t j, const T* column) { std::copy_n(column, P, H + j * P); });
   blockhess::detail::parallel_for(static_cast<index_t>(columns.size()), P, [&](index_t k) {
@@ -297,25 +309,22 @@ T loss_hessian_diagonal(Graph<T>& g, Head<T>& head, Part part, const std::vector
   index_t P = 0;
   const std::vector<index_t> offset = g.offsets(wrt, &P);
   std::fill_n(diag, P, T(0));
-  std::vector<index_t> declined;  // the entries the factors do not reach
+  std::vector<bool> unreached(wrt.size(), false);
   std::string reason;
   for (const std::vector<int>& group : g.factor_groups()) {
-    std::vector<bool> some(wrt.size(), false);
-    bool any = false;
-    for (int p : group) some[static_cast<size_t>(p)] = wrt[static_cast<size_t>(p)], any = any || wrt[static_cast<size_t>(p)];
-    if (!any) continue;
+    const std::vector<bool> some = selected_in(group, wrt);
+    if (std::find(some.begin(), some.end(), true) == some.end()) continue;
     try {
       push_loss_factors(g, head, part, some);
       add_diagonal(g, loss_terms(g, outer, part), offset, diag);
     } catch (const FactorsDoNotReach& refusal) {
       g.clear_factors();
       if (reason.empty()) reason = refusal.what();
-      for (int p : group)
-        if (wrt[static_cast<size_t>(p)])
-          for (index_t k = 0; k < g.parameter(p).size(); ++k) declined.push_back(offset[static_cast<size_t>(p)] + k);
+      for (int p : group) unreached[static_cast<size_t>(p)] = unreached[static_cast<size_t>(p)] || some[static_cast<size_t>(p)];
     }
   }
   g.clear_factors();
+  const std::vector<index_t> declined = entries_of(g, unreached, offset);  // from products
   if (static_cast<index_t>(declined.size()) > max_products)
     throw std::invalid_argument(reason + "; its exact diagonal then takes one Hessian-vector product per entry the "
                                 "factors do not reach, " + std::to_string(declined.size()) + " above the limit of " +

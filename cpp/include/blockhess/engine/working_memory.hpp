@@ -46,8 +46,9 @@ class WorkingMemory {
       case Call::diagonal:
         return std::max(factored(part, true), identity_products());
       case Call::jacobian:
-      case Call::output_hessian:
         return factored(Part::functional, false);
+      case Call::output_hessian:  // and the (P, P) target it assembles each output entry's Hessian into
+        return factored(Part::functional, false) + selected_size() * selected_size();
     }
     return 0;
   }
@@ -90,7 +91,7 @@ class WorkingMemory {
     return kept(false) + per_product() * std::max<index_t>(1, std::min(columns, threads_));
   }
 
-  // Products::identity_columns (loss.hpp), where the factors do not reach: a unit vector and its
+  // Products::unit_columns (loss.hpp), where the factors do not reach: a unit vector and its
   // column per thread beside the products.
   index_t identity_products() const { return products(threads_) + 2 * selected_size() * threads_; }
 
