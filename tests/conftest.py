@@ -1,3 +1,4 @@
+import background_builds
 import numpy as np
 import pytest
 
@@ -11,6 +12,7 @@ def _load_cpu_kernels(**options):
     import kernel_emulation
 
     pytest.importorskip("pybind11", reason="the CPU kernel emulator is built with pybind11 (pip install '.[test]')")
+    background_builds.result("kernel emulator", kernel_emulation.build_all)
     return kernel_emulation.load(**options)
 
 
@@ -35,3 +37,19 @@ def emulated_gpu(monkeypatch, cpu_kernels):
 
     hooks = kernel_emulation.install(monkeypatch, cpu_kernels)
     return cupy_emulation.install(monkeypatch), hooks
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """The tests that wait for a slow build run last, and their builds start now, in the background
+    (tests/background_builds.py): the compilers use the core the other tests leave idle."""
+    waiting = [item for item in items if item.get_closest_marker("background_build")]
+    if not waiting or config.option.collectonly:
+        return
+    items[:] = [item for item in items if not item.get_closest_marker("background_build")] + waiting
+    for item in waiting:
+        background_builds.start(*item.get_closest_marker("background_build").args)
+
+
+def pytest_unconfigure(config):
+    background_builds.stop()

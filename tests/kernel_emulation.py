@@ -16,12 +16,13 @@ import importlib.util
 import os
 import re
 import shutil
-import subprocess
 import sys
 import sysconfig
 from pathlib import Path
 
+import background_builds
 import numpy as np
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIM = Path(__file__).resolve().parent / "cuda_emulator"
@@ -97,8 +98,7 @@ def _build(name: str, cuda_dir: Path, cuda_files: list[Path], cpp_files: list[Pa
             shared = ROOT / "build" / "cuda-emulator" / "objects" / f"{unit.stem}-{key}.o"
             if shared.exists():
                 return shared
-        done = subprocess.run([compiler, *FLAGS, *include_flags, "-c", str(unit), "-o", str(obj)],
-                              capture_output=True, text=True)
+        done = background_builds.run([compiler, *FLAGS, *include_flags, "-c", unit, "-o", obj])
         if done.returncode != 0:
             raise RuntimeError(f"compiling {unit.name} for the CPU kernel emulator failed:\n{done.stderr}")
         if shared is not None:
@@ -111,7 +111,7 @@ def _build(name: str, cuda_dir: Path, cuda_files: list[Path], cpp_files: list[Pa
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
         objects = list(pool.map(compile_unit, units))
     partial = work / (name + ".partial")
-    done = subprocess.run([compiler, "-shared", *map(str, objects), "-o", str(partial)], capture_output=True, text=True)
+    done = background_builds.run([compiler, "-shared", *objects, "-o", partial])
     if done.returncode != 0:
         raise RuntimeError(f"linking the CPU kernel emulator failed:\n{done.stderr}")
     partial.replace(library)  # atomic: a concurrent run never sees half a library
@@ -146,6 +146,17 @@ def eigen_include() -> Path:
 def build_selftest() -> Path:
     """tests/cuda_emulator/selftest.cu (kernels with known defects) as a plain shared library."""
     return _build("selftest.so", SHIM, [SHIM / "selftest.cu"], [], [])
+
+
+def build_all() -> None:
+    """Every variant the tests load: the module, its small-grid variant and the self-test."""
+    build()
+    build(max_grid_x=3)
+    build_selftest()
+
+
+# The mark of a test that loads the emulator: its build starts with the session (tests/conftest.py).
+needs_emulator = pytest.mark.background_build("kernel emulator", build_all)
 
 
 def load(max_grid_x: int | None = None):

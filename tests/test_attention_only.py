@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import kernel_emulation
 import numpy as np
 import pytest
 import torch
@@ -241,6 +242,7 @@ def test_blockhess_check_attention_only(capsys):
     assert refused.value.code == 2 and "BlockSpec.norm" in capsys.readouterr().err
 
 
+@kernel_emulation.needs_emulator
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_loss_hessian_on_the_gpu_path(emulated_gpu, rng, name):
     """The engine's GPU assembly (the real kernels and bindings compiled for the CPU,

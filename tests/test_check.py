@@ -9,6 +9,7 @@ import sys
 import time
 import types
 
+import kernel_emulation
 import numpy as np
 import pytest
 
@@ -157,6 +158,7 @@ def test_cuda_device_without_a_gpu_is_a_clear_error():
     assert done.returncode == 2 and "--device cuda needs" in done.stderr
 
 
+@kernel_emulation.needs_emulator
 @pytest.mark.parametrize("loss", ["mse", "cross_entropy"])
 def test_check_on_the_emulated_gpu(monkeypatch, tmp_path, emulated_gpu, loss):
     """--device cuda end to end, the kernels emulated on the CPU (tests/kernel_emulation.py)."""

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import background_builds
 import pytest
 
 pytestmark = [
@@ -99,18 +100,25 @@ def run(cmd, **kwargs) -> str:
     return proc.stdout
 
 
-def build_consumer(tmp_path: Path, cmakelists: str, main_cpp: str) -> Path:
+def build_consumer(directory: Path, cmakelists: str, main_cpp: str) -> Path:
     """Configures and builds a consumer project against the installed package; returns its build dir."""
-    src, build = tmp_path / "src", tmp_path / "build"
+    src, build = directory / "src", directory / "build"
     src.mkdir()
     (src / "CMakeLists.txt").write_text(cmakelists)
     (src / "main.cpp").write_text(main_cpp)
     configure = ["cmake", "-S", src, "-B", build, f"-Dblockhess_DIR={cmake_dir()}", "-DCMAKE_BUILD_TYPE=Release"]
     if shutil.which("ninja"):
         configure += ["-G", "Ninja"]
-    run(configure)
-    run(["cmake", "--build", build])
+    for step in (configure, ["cmake", "--build", build]):
+        proc = background_builds.run(step)
+        assert proc.returncode == 0, f"{step} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     return build
+
+
+def build_readme_example() -> Path:
+    """The README's example built in a directory of the session's (in the background: tests/conftest.py)."""
+    return build_consumer(Path(background_builds.scratch_dir("readme-example")), readme_block("cmake"),
+                          readme_block("cpp"))
 
 
 def executable(build: Path, name: str) -> Path:
@@ -119,13 +127,14 @@ def executable(build: Path, name: str) -> Path:
     return exe
 
 
-def test_readme_cpp_example_builds_and_runs_as_written(tmp_path):
+@pytest.mark.background_build("README C++ example", build_readme_example)
+def test_readme_cpp_example_builds_and_runs_as_written():
     cmakelists, program = readme_block("cmake"), readme_block("cpp")
     assert "find_package(blockhess CONFIG REQUIRED)" in cmakelists
     assert "int main(" in program, "the README's C++ example must be a complete program"
     names = re.findall(r"add_executable\((\w+)", cmakelists)
     assert len(names) == 1, "the README's CMake example should build exactly one program"
-    build = build_consumer(tmp_path, cmakelists, program)
+    build = background_builds.result("README C++ example", build_readme_example)
     out = run([executable(build, names[0])])
     # The paper's block at L=4, d=3, d_k=2, d_ff=5: P = 6 + 6 + 9 + 15 + 15. Its dense Hessian is
     # symmetric by construction (bit for bit), and the operator's H 1 equals the dense row sums.

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 
+import kernel_emulation
 import numpy as np
 import pytest
 import reference as ref
@@ -33,6 +34,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 GPU = _cupy is not None and blockhess.cuda_available()
 NO_GPU_REASON = "needs CuPy, a CUDA build of blockhess and a visible GPU"
 _GPU_MARKS = [pytest.mark.cuda, pytest.mark.skipif(not GPU, reason=NO_GPU_REASON)]
+pytestmark = kernel_emulation.needs_emulator  # its emulated cases
 
 
 def _emulated_gpu(request):

@@ -8,8 +8,11 @@ import json
 from pathlib import Path
 
 import cupy_emulation
+import kernel_emulation
 import numpy as np
 import pytest
+
+pytestmark = kernel_emulation.needs_emulator
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 

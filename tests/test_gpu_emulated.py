@@ -20,6 +20,8 @@ import pytest
 import blockhess
 from blockhess import _gpu
 
+pytestmark = kernel_emulation.needs_emulator
+
 
 @pytest.fixture(params=["cpu-kernels", "cpu-kernels-reverse", "cpu-kernels-warp-ahead"])
 def kernels(request, monkeypatch):

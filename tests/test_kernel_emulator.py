@@ -3,15 +3,19 @@ flags each defect of tests/cuda_emulator/selftest.cu, so the emulated GPU tests 
 
 import ctypes
 
+import background_builds
 import kernel_emulation
 import numpy as np
 import pytest
+
+pytestmark = kernel_emulation.needs_emulator
 
 LAUNCH_FAILURE, INVALID_CONFIGURATION = 719, 9
 
 
 @pytest.fixture(scope="module")
 def lib():
+    background_builds.result("kernel emulator", kernel_emulation.build_all)
     lib = ctypes.CDLL(str(kernel_emulation.build_selftest()))
     lib.error_string.restype = ctypes.c_char_p
     return lib

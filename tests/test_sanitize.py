@@ -12,9 +12,9 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+import background_builds
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -33,33 +33,42 @@ def _run(cmd, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, **kwargs)
 
 
-@pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake is not installed")
-@pytest.mark.skipif(_compiler() is None, reason="no C++ compiler")
-@pytest.mark.skipif(sys.platform != "linux", reason="the sanitizer build is set up for Linux toolchains")
-def test_core_under_address_and_undefined_behaviour_sanitizers(tmp_path):
-    if not (SOURCE / "CMakeLists.txt").is_file():
-        pytest.skip(f"no {SOURCE} (not a source tree)")
-    build = tmp_path / "build"
+def build_sanitizer() -> tuple[str, str]:
+    """Configures and builds tests/cpp in a directory of the session's; (outcome, detail): ("built",
+    the directory), ("skip", why) or ("fail", the log). Run in the background (tests/conftest.py)."""
+    build = background_builds.scratch_dir("sanitize")
     configure = ["cmake", "-S", SOURCE, "-B", build, f"-DPython_EXECUTABLE={sys.executable}"]
     if shutil.which("ninja"):
         configure += ["-G", "Ninja"]
     env = dict(os.environ)
     env.setdefault("CXX", _compiler())
-    proc = _run(configure, env=env, timeout=300)
+    proc = background_builds.run(configure, env=env, timeout=300)
     log = proc.stdout + proc.stderr
     if proc.returncode != 0:
         if "BLOCKHESS_SANITIZERS_UNAVAILABLE" in log:
-            pytest.skip("the compiler cannot build with -fsanitize=address,undefined (no sanitizer runtime)")
+            return "skip", "the compiler cannot build with -fsanitize=address,undefined (no sanitizer runtime)"
         if "Eigen3" in log and "Could not find" in log:
-            pytest.skip("Eigen 3.4 not found (pip install cmeel-eigen, part of the test extra)")
-        pytest.fail(f"configure failed:\n{log}")
+            return "skip", "Eigen 3.4 not found (pip install cmeel-eigen, part of the test extra)"
+        return "fail", f"configure failed:\n{log}"
+    proc = background_builds.run(["cmake", "--build", build], timeout=900)
+    if proc.returncode != 0:
+        return "fail", f"build failed:\n{proc.stdout}\n{proc.stderr}"
+    return "built", str(build)
 
-    t0 = time.perf_counter()
-    proc = _run(["cmake", "--build", build], timeout=900)
-    build_s = time.perf_counter() - t0
-    assert proc.returncode == 0, f"build failed:\n{proc.stdout}\n{proc.stderr}"
-    print(f"sanitizer build: {build_s:.0f} s")
 
+@pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake is not installed")
+@pytest.mark.skipif(_compiler() is None, reason="no C++ compiler")
+@pytest.mark.skipif(sys.platform != "linux", reason="the sanitizer build is set up for Linux toolchains")
+@pytest.mark.skipif(not (SOURCE / "CMakeLists.txt").is_file(), reason=f"no {SOURCE} (not a source tree)")
+@pytest.mark.background_build("sanitizer", build_sanitizer)
+def test_core_under_address_and_undefined_behaviour_sanitizers():
+    outcome, detail = background_builds.result("sanitizer", build_sanitizer)
+    if outcome == "skip":
+        pytest.skip(detail)
+    assert outcome == "built", detail
+    build = Path(detail)
+
+    env = dict(os.environ)
     exe = build / "core_sanitize"
     env.update(
         ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:strict_string_checks=1:detect_stack_use_after_return=1",
