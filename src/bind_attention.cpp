@@ -55,6 +55,18 @@ void bind_for(py::module_& m) {
 
 void bind_attention(py::module_& m) {
   for_each_float([&](auto* tag) { bind_for<std::remove_pointer_t<decltype(tag)>>(m); });
+
+  m.def(
+      "attention_working_memory",
+      [](index_t L, index_t d, index_t dk, index_t dv, int wrt, index_t threads) {
+        if (wrt < -1 || wrt > 3) throw std::invalid_argument("attention_working_memory: wrt must be -1..3");
+        std::optional<components::AttentionWrt> w;
+        if (wrt >= 0) w = static_cast<components::AttentionWrt>(wrt);
+        return components::attention_working_memory<double>({L, d, dk, dv}, w, threads);
+      },
+      py::arg("L"), py::arg("d"), py::arg("d_k"), py::arg("d_v"), py::arg("wrt"), py::arg("threads"),
+      "Elements attention_forward (wrt -1) or attention_jacobian (wrt 0..3) allocates besides its result "
+      "(components.hpp).");
 }
 
 }  // namespace blockhess::bind

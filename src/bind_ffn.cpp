@@ -80,6 +80,26 @@ void bind_for(py::module_& m) {
 
 void bind_ffn(py::module_& m) {
   for_each_float([&](auto* tag) { bind_for<std::remove_pointer_t<decltype(tag)>>(m); });
+
+  m.def(
+      "ffn_working_memory",
+      [](index_t L, index_t d, index_t f, index_t e, int kind, index_t threads) {
+        if (kind < -1 || kind > 5) throw std::invalid_argument("ffn_working_memory: kind must be -1..5");
+        std::optional<components::FfnJacobian> k;
+        if (kind >= 0) k = static_cast<components::FfnJacobian>(kind);
+        return components::ffn_working_memory<double>({L, d, f, e}, k, threads);
+      },
+      py::arg("L"), py::arg("d"), py::arg("d_ff"), py::arg("d_out"), py::arg("kind"), py::arg("threads"),
+      "Elements ffn_forward (kind -1) or ffn_jacobian (kind 0..5) allocates besides its result (components.hpp).");
+  m.def(
+      "ffn_cross_working_memory",
+      [](index_t L, index_t d, index_t f, index_t e, int kind, index_t threads) {
+        if (kind < 0 || kind > 1) throw std::invalid_argument("ffn_cross_working_memory: kind must be 0 or 1");
+        return components::ffn_cross_working_memory<double>({L, d, f, e}, static_cast<components::FfnCross>(kind),
+                                                             threads);
+      },
+      py::arg("L"), py::arg("d"), py::arg("d_ff"), py::arg("d_out"), py::arg("kind"), py::arg("threads"),
+      "Elements ffn_cross_hessian allocates besides its result (components.hpp).");
 }
 
 }  // namespace blockhess::bind

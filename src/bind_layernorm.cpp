@@ -135,6 +135,16 @@ void bind_for(py::module_& m) {
 
 void bind_layernorm(py::module_& m) {
   for_each_float([&](auto* tag) { bind_for<std::remove_pointer_t<decltype(tag)>>(m); });
+
+  m.def(
+      "layernorm_working_memory",
+      [](index_t L, index_t d, bool dense_hessian) -> index_t {
+        if (L < 0 || d < 0) throw std::invalid_argument("layernorm_working_memory: L and d must be >= 0");
+        // normalized()'s y (L, d) and sigma (L); the dense second derivative's (d, d, d) scratch.
+        return L * d + L + (dense_hessian ? d * d * d : 0);
+      },
+      py::arg("L"), py::arg("d"), py::arg("dense_hessian"),
+      "Elements a LayerNorm call allocates besides its result.");
 }
 
 }  // namespace blockhess::bind

@@ -77,6 +77,14 @@ void bind_for(py::module_& m) {
 
 void bind_softmax(py::module_& m) {
   for_each_float([&](auto* tag) { bind_for<std::remove_pointer_t<decltype(tag)>>(m); });
+
+  m.def(
+      "softmax_working_memory",
+      [](index_t rows, index_t n) -> index_t {
+        if (rows < 0 || n < 0) throw std::invalid_argument("softmax_working_memory: rows and n must be >= 0");
+        return rows * n;  // the probabilities A its derivatives are formed from
+      },
+      py::arg("rows"), py::arg("n"), "Elements a softmax derivative allocates besides its result.");
 }
 
 }  // namespace blockhess::bind

@@ -15,11 +15,13 @@ def high_water_mark() -> int:
 
 
 def record_budget_requests() -> list[int]:
-    """From now on, the bytes every block, model and operator call checks against the budget, in order."""
-    from blockhess import block, hvp
+    """From now on, the bytes every block, model, operator and component call checks against the
+    budget, in order."""
+    import importlib
 
     asked: list[int] = []
-    for module in (block, hvp):
+    for name in ("block", "hvp", "attention", "ffn"):  # the modules (blockhess.attention is the function)
+        module = importlib.import_module(f"blockhess.{name}")
         checked = module.require_output_fits
 
         def recording(*args, _checked=checked, **kwargs):

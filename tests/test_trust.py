@@ -383,6 +383,24 @@ def test_budget_messages_say_what_was_asked_and_what_fits(rng):
     assert "1000 bytes" in msg and "0.00 GiB" not in msg and "KiB" in msg
 
 
+def test_component_working_memory_comes_from_their_graphs():
+    # components.hpp wires the sublayer for its shapes and asks the engine's estimate: a Jacobian keeps
+    # more than the forward pass, dF/dY a forward tangent per thread (at most one per input feature).
+    from blockhess import _core
+
+    forward = _core.attention_working_memory(50, 8, 4, 8, -1, 1)
+    assert forward >= 2 * 50 * 50  # the (L, L) logits and weights
+    assert all(_core.attention_working_memory(50, 8, 4, 8, wrt, 1) > forward for wrt in range(4))
+    one, two, many = (_core.ffn_working_memory(50, 8, 64, 8, 3, threads) for threads in (1, 2, 100))
+    assert two > one and many - one == 7 * (two - one)  # 100 threads run 8 tangents, one per feature of d = 8
+    with pytest.raises(ValueError, match="wrt must be -1..3"):
+        _core.attention_working_memory(50, 8, 4, 8, 4, 1)
+    with pytest.raises(ValueError, match="kind must be 0 or 1"):
+        _core.ffn_cross_working_memory(50, 8, 64, 8, 2, 1)
+    with pytest.raises(ValueError, match="d_ff"):
+        _core.ffn_working_memory(50, 8, 0, 8, -1, 1)
+
+
 def test_budget_covers_working_memory_not_just_the_output(rng):
     # L = 20000 tokens with only the 9 entries of W_Q: the (L, L) attention matrices alone are 9.6 GB.
     X = rng.standard_normal((20000, 3))
@@ -438,7 +456,6 @@ MEASURE_PEAK = r"""
 import sys
 sys.path.insert(0, sys.argv[1])
 import numpy as np, blockhess
-from blockhess import _working_memory
 from peak_memory import high_water_mark, record_budget_requests
 
 L, d, dk, dff, kind = int(sys.argv[2]), 8, 4, 8, sys.argv[3]
@@ -452,10 +469,15 @@ before = high_water_mark()
 asked.clear()
 if kind == "hessian":
     blockhess.loss_hessian(X, X, params, wrt=("W_Q",))
-    estimate = max(asked)
-else:
+elif kind == "attention":
     blockhess.attention_jacobian(X, W[0], W[1], W[2], "W_V")
-    estimate = _working_memory.attention(L, d, dk, d, 8, "W_V") + L * d * d * d * 8
+else:  # the FFN's input blocks: a forward tangent per thread through 2,048 hidden units dominates
+    W_1, W_2 = rng.standard_normal((d, 2048)) / 3, rng.standard_normal((2048, d)) / 3
+    blockhess.ffn_jacobian(X[:4], W_1, W_2, "Y", layout="blocks")  # its own warm-up
+    before = high_water_mark()
+    asked.clear()
+    blockhess.ffn_jacobian(X, W_1, W_2, "Y", layout="blocks")
+estimate = max(asked)  # the result and the core's working memory (engine/working_memory.hpp, components.hpp)
 peak = high_water_mark() - before
 print(peak, estimate)
 """
@@ -513,7 +535,7 @@ def test_diagonal_holds_one_nodes_factors_at_a_time():
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
-@pytest.mark.parametrize("kind", ["hessian", "attention"])
+@pytest.mark.parametrize("kind", ["hessian", "attention", "ffn"])
 def test_working_memory_estimate_covers_the_measured_peak(kind):
     # L = 1500 tokens: the (L, L) matrices (18 MB each) dominate everything else.
     done = subprocess.run([sys.executable, "-c", MEASURE_PEAK, TESTS, "1500", kind], capture_output=True, text=True,

@@ -9,7 +9,10 @@ namespace blockhess::components {
                                       AttentionWrt, T*);                                                      \
   template void ffn_forward<T>(const T*, const T*, const T*, const FfnDims&, T*);                             \
   template void ffn_jacobian<T>(const T*, const T*, const T*, const FfnDims&, FfnJacobian, T*);               \
-  template void ffn_cross_hessian<T>(const T*, const T*, const T*, const FfnDims&, FfnCross, T*);
+  template void ffn_cross_hessian<T>(const T*, const T*, const T*, const FfnDims&, FfnCross, T*);             \
+  template index_t attention_working_memory<T>(const AttentionDims&, std::optional<AttentionWrt>, index_t);   \
+  template index_t ffn_working_memory<T>(const FfnDims&, std::optional<FfnJacobian>, index_t);                \
+  template index_t ffn_cross_working_memory<T>(const FfnDims&, FfnCross, index_t);
 BLOCKHESS_COMPONENTS(float)
 BLOCKHESS_COMPONENTS(double)
 #undef BLOCKHESS_COMPONENTS

@@ -1,10 +1,10 @@
 """Working memory of the core's calls, in bytes: what each C++ entry point allocates besides its
 result, so that the memory budget covers every allocation that grows with the input.
 
-A block's or model's calls ask the core (model(): engine/working_memory.hpp, from the wiring); the
-component functions' small kernels are described here, each mirroring the buffers of the C++ code
-named in its docstring (a slight over-count is intended: the budget is a guard, not an accountant).
-tests/test_trust.py checks them against the peak memory of real calls.
+Every count is the core's: a block's or model's calls and the attention and FFN components from
+their wired graphs (engine/working_memory.hpp, components.hpp), LayerNorm's and softmax's from their
+bindings, beside the buffers they allocate (a slight over-count is intended: the budget is a guard,
+not an accountant). tests/test_trust.py checks them against the peak memory of real calls.
 """
 
 from __future__ import annotations
@@ -16,35 +16,37 @@ from . import _core
 
 
 def layernorm(L: int, d: int, itemsize: int, *, dense_hessian: bool = False) -> int:
-    """bind_layernorm.cpp: y (L, d) and sigma (L); a (d, d, d) row for the dense second derivative."""
-    return itemsize * (L * d + L + (d**3 if dense_hessian else 0))
+    """A LayerNorm call: its normalised rows and deviations, and the dense second derivative's scratch."""
+    return itemsize * int(_core.layernorm_working_memory(L, d, dense_hessian))
 
 
 def softmax(m: int, n: int, itemsize: int) -> int:
-    """bind_softmax.cpp: A (m, n)."""
-    return itemsize * m * n
+    """A softmax derivative of m rows of n: the probabilities."""
+    return itemsize * int(_core.softmax_working_memory(m, n))
+
+
+_ATTENTION_WRT = {None: -1, "W_Q": 0, "W_K": 1, "W_V": 2, "X": 3}
 
 
 def attention(L: int, d: int, dk: int, dv: int, itemsize: int, wrt: str | None = None) -> int:
-    """components.hpp on the engine's attention node: copies of X and the weights, Q, K, V, the
-    logits and A (L, L), F; for a weight's Jacobian its tangent factors at F (engine/derivatives.hpp
-    jacobian), for X the node's closed form's Q W_K^T and K W_Q^T (AttentionNode::input_jacobian)."""
-    cache = 2 * L * L + L * (d + 2 * dk + 2 * dv) + d * (2 * dk + dv)
-    extra = {None: 0, "W_Q": L * dv * dk + dv * d * dk, "W_K": L * dk + L * dv * d + dv * d * d, "W_V": L * d,
-             "X": 2 * L * d}[wrt]
-    return itemsize * (cache + extra)
+    """attention_forward (wrt None) or attention_jacobian: components.hpp, from the sublayer's graph."""
+    from ._threads import get_num_threads
+
+    return itemsize * int(_core.attention_working_memory(L, d, dk, dv, _ATTENTION_WRT[wrt], get_num_threads()))
 
 
-def ffn(L: int, d: int, f: int, e: int, itemsize: int, what: str | None = None, threads: int = 1) -> int:
-    """components.hpp on the engine's linear and relu nodes: copies of Y and the weights, H = Y W_1,
-    relu(H) and relu'(H), F; for W_1's Jacobian or factors its tangent factors (L, e, f) at F, for Y
-    one forward tangent per thread and the (L, e, d) blocks, for the cross second derivative W_1's
-    factor at relu(H), a mask per thread and ("cross_dense") the (L, d, f) values."""
-    cache = L * d + d * f + f * e + 3 * L * f + L * e
-    cross = L * f + threads * f
-    extra = {None: 0, "W_1": L * e * f + L * f, "W_2": L * f, "Y": threads * (L * d + 2 * L * f + L * e) + L * e * d,
-             "cross": cross, "cross_dense": cross + L * d * f}[what]
-    return itemsize * (cache + extra)
+def ffn(L: int, d: int, f: int, e: int, itemsize: int, kind: int = -1) -> int:
+    """ffn_forward (kind -1) or ffn_jacobian of components.hpp's FfnJacobian code: from the sublayer's graph."""
+    from ._threads import get_num_threads
+
+    return itemsize * int(_core.ffn_working_memory(L, d, f, e, kind, get_num_threads()))
+
+
+def ffn_cross(L: int, d: int, f: int, e: int, itemsize: int, dense: bool) -> int:
+    """ffn_cross_hessian (blocks or dense): from the sublayer's graph (components.hpp)."""
+    from ._threads import get_num_threads
+
+    return itemsize * int(_core.ffn_cross_working_memory(L, d, f, e, int(dense), get_num_threads()))
 
 
 # engine::Call's codes (engine/working_memory.hpp).

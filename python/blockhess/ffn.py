@@ -14,7 +14,6 @@ import numpy as np
 
 from . import _backend, _core, _gpu, _working_memory
 from ._interop import returns_callers_kind
-from ._threads import get_num_threads
 from ._validate import choice, common_dtype, contiguous, float_array, require_finite, require_output_fits
 
 _LAYOUTS = ("dense", "blocks")
@@ -86,8 +85,7 @@ def ffn_jacobian(Y: Any, W_1: Any, W_2: Any, wrt: str, *, layout: str = "dense")
     else:
         shape, kind, hint = (L, d_out, d), 3, "use fewer tokens"
     what = f"the FFN Jacobian with respect to {wrt}" + (" (blocks)" if layout == "blocks" else "")
-    require_output_fits(shape, dtype, what, hint,
-                        working=_working_memory.ffn(L, d, d_ff, d_out, dtype.itemsize, wrt, get_num_threads()))
+    require_output_fits(shape, dtype, what, hint, working=_working_memory.ffn(L, d, d_ff, d_out, dtype.itemsize, kind))
     if _backend.on_device(Y, W_1, W_2):
         return require_finite(_gpu.ffn_jacobian(Y, W_1, W_2, wrt, layout), what)
     out = np.empty(shape, dtype=dtype)
@@ -101,7 +99,7 @@ def _kron_factors(Y: Any, W_1: Any, W_2: Any, wrt: str, dtype: np.dtype):
     # U and V together: (L, d) and (L, d_out, d_ff) for W_1, (L, d_ff) and an identity for W_2.
     factors = (L * d + L * d_out * d_ff,) if wrt == "W_1" else (L * d_ff + d_out * d_out,)
     require_output_fits(factors, dtype, what, "pass fewer tokens at a time",
-                        working=_working_memory.ffn(L, d, d_ff, d_out, dtype.itemsize, wrt))
+                        working=_working_memory.ffn(L, d, d_ff, d_out, dtype.itemsize, 4 if wrt == "W_1" else 5))
     if _backend.on_device(Y, W_1, W_2):
         return tuple(require_finite(f, what) for f in _gpu.ffn_jacobian(Y, W_1, W_2, wrt, "kron"))
     if wrt == "W_1":
@@ -131,8 +129,7 @@ def ffn_cross_hessian(Y: Any, W_1: Any, W_2: Any, *, layout: str = "dense") -> n
     else:
         shape, kind, hint = (L, d, d_ff), 0, "use fewer tokens"
     what = "the dense FFN cross second derivative" if layout == "dense" else "the FFN cross second-derivative blocks"
-    working = _working_memory.ffn(L, d, d_ff, d_out, dtype.itemsize, "cross_dense" if layout == "dense" else "cross",
-                                  get_num_threads())
+    working = _working_memory.ffn_cross(L, d, d_ff, d_out, dtype.itemsize, dense=layout == "dense")
     require_output_fits(shape, dtype, what, hint, working=working)
     if _backend.on_device(Y, W_1, W_2):
         return require_finite(_gpu.ffn_cross_hessian(Y, W_1, W_2, layout), what)

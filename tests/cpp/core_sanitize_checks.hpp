@@ -333,6 +333,9 @@ void check_attention(std::mt19937_64& rng, index_t L, index_t d, index_t dk, ind
     Jw.assign(L * dv * at::columns(s, wrt), T(0));
     at::attention_jacobian(X.data(), WQ.data(), WK.data(), WV.data(), s, wrt, Jw.data());
     CHECK(all_finite(Jw), ctx + " wrt " + std::to_string(static_cast<int>(wrt)));
+    // Its working memory, from the graph wired for its shapes only (nothing read through null).
+    CHECK(at::attention_working_memory<T>(s, wrt, 2) > at::attention_working_memory<T>(s, std::nullopt, 2),
+          ctx + " a Jacobian's working memory exceeds the forward pass's");
   }
   if constexpr (std::is_same_v<T, double>) {  // central differences with respect to W_Q and to X
     const double h = 1e-6;
@@ -385,6 +388,13 @@ void check_ffn(std::mt19937_64& rng, index_t L, index_t d, index_t f, index_t e)
   ff::ffn_cross_hessian(Y.data(), W1.data(), W2.data(), s, ff::FfnCross::blocks, Cb.data());
   ff::ffn_cross_hessian(Y.data(), W1.data(), W2.data(), s, ff::FfnCross::dense, Cd.data());
   CHECK(all_finite(F) && all_finite(J1) && all_finite(J2) && all_finite(JYd) && all_finite(Cd), ctx);
+  // The working memory, from the graph wired for its shapes only: for dF/dY a tangent per thread,
+  // at most one per input feature.
+  const index_t forward = ff::ffn_working_memory<T>(s, std::nullopt, 1);
+  CHECK((d < 2 || ff::ffn_working_memory<T>(s, Kind::Y_blocks, 2) > ff::ffn_working_memory<T>(s, Kind::Y_blocks, 1)) &&
+            ff::ffn_working_memory<T>(s, Kind::W_1, 1) > forward &&
+            ff::ffn_cross_working_memory<T>(s, ff::FfnCross::dense, 1) > forward,
+        ctx + " working memory");
 
   bool kron_ok = true, y_ok = true, cross_ok = true, w2_ok = true;
   for (index_t t = 0; t < L; ++t)

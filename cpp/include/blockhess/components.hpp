@@ -12,6 +12,8 @@
 // modules compile them once (cpp/compiled/components.cpp, BLOCKHESS_COMPILED elsewhere).
 #pragma once
 
+#include <optional>
+
 #include "blockhess/config.hpp"
 
 namespace blockhess::components {
@@ -69,6 +71,17 @@ template <class T>
 void ffn_jacobian(const T* Y, const T* W_1, const T* W_2, const FfnDims& s, FfnJacobian kind, T* out);
 template <class T>
 void ffn_cross_hessian(const T* Y, const T* W_1, const T* W_2, const FfnDims& s, FfnCross kind, T* out);
+
+// What each function allocates besides its result, in elements, for the memory budget: the
+// engine's estimate (engine/working_memory.hpp) on the sublayer's graph wired for its shapes only,
+// plus what the function adds to it. No wrt / kind: the forward pass. T: the graph's scalar (the
+// count does not depend on it).
+template <class T>
+index_t attention_working_memory(const AttentionDims& s, std::optional<AttentionWrt> wrt, index_t threads);
+template <class T>
+index_t ffn_working_memory(const FfnDims& s, std::optional<FfnJacobian> kind, index_t threads);
+template <class T>
+index_t ffn_cross_working_memory(const FfnDims& s, FfnCross kind, index_t threads);
 
 }  // namespace blockhess::components
 

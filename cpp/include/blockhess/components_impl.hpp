@@ -18,15 +18,16 @@
 #include "blockhess/engine/nodes/attention.hpp"
 #include "blockhess/engine/nodes/linear.hpp"
 #include "blockhess/engine/nodes/pointwise.hpp"
+#include "blockhess/engine/working_memory.hpp"
 #include "blockhess/finite.hpp"
 #include "blockhess/parallel.hpp"
 
 namespace blockhess::components {
 namespace detail {
 
-// A sublayer's graph after its forward pass: its input value, (FFN) its hidden units relu(Y W_1),
-// (attention) its node. The parameters are the graph's 0, 1 (and 2), in the order of the function's
-// arguments.
+// A sublayer's graph after its forward pass (or, with no input values, wired for its shapes only:
+// engine/working_memory.hpp): its input value, (FFN) its hidden units relu(Y W_1), (attention) its
+// node. The parameters are the graph's 0, 1 (and 2), in the order of the function's arguments.
 template <class T>
 struct Wired {
   Wired(const T* input_values, index_t L, index_t width)
@@ -73,7 +74,7 @@ Wired<T> attention(const T* X, const T* W_Q, const T* W_K, const T* W_V, const A
   auto node = std::make_unique<engine::AttentionNode<T>>();
   w.attention = node.get();
   g.set_output(g.add(std::move(node), {w.input}, {wq, wk, wv}, s.dv));
-  g.forward();
+  if (X) g.forward();
   return w;
 }
 
@@ -89,7 +90,7 @@ Wired<T> ffn(const T* Y, const T* W_1, const T* W_2, const FfnDims& s) {
   const int H = g.add(std::make_unique<engine::LinearNode<T>>("the FFN pre-activations Y W_1"), {w.input}, {w1}, s.f);
   w.hidden = g.add(std::make_unique<engine::PointwiseNode<T>>(activation::Kind::relu), {H}, {}, s.f);
   g.set_output(g.add(std::make_unique<engine::LinearNode<T>>("the FFN output relu(Y W_1) W_2"), {w.hidden}, {w2}, s.e));
-  g.forward();
+  if (Y) g.forward();
   return w;
 }
 
@@ -135,7 +136,49 @@ void factor_diagonal(const engine::Factor<T>& f, index_t t, index_t n, T* out) {
   }
 }
 
+// The engine's working-memory estimate of `call` on a sublayer's graph with parameter `p` (if any)
+// selected.
+template <class T>
+index_t estimate(const Wired<T>& w, engine::Call call, int p, index_t columns, index_t threads) {
+  std::vector<bool> selected(static_cast<size_t>(w.graph->num_params()), false);
+  if (p >= 0) selected[static_cast<size_t>(p)] = true;
+  return engine::WorkingMemory<T>(*w.graph, nullptr, selected, threads).of(call, engine::Part::functional, columns);
+}
+
 }  // namespace detail
+
+template <class T>
+index_t attention_working_memory(const AttentionDims& s, std::optional<AttentionWrt> wrt, index_t threads) {
+  const auto w = detail::attention<T>(nullptr, nullptr, nullptr, nullptr, s);
+  if (!wrt) return detail::estimate(w, engine::Call::forward, -1, 1, threads);
+  if (*wrt == AttentionWrt::X)  // the node's closed form (input_jacobian)
+    return detail::estimate(w, engine::Call::forward, -1, 1, threads) + w.attention->input_jacobian_footprint(*w.graph);
+  return detail::estimate(w, engine::Call::jacobian, static_cast<int>(*wrt), 1, threads);
+}
+
+template <class T>
+index_t ffn_working_memory(const FfnDims& s, std::optional<FfnJacobian> kind, index_t threads) {
+  const auto w = detail::ffn<T>(nullptr, nullptr, nullptr, s);
+  if (!kind || *kind == FfnJacobian::W_2_factor) return detail::estimate(w, engine::Call::forward, -1, 1, threads);
+  switch (*kind) {
+    case FfnJacobian::Y:  // and the diagonal blocks it spreads out (ffn_input_blocks)
+      return detail::estimate(w, engine::Call::input_tangents, -1, s.d, threads) + s.L * s.e * s.d;
+    case FfnJacobian::Y_blocks:
+      return detail::estimate(w, engine::Call::input_tangents, -1, s.d, threads);
+    case FfnJacobian::W_2:
+      return detail::estimate(w, engine::Call::jacobian, detail::kW2, 1, threads);
+    default:  // W_1 and its factors: W_1's tangent factors pushed to the output
+      return detail::estimate(w, engine::Call::jacobian, detail::kW1, 1, threads);
+  }
+}
+
+template <class T>
+index_t ffn_cross_working_memory(const FfnDims& s, FfnCross kind, index_t threads) {
+  const auto w = detail::ffn<T>(nullptr, nullptr, nullptr, s);
+  // W_1's factors, a relu' mask per thread, and for the dense layout the values it spreads out.
+  return detail::estimate(w, engine::Call::jacobian, detail::kW1, 1, threads) + threads * s.f +
+         (kind == FfnCross::dense ? s.L * s.d * s.f : 0);
+}
 
 template <class T>
 void attention_forward(const T* X, const T* W_Q, const T* W_K, const T* W_V, const AttentionDims& s, T* F) {

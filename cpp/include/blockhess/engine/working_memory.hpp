@@ -26,6 +26,8 @@ enum class Call : int {
   products = 3,        // Hessian-vector products of `columns` columns (LossOperator)
   jacobian = 4,        // dZ/dW for the selected parameter (derivatives.hpp), no head
   output_hessian = 5,  // d2Z / dW_i dW_j for the selected pair (derivatives.hpp), no head
+  forward = 6,         // the forward pass and what it keeps
+  input_tangents = 7,  // `columns` forward tangents of the graph's input (derivatives.hpp), no head
 };
 
 template <class T>
@@ -49,6 +51,10 @@ class WorkingMemory {
         return factored(Part::functional, false);
       case Call::output_hessian:  // and the (P, P) target it assembles each output entry's Hessian into
         return factored(Part::functional, false) + selected_size() * selected_size();
+      case Call::forward:
+        return kept(false);
+      case Call::input_tangents:
+        return input_tangents(columns);
     }
     return 0;
   }
@@ -89,6 +95,15 @@ class WorkingMemory {
   // The operator (its caches), and a product in flight per thread, at most one per column.
   index_t products(index_t columns) const {
     return kept(false) + per_product() * std::max<index_t>(1, std::min(columns, threads_));
+  }
+
+  // input_tangents (derivatives.hpp): a tangent in flight per thread, at most one per column, each
+  // every value's tangent (the input's the seed) and the nodes' scratch.
+  index_t input_tangents(index_t columns) const {
+    index_t one = 0;
+    for (int v = 0; v < g_.num_values(); ++v) one += g_.tokens() * g_.width(v);
+    for (const auto& node : g_.nodes()) one += node->footprint(g_).tangent;
+    return kept(false) + one * std::max<index_t>(1, std::min(columns, threads_));
   }
 
   // Products::unit_columns (loss.hpp), where the factors do not reach: a unit vector and its

@@ -262,6 +262,8 @@ class AttentionNode final : public Node<T> {
   //                     + [u = t] s sum_r A_i[t,r] (V_i[r,a] - F_i[t,a]) Kt[r,e].
   // Each row is written once and noted into `finite` while in cache. The forward tangents give the
   // same columns at L d times the cost.
+  // input_jacobian's working memory beside the graph's: Q W_K^T and K W_Q^T of one sample.
+  index_t input_jacobian_footprint(const Graph<T>& g) const { return 2 * g.tokens_per_sample() * g.width(x()); }
   void input_jacobian(const Graph<T>& g, index_t b, T* J, FiniteRecord* finite = nullptr) const {
     const index_t L = g.tokens_per_sample(), d = g.width(x()), cols = L * d;
     const T* WV = g.weight(wv());
