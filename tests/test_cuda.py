@@ -414,7 +414,8 @@ def test_block_gpu_matches_cpu(cp, rng, B, L, d, dk, dff, loss):
 @pytest.mark.parametrize("loss", ["mse", "cross_entropy", "pooled_cross_entropy"])
 def test_family_loss_hessian_gpu_matches_cpu(cp, rng, name, loss):
     """Every block of the family x loss x part x batch: the engine's assembly on the GPU against the
-    CPU core (float64 <= 1e-12; exactly symmetric), a wrt subset, and float32 (close)."""
+    CPU core (float64 <= 1e-12; exactly symmetric), a wrt subset, and float32 (close); the forward
+    pass, loss, gradient and a Jacobian (the engine on host copies) equal the CPU's, on the device."""
     spec = FAMILY[name]
     for B in (None, 3):
         X, target, params = family_case(rng, spec, B, "mse" if loss == "mse" else "cross_entropy")
@@ -434,6 +435,16 @@ def test_family_loss_hessian_gpu_matches_cpu(cp, rng, name, loss):
         want = blockhess.loss_hessian(X, target, params, loss=loss, layout="blocks", wrt=wrt, head=head)
         for key in want:
             _compare(blocks[key], want[key], np.float64)
+        Z = blockhess.block_forward(Xd, dparams)
+        assert _backend.is_device_array(Z)
+        _compare(Z, blockhess.block_forward(X, params), np.float64)
+        _compare(blockhess.loss_gradient(Xd, Td, dparams, loss=loss, head=dhead),
+                 blockhess.loss_gradient(X, target, params, loss=loss, head=head), np.float64)
+        assert blockhess.loss_value(Xd, Td, dparams, loss=loss, head=dhead) == \
+            blockhess.loss_value(X, target, params, loss=loss, head=head)
+        X1 = X if B is None else X[0]
+        _compare(blockhess.block_jacobian(cp.asarray(X1), dparams, params.names[-1]),
+                 blockhess.block_jacobian(X1, params, params.names[-1]), np.float64)
     p32 = blockhess.BlockParams.from_arrays(spec, {n: cp.asarray(a.astype(np.float32)) for n, a in zip(params.names, params.arrays)})
     h32 = None if head is None else tuple(cp.asarray(h.astype(np.float32)) for h in head)
     T32 = cp.asarray(target.astype(np.float32) if loss == "mse" else target)

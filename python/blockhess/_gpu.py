@@ -4,12 +4,12 @@ The public functions validate and normalise their inputs (float32/float64, C-con
 dtype, all on the GPU), then call the function of the same name here. Each one runs on the device
 of its first array argument and on CuPy's current stream, and allocates its outputs with CuPy.
 
-The block's Hessians (loss_hessian, block_output_hessian) are the engine's, for every block of the
-family: its per-token work runs on the host from copies of the (small) inputs and the (P, P)
-assembly on the GPU (_cuda's bindings, cuda/'s DeviceHessian). The component functions and the
-block's forward, Jacobians, loss and gradient are still written here, over CuPy, for the paper's
-block: per-token, structured steps go to the blockhess kernels (through :mod:`blockhess._gpu_launch`),
-dense matrix products to cuBLAS through CuPy. Nothing here synchronises, except the few checks that
+The block's and its family's results are the engine's: its Hessians (loss_hessian,
+block_output_hessian) run their per-token work on the host from copies of the (small) inputs and the
+(P, P) assembly on the GPU (_cuda's bindings, cuda/'s DeviceHessian); its forward pass, Jacobians,
+loss and gradient run on the host from copies and are copied back (on_host). The component
+functions are written here over CuPy: per-token, structured steps go to the blockhess kernels
+(through :mod:`blockhess._gpu_launch`), dense matrix products to cuBLAS through CuPy. Nothing here synchronises, except the few checks that
 must raise in Python: the zero-variance test of LayerNorm rows (one reduction), the class-index
 range (done by the caller) and the Hessians' finiteness.
 
@@ -308,155 +308,21 @@ def ffn_cross_hessian(Y: Any, W_1: Any, W_2: Any, layout: str) -> Any:
     return out
 
 
-# ---- the Transformer block ----------------------------------------------------------------------
+# ---- the block and models: the engine ------------------------------------------------------------
+#
+# Every block of the family: the engine's forward pass, Jacobians, loss and gradient run on the host
+# from copies of the inputs, and their result is copied to X's device; the Hessians assemble on the
+# device (block_output_hessian, loss_hessian).
 
 
-
-def _ln_vjp(y: Any, sigma: Any, g: Any) -> Any:
-    """J^T g for LayerNorm rows without affine: (g - mean(g) - y (y.g)/d) / sigma (engine/nodes/layernorm.hpp)."""
-    d = y.shape[1]
-    mean = g.sum(axis=1, keepdims=True) / d
-    yg = (y * g).sum(axis=1, keepdims=True) / d
-    return (g - mean - y * yg) / sigma[:, None]
-
-
-class _Block:
-    """Forward caches and per-token factors of the block for a batch X3 (B, L, d): the GPU twin of
-    engine/loss.hpp (the same per-node decomposition and per-token factors)."""
-
-    def __init__(self, X3: Any, weights: tuple[Any, ...], eps: float) -> None:
-        self.xp = _xp(X3)
-        _same_device(X3, *weights)
-        self.weights = weights
-        self.eps = float(eps)
-        WQ, WK, WV, W1, W2 = weights
-        B, L, d = X3.shape
-        dk, dff = WQ.shape[1], W1.shape[1]
-        self.B, self.L, self.d, self.dk, self.dff, self.n = B, L, d, dk, dff, B * L
-        self.dtype = X3.dtype
-        n = self.n
-        self.s = 1.0 / math.sqrt(dk)
-        self.X3 = X3
-        self.X = X = X3.reshape(n, d)
-        self.Q, self.K, self.V = X @ WQ, X @ WK, X @ WV
-        logits = self.s * (self.Q.reshape(B, L, dk) @ self.K.reshape(B, L, dk).transpose(0, 2, 1))
-        self.A = _softmax_rows(_c(logits.reshape(n, L)))  # (n, L): row t is a_t
-        self.A3 = self.A.reshape(B, L, L)
-        self.F = (self.A3 @ self.V.reshape(B, L, d)).reshape(n, d)
-        self.S0 = _c(X + self.F)
-        self.Y, self.sigma1 = self._layernorm(self.S0)
-        self.H1 = self.Y @ W1
-        self.mask = (self.H1 > 0).astype(self.dtype)
-        self.R = self.H1 * self.mask
-        self.S = _c(self.R @ W2 + self.Y)
-        self.Z, self.sigma2 = self._layernorm(self.S)
-        self.splits = ((d, dk, True), (d, dk, False), (d, d, True), (d, dff, True), (dff, d, True))
-        self._factors: tuple | None = None
-
-    def _layernorm(self, S: Any):
-        y = self.xp.empty_like(S)
-        sigma = self.xp.empty(S.shape[0], dtype=self.dtype)
-        _k.ln_forward(S, self.eps, None, None, y, sigma)
-        _check_sigma(sigma)
-        return y, sigma
-
-    def _ln_jacobian(self, S: Any) -> Any:
-        J = self.xp.empty((self.n, self.d, self.d), dtype=self.dtype)
-        _k.ln_slab(S, self.eps, None, 0, J, None)
-        return J
-
-    # -- losses and the reverse pass --
-
-    def loss(self, kind: int, values: Any, classes: Any):
-        """(value, gZ (n, d))."""
-        xp, n, d = self.xp, self.n, self.d
-        if kind == 0:
-            c = 1.0 / (n * d)
-            r = self.Z - values.reshape(n, d)
-            return c * (r * r).sum(), _c((2 * c) * r)
-        c = 1.0 / n
-        p = _softmax_rows(self.Z)
-        onehot = xp.zeros_like(p)
-        onehot[xp.arange(n), classes.reshape(n)] = 1
-        # log-sum-exp minus the class's logit: -log p[class] is -log 0 = Inf once p[class] underflows.
-        top = self.Z.max(axis=1)
-        gap = top - (self.Z * onehot).sum(axis=1)
-        value = c * (gap + xp.log(xp.exp(self.Z - top[:, None]).sum(axis=1))).sum()
-        return value, _c(c * (p - onehot))
-
-    def reverse(self, gZ: Any) -> dict[str, Any]:
-        W1, W2 = self.weights[3], self.weights[4]
-        B, L, d, n = self.B, self.L, self.d, self.n
-        r: dict[str, Any] = {}
-        r["gS"] = gS = _ln_vjp(self.Z, self.sigma2, gZ)
-        r["gH1"] = gH1 = (gS @ W2.T) * self.mask
-        r["gY"] = gY = gH1 @ W1.T + gS
-        r["gF"] = gF = _ln_vjp(self.Y, self.sigma1, gY)
-        r["gA"] = gA = _c((gF.reshape(B, L, d) @ self.V.reshape(B, L, d).transpose(0, 2, 1)).reshape(n, L))
-        gT = self.xp.empty_like(gA)
-        _k.softmax_vjp(self.A, gA, gT)
-        r["gT"] = gT
-        return r
-
-    def weight_gradient(self, r: dict[str, Any]) -> Any:
-        B, L, d, dk = self.B, self.L, self.d, self.dk
-        X3t = self.X3.transpose(0, 2, 1)
-        gT3 = r["gT"].reshape(B, L, L)
-        K3, Q3 = self.K.reshape(B, L, dk), self.Q.reshape(B, L, dk)
-        gQ = self.s * (X3t @ (gT3 @ K3)).sum(axis=0)
-        gK = self.s * (X3t @ (gT3.transpose(0, 2, 1) @ Q3)).sum(axis=0)
-        gV = (X3t @ (self.A3.transpose(0, 2, 1) @ r["gF"].reshape(B, L, d))).sum(axis=0)
-        gW1 = self.Y.T @ r["gH1"]
-        gW2 = self.R.T @ r["gS"]
-        return self.xp.concatenate([g.reshape(-1) for g in (gQ, gK, gV, gW1, gW2)])
-
-    # -- per-token factors (engine/factor.hpp) --
-
-    def factors(self):
-        if self._factors is not None:
-            return self._factors
-        xp = self.xp
-        WQ, WK, WV, W1, W2 = self.weights
-        B, L, d, dk, n = self.B, self.L, self.d, self.dk, self.n
-        A3 = self.A3
-        K3, X3, V3 = self.K.reshape(B, L, dk), self.X3, self.V.reshape(B, L, d)
-        AX = (A3 @ X3).reshape(n, d)
-        vec = (self.X, _c(self.s * self.Q), _c(AX), self.Y, _c(self.R))
-        # Derivatives of F: Mq = s (V^T Jsm K), Mk = V^T Jsm X, I for W_V (Jsm_t = diag(a_t) - a_t a_t^T).
-        Kbar = (A3 @ K3).reshape(n, dk)
-        Mq = self.s * ((A3 @ _outer(V3.reshape(n, d), K3.reshape(n, dk)).reshape(B, L, d * dk)).reshape(n, d, dk)
-                       - _outer(self.F, Kbar))
-        Mk = (A3 @ _outer(V3.reshape(n, d), self.X).reshape(B, L, d * d)).reshape(n, d, d) - _outer(self.F, AX)
-        UF = (_c(Mq), _c(Mk), None)
-        JY = self._ln_jacobian(self.S0)
-        W2m = W2.T[None, :, :] * self.mask[:, None, :]  # (n, d, dff): W_2^T diag(mask_t)
-        JSY = W2m @ W1.T + xp.eye(d, dtype=self.dtype)[None, :, :]
-        UY = (JY @ UF[0], JY @ UF[1], JY)
-        US = (JSY @ UY[0], JSY @ UY[1], JSY @ UY[2], _c(W2m), None)
-        self._factors = (vec, UF, UY, US)
-        return self._factors
-
-
-def _sizes(blk: _Block) -> tuple[int, ...]:
-    d, dk, dff = blk.d, blk.dk, blk.dff
-    return (d * dk, d * dk, d * d, d * dff, dff * d)
-
-
-def block_forward(X3: Any, weights: tuple[Any, ...], eps: float) -> Any:
+def on_host(X3: Any, compute: Any, *arrays: Any) -> Any:
+    """compute(*host copies of arrays): the CPU engine's result, an array returned on X3's device or
+    a Python number as it is."""
+    result = compute(*(_host(a) for a in arrays))
+    if not isinstance(result, np.ndarray):
+        return result
     with _device(X3):
-        return _Block(X3, weights, eps).Z.reshape(X3.shape)
-
-
-def block_jacobian(X3: Any, weights: tuple[Any, ...], eps: float, p: int) -> Any:
-    xp = _xp(X3)
-    with _device(X3):
-        blk = _Block(X3, weights, eps)
-        vec, _, _, US = blk.factors()
-        JZ = blk._ln_jacobian(blk.S)
-        M = JZ if US[p] is None else JZ @ US[p]
-        out = xp.empty((blk.n * blk.d, _sizes(blk)[p]), dtype=blk.dtype)
-        _k.token_kron(vec[p], _c(M), blk.splits[p], 1.0, out)
-    return out
+        return _backend.device_module().asarray(result)
 
 
 def block_output_hessian(X3: Any, spec: tuple, weights: tuple[Any, ...], eps: float, i: int, j: int,
@@ -468,18 +334,6 @@ def block_output_hessian(X3: Any, spec: tuple, weights: tuple[Any, ...], eps: fl
         out = xp.empty(shape, dtype=X3.dtype)
         _k.block_output_hessian(_host(X3), spec, [_host(w) for w in weights], eps, i, j, out)
     return out
-
-
-def loss_value(X3: Any, weights: tuple[Any, ...], eps: float, kind: int, values: Any, classes: Any) -> float:
-    with _device(X3):
-        return float(_Block(X3, weights, eps).loss(kind, values, classes)[0])
-
-
-def loss_gradient(X3: Any, weights: tuple[Any, ...], eps: float, kind: int, values: Any, classes: Any) -> Any:
-    with _device(X3):
-        blk = _Block(X3, weights, eps)
-        _, gZ = blk.loss(kind, values, classes)
-        return blk.weight_gradient(blk.reverse(gZ))
 
 
 def loss_hessian(X3: Any, spec: tuple, weights: tuple[Any, ...], eps: float, kind: int, values: Any, classes: Any,

@@ -275,18 +275,12 @@ def _selected_sizes(params: BlockParams, names: tuple[str, ...]) -> tuple[int, .
     return tuple(params.sizes[params.names.index(n)] for n in names)
 
 
-def _on_gpu(X3: Any, params: BlockParams, head: Any = (None, None)) -> bool:
-    """Whether to run on the GPU, for the functions the engine does not run there yet: the paper's
-    block only, no pooled head (loss_hessian runs every block on the GPU through the engine)."""
-    if not _backend.on_device(X3):
-        return False
-    if not params.spec.is_paper_block:
-        raise TypeError(f"on the GPU this function runs the paper's block only so far, not {params.spec!r}; "
-                        "pass NumPy arrays (cupy.asnumpy) to compute it on the CPU")
-    if head[0] is not None:
-        raise TypeError("on the GPU this function runs without a pooled head so far (loss='pooled_cross_entropy' "
-                        "runs on the CPU); pass NumPy arrays (cupy.asnumpy) to compute it there")
-    return True
+def _engine(X3: Any, compute: Any, *arrays: Any) -> Any:
+    """compute(*arrays): the CPU engine's call; for device arrays on host copies, its result returned
+    on X3's device (_gpu.on_host; the Hessians assemble on the device instead)."""
+    if _backend.on_device(X3):
+        return _gpu.on_host(X3, compute, *arrays)
+    return compute(*arrays)
 
 
 def _working(params: BlockParams, B: int, L: int, itemsize: int, call: str, *, kind: int | None = None,
@@ -465,10 +459,13 @@ def block_forward(X: Any, params: BlockParams, *, eps: float | None = None) -> n
     width = _output_width(params)
     require_output_fits((B, L, width), dtype, "the block output", "pass fewer samples or tokens at a time",
                         working=_working(params, B, L, dtype.itemsize, "gradient"))
-    if _on_gpu(X3, params):
-        return require_finite(_gpu.block_forward(X3, W, eps), "the block output Z").reshape(shape)
-    out = np.empty((B, L, width), dtype=dtype)
-    _core.block_forward(X3, params.spec._core(), list(W), eps, out)  # the core names any forward stage that overflows
+
+    def forward(X3, *W):
+        out = np.empty((B, L, width), dtype=dtype)
+        _core.block_forward(X3, params.spec._core(), list(W), eps, out)  # the core names any stage that overflows
+        return out
+
+    out = _engine(X3, forward, X3, *W)
     return out if _batched(shape, params) else out[0]
 
 
@@ -484,12 +481,13 @@ def block_jacobian(X: Any, params: BlockParams, wrt: str, *, eps: float | None =
     working = _working(params, 1, L, dtype.itemsize, "jacobian", selected=[k == p for k in range(len(params.names))])
     require_output_fits(shape, dtype, f"the block Jacobian with respect to {wrt}", "use loss_gradient or a smaller L",
                         working=working)
-    what = f"the block Jacobian with respect to {wrt}"
-    if _on_gpu(X3, params):
-        return require_finite(_gpu.block_jacobian(X3, W, eps, p), what)
-    out = np.empty(shape, dtype=dtype)
-    _core.block_jacobian(X3, params.spec._core(), list(W), eps, p, out)
-    return require_finite(out, what)
+
+    def jacobian(X3, *W):
+        out = np.empty(shape, dtype=dtype)
+        _core.block_jacobian(X3, params.spec._core(), list(W), eps, p, out)
+        return require_finite(out, f"the block Jacobian with respect to {wrt}")
+
+    return _engine(X3, jacobian, X3, *W)
 
 
 @returns_callers_kind
@@ -547,10 +545,11 @@ def loss_value(X: Any, target: Any, params: BlockParams, *, loss: str = "mse", e
     B, L, d = _sizes(X3, params)
     require_output_fits((1,), dtype, "the loss", "pass fewer samples at a time",
                         working=_working(params, B, L, dtype.itemsize, "gradient", kind=kind, head=head))
-    if _on_gpu(X3, params, head):
-        value = float(_gpu.loss_value(X3, W, eps, kind, values, classes))
-        return float(require_finite(np.asarray(value), "the loss value"))
-    return float(_core.loss_gradient(X3, params.spec._core(), list(W), eps, kind, values, classes, None, *head))
+
+    def value(X3, values, classes, W_C, b_C, *W):
+        return float(_core.loss_gradient(X3, params.spec._core(), list(W), eps, kind, values, classes, None, W_C, b_C))
+
+    return _engine(X3, value, X3, values, classes, *head, *W)
 
 
 @returns_callers_kind
@@ -568,11 +567,13 @@ def loss_gradient(X: Any, target: Any, params: BlockParams, *, loss: str = "mse"
     B, L, d = _sizes(X3, params)
     require_output_fits((params.size,), dtype, "the loss gradient", "pass fewer samples at a time",
                         working=_working(params, B, L, dtype.itemsize, "gradient", kind=kind, head=head))
-    if _on_gpu(X3, params, head):
-        return require_finite(_gpu.loss_gradient(X3, W, eps, kind, values, classes), "the loss gradient")
-    out = np.empty(params.size, dtype=dtype)
-    _core.loss_gradient(X3, params.spec._core(), list(W), eps, kind, values, classes, out, *head)
-    return out
+
+    def gradient(X3, values, classes, W_C, b_C, *W):
+        out = np.empty(params.size, dtype=dtype)
+        _core.loss_gradient(X3, params.spec._core(), list(W), eps, kind, values, classes, out, W_C, b_C)
+        return out
+
+    return _engine(X3, gradient, X3, values, classes, *head, *W)
 
 
 @returns_callers_kind
