@@ -214,9 +214,9 @@ def test_bad_flag_and_sizes_are_refused():
 
 
 def test_the_gpu_path_runs_it_through_the_engine(monkeypatch, rng):
-    """Device arrays (the CuPy stand-in of tests/cupy_emulation.py): the forward pass, gradient and
-    Jacobian are the engine's (on host copies), equal to the CPU's and returned on the device; the
-    operator is a TypeError that says what to do."""
+    """Device arrays (the CuPy stand-in of tests/cupy_emulation.py): the forward pass, gradient,
+    Jacobian, Hessian-vector products and the operator's diagonal are the engine's (on host copies),
+    equal to the CPU's and returned on the device."""
     import cupy_emulation
 
     cupy_emulation.install(monkeypatch)
@@ -229,8 +229,15 @@ def test_the_gpu_path_runs_it_through_the_engine(monkeypatch, rng):
                       (blockhess.block_jacobian(Xd, on_device, "W_Q"), blockhess.block_jacobian(X, params, "W_Q"))):
         assert isinstance(got, cupy_emulation.DevArray)
         np.testing.assert_array_equal(np.asarray(got), want)
-    with pytest.raises(TypeError, match="CPU only"):
-        blockhess.hessian_operator(Xd, Td, on_device)
+    op, op_host = blockhess.hessian_operator(Xd, Td, on_device), blockhess.hessian_operator(X, target, params)
+    v = rng.standard_normal(op.shape[0])
+    for got, want in ((op @ cupy_emulation.to_device(v), op_host @ v), (op.diagonal(), op_host.diagonal()),
+                      (blockhess.loss_hvp(Xd, Td, on_device, cupy_emulation.to_device(v)),
+                       blockhess.loss_hvp(X, target, params, v))):
+        assert isinstance(got, cupy_emulation.DevArray)
+        np.testing.assert_array_equal(np.asarray(got), want)
+    with pytest.raises(TypeError, match="same side as X"):
+        blockhess.loss_hvp(Xd, Td, on_device, v)
 
 
 def test_blockhess_check_attention_only(capsys):

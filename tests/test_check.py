@@ -159,18 +159,22 @@ def test_cuda_device_without_a_gpu_is_a_clear_error():
 
 
 @kernel_emulation.needs_emulator
-@pytest.mark.parametrize("loss", ["mse", "cross_entropy"])
-def test_check_on_the_emulated_gpu(monkeypatch, tmp_path, emulated_gpu, loss):
-    """--device cuda end to end, the kernels emulated on the CPU (tests/kernel_emulation.py)."""
+@pytest.mark.parametrize("loss,block", [("mse", []), ("cross_entropy", []),
+                                        ("pooled_cross_entropy", ["--norm-position", "pre", "--norm", "rmsnorm",
+                                                                  "--affine", "--heads", "2", "--activation", "gelu"])])
+def test_check_on_the_emulated_gpu(monkeypatch, tmp_path, emulated_gpu, loss, block):
+    """--device cuda end to end for the paper's block and one of the family with the pooled head, the
+    kernels emulated on the CPU (tests/kernel_emulation.py)."""
     import cupy_emulation
 
     cupy, kernels = emulated_gpu
     cupy_emulation.install_as_module(monkeypatch, cupy)
     out = tmp_path / "report.json"
-    assert check.main([*SMALL, "--device", "cuda", "--batch", "2", "--loss", loss, "--json", str(out)]) == 0
+    argv = [*SMALL, "--device", "cuda", "--batch", "2", "--loss", loss, *block, "--json", str(out)]
+    assert check.main(argv) == 0
     report = json.loads(out.read_text())
     assert report["ok"] and report["config"]["device"] == "cuda"
-    assert report["rel_error"] <= 1e-10 and report["max_asymmetry"] == 0.0
+    assert report["rel_error"] <= 1e-10 and report["max_asymmetry"] == 0.0 and report["hvp_ok"]
     assert "loss_hessian" in kernels.calls  # the engine, with its GPU assembly target
 
 
@@ -303,8 +307,6 @@ def _usage_error(argv, capsys) -> str:
     (["--d", "4", "--heads", "3"], "the block options do not fit the sizes"),
     (["--activation", "tanh"], "argument --activation: invalid choice"),
     (["--norm-position", "middle"], "argument --norm-position: invalid choice"),
-    (["--bias", "--device", "cuda"], "--device cuda runs the paper's block"),
-    (["--loss", "pooled_cross_entropy", "--device", "cuda"], "--device cuda runs the paper's block"),
 ])
 def test_bad_options_are_one_line_errors_before_any_computation(argv, expected, capsys, no_computation):
     line = _usage_error(argv, capsys)

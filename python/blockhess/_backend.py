@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
+
+import numpy as np
 
 from . import _core
 
@@ -65,3 +68,14 @@ def on_device(*arrays: Any) -> bool:
     if device:
         require_gpu()
     return device
+
+
+def to_host(a: Any) -> Any:
+    """A host (NumPy) copy of a device array; a host array, or None, as it is."""
+    return a if a is None or isinstance(a, np.ndarray) else a.get()
+
+
+def to_device_of(x: Any, result: np.ndarray) -> Any:
+    """``result``, a host array the engine computed from host copies, copied to the device of x."""
+    with contextlib.nullcontext() if isinstance(x, np.ndarray) else x.device:
+        return device_module().asarray(result)

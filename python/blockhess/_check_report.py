@@ -93,7 +93,7 @@ def format_report(r: Report) -> str:
 
 def _format_hvp(r: Report) -> str:
     if r.time_hvp_s is None:
-        return "matrix-free H v: not checked (hessian_operator runs on the CPU only)"
+        return "matrix-free H v: not checked"
     error = "n/a (zero H)" if r.hvp_rel_error is None else f"{r.hvp_rel_error:.1e}"
     flag = "" if r.hvp_ok else "  <-- above tolerance"
     return (f"matrix-free H v (hessian_operator, {HVP_VECTORS} vectors): relative error {error} against the dense H, "

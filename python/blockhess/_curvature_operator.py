@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _backend
 from ._config import get_memory_budget
 from ._interop import is_torch_tensor, to_torch
 from ._validate import boolean, choice, float_array, integer, positive_int, require_output_fits
@@ -28,6 +29,7 @@ class CurvatureOperator:
     _sizes: tuple[int, ...]
     _diagonal: np.ndarray | None = None
     _from_torch: bool = False
+    _device: Any = None  # built from GPU arrays: one of them (results without a vector go to its device)
 
     def _product(self, V: Any) -> np.ndarray:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -40,15 +42,23 @@ class CurvatureOperator:
         return 0
 
     def _callers_kind(self, result: Any) -> Any:
+        """A result without a vector argument (the diagonal, eigsh's) on the side of the operator's
+        inputs: on their device for GPU inputs, torch tensors for tensors."""
+        if self._device is not None:
+            on_device = lambda a: _backend.to_device_of(self._device, a) if isinstance(a, np.ndarray) else a  # noqa: E731
+            result = tuple(map(on_device, result)) if isinstance(result, tuple) else on_device(result)
         return to_torch(result) if self._from_torch else result
 
-    def _apply(self, V: Any, ndim: int) -> np.ndarray:
+    def _apply(self, V: Any, ndim: int) -> Any:
+        """H V for a vector or matrix V, on V's side: a GPU V gets the product on its device (the
+        engine computes it from a host copy)."""
         V = float_array(V, "V" if ndim == 2 else "v", ndim=ndim)
         columns = V.shape[1] if V.ndim == 2 else 1
         P = self.shape[0]
         require_output_fits((P, columns), self.dtype, f"the product H V over {', '.join(self.names)} (P = {P})",
                             "multiply fewer vectors at a time", working=self._product_working(columns))
-        return self._product(V)
+        product = self._product(_backend.to_host(V))
+        return _backend.to_device_of(V, product) if _backend.is_device_array(V) else product
 
     def matvec(self, v: Any) -> Any:
         """H v for v of shape (P,)."""

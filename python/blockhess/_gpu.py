@@ -47,11 +47,6 @@ def _same_device(*arrays: Any) -> None:
         raise ValueError(f"inputs live on different GPUs (devices {sorted(ids)}); move them to one device first")
 
 
-def _host(a: Any) -> Any:
-    """A host (NumPy) copy of a device array for the engine's host-side work (None stays None)."""
-    return a if a is None or isinstance(a, np.ndarray) else a.get()
-
-
 def _c(a: Any) -> Any:
     return _xp(a).ascontiguousarray(a)
 
@@ -318,11 +313,8 @@ def ffn_cross_hessian(Y: Any, W_1: Any, W_2: Any, layout: str) -> Any:
 def on_host(X3: Any, compute: Any, *arrays: Any) -> Any:
     """compute(*host copies of arrays): the CPU engine's result, an array returned on X3's device or
     a Python number as it is."""
-    result = compute(*(_host(a) for a in arrays))
-    if not isinstance(result, np.ndarray):
-        return result
-    with _device(X3):
-        return _backend.device_module().asarray(result)
+    result = compute(*(_backend.to_host(a) for a in arrays))
+    return _backend.to_device_of(X3, result) if isinstance(result, np.ndarray) else result
 
 
 def block_output_hessian(X3: Any, spec: tuple, weights: tuple[Any, ...], eps: float, i: int, j: int,
@@ -332,7 +324,8 @@ def block_output_hessian(X3: Any, spec: tuple, weights: tuple[Any, ...], eps: fl
     xp = _xp(X3)
     with _device(X3):
         out = xp.empty(shape, dtype=X3.dtype)
-        _k.block_output_hessian(_host(X3), spec, [_host(w) for w in weights], eps, i, j, out)
+        host = _backend.to_host
+        _k.block_output_hessian(host(X3), spec, [host(w) for w in weights], eps, i, j, out)
     return out
 
 
@@ -345,6 +338,7 @@ def loss_hessian(X3: Any, spec: tuple, weights: tuple[Any, ...], eps: float, kin
     xp = _xp(X3)
     with _device(X3):
         H = xp.empty((P, P), dtype=X3.dtype) if out is None else out
-        _k.loss_hessian(_host(X3), spec, [_host(w) for w in weights], eps, kind, _host(values), _host(classes), part,
-                        selected, H, tuple(_host(h) for h in head))
+        host = _backend.to_host
+        _k.loss_hessian(host(X3), spec, [host(w) for w in weights], eps, kind, host(values), host(classes), part,
+                        selected, H, tuple(host(h) for h in head))
     return H

@@ -31,8 +31,8 @@ class HessianOperator(CurvatureOperator):
     passes are computed once, so each product costs only the product.
 
     ``op @ v``, ``op.matvec(v)`` for v of shape (P,), ``op.matmat(V)`` for V of shape (P, k). Vectors
-    are converted to the operator's dtype; results are NumPy arrays, or torch tensors for torch
-    inputs. ``op.to_scipy()`` gives a ``scipy.sparse.linalg.LinearOperator`` (for ``eigsh``, ``cg``).
+    are converted to the operator's dtype; results are NumPy arrays, torch tensors for torch
+    inputs, and on the device for GPU vectors (the engine computes them from host copies). ``op.to_scipy()`` gives a ``scipy.sparse.linalg.LinearOperator`` (for ``eigsh``, ``cg``).
 
     Curvature without a dense matrix: :meth:`diagonal`, :meth:`trace` (whole or per parameter) exact
     from the per-token factors (or, for a model's lower layers, from one product per parameter), or
@@ -44,7 +44,7 @@ class HessianOperator(CurvatureOperator):
     weights and the head as they were when it was built, whatever the caller changes later.
     """
 
-    def __init__(self, core_operator: Any, problem: _Problem, from_torch: bool = False) -> None:
+    def __init__(self, core_operator: Any, problem: _Problem, from_torch: bool = False, device: Any = None) -> None:
         self._op = core_operator
         self._problem = problem
         self.dtype = problem.dtype
@@ -54,6 +54,7 @@ class HessianOperator(CurvatureOperator):
         self.shape = (problem.P, problem.P)
         self._sizes = _selected_sizes(problem.params, problem.names)  # of the parameters in names
         self._from_torch = from_torch
+        self._device = device
         self._diagonal = None
 
     def _compute_diagonal(self) -> np.ndarray:
@@ -91,9 +92,6 @@ class HessianOperator(CurvatureOperator):
 
 def _vectors(V: np.ndarray, P: int, names: tuple[str, ...], dtype: np.dtype) -> np.ndarray:
     """V (checked by float_array) as the C-contiguous (P,) or (P, k) array of dtype a product takes."""
-    if _backend.is_device_array(V):
-        raise TypeError("Hessian-vector products run on the CPU; pass vectors as NumPy arrays "
-                        "(or CPU torch tensors), e.g. cupy.asnumpy(v)")
     if V.shape[0] != P:
         what = "V" if V.ndim == 2 else "v"
         raise ValueError(f"{what} must have {P} rows (the parameters in wrt={names}), got shape {tuple(V.shape)}")
@@ -117,7 +115,7 @@ def hessian_operator(
     problem = _kept(_problem(X, target, params, loss, part, eps, wrt, columns=1, head=head))
     core_class = _core.HessianOperator64 if problem.dtype == np.float64 else _core.HessianOperator32
     return HessianOperator(core_class(*problem.core_args, *problem.head), problem,
-                           from_torch=holds_torch(X, target, params, head))
+                           from_torch=holds_torch(X, target, params, head), device=problem.device)
 
 
 class _Problem(NamedTuple):
@@ -132,8 +130,9 @@ class _Problem(NamedTuple):
     names: tuple[str, ...]
     selected: list[bool]
     P: int
-    core_args: tuple  # X, spec, weights, eps, kind, values, classes, part, selection
+    core_args: tuple  # X, spec, weights, eps, kind, values, classes, part, selection (host arrays)
     head: tuple
+    device: Any  # for GPU inputs, X as given (its device gets the results), else None
 
 
 def _problem(X, target, params, loss, part, eps, wrt, columns, promote_with=(), head=None) -> _Problem:
@@ -142,11 +141,12 @@ def _problem(X, target, params, loss, part, eps, wrt, columns, promote_with=(), 
     loss = loss_names()[kind]  # the name _loss_inputs validated
     part = choice(part, "part", tuple(_PARTS))
     names, selected, P = _selection(params, wrt)
-    if _backend.on_device(X3):
-        raise TypeError("hessian_operator and loss_hvp run on the CPU only so far; pass NumPy arrays "
-                        "(cupy.asnumpy) or use loss_hessian on the GPU")
-    core_args = (X3, params.spec._core(), list(W), eps, kind, values, classes, _PARTS[part], selected)
-    problem = _Problem(params, X3, dtype, kind, loss, part, names, selected, P, core_args, tuple(head))
+    # GPU arrays: the engine runs on host copies (the products' results go back to the device).
+    device = X3 if _backend.on_device(X3) else None
+    X3, values, classes = (_backend.to_host(a) for a in (X3, values, classes))
+    W, head = [_backend.to_host(w) for w in W], tuple(_backend.to_host(h) for h in head)
+    core_args = (X3, params.spec._core(), W, eps, kind, values, classes, _PARTS[part], selected)
+    problem = _Problem(params, X3, dtype, kind, loss, part, names, selected, P, core_args, head, device)
     require_output_fits((P, columns), dtype, f"the Hessian-vector products over {', '.join(names)} (P = {P})",
                         "pass fewer samples or tokens at a time, or fewer vectors",
                         working=_products_working(problem, columns))
@@ -189,13 +189,16 @@ def loss_hvp(
 ) -> np.ndarray:
     """H @ V, exact and matrix-free: the loss Hessian (``part`` "full", "outer" or "functional")
     over the parameters in ``wrt`` times V of shape (P,) or (P, k), rows ordered like
-    ``params.flatten()`` restricted to ``wrt``. V takes part in the dtype promotion. For many
-    products at the same point, build :func:`hessian_operator` once."""
+    ``params.flatten()`` restricted to ``wrt``. V takes part in the dtype promotion and lives on
+    X's side (GPU arrays: computed from host copies, the result on X's device). For many products
+    at the same point, build :func:`hessian_operator` once."""
     V_array = float_array(V, "V", ndim=(1, 2))
     columns = V_array.shape[1] if V_array.ndim == 2 else 1
     problem = _problem(X, target, params, loss, part, eps, wrt, columns, promote_with=(V_array,), head=head)
-    V_array = _vectors(V_array, problem.P, problem.names, problem.dtype)
+    if (problem.device is None) != (not _backend.is_device_array(V_array)):
+        raise TypeError("V must be on the same side as X: both NumPy (or CPU tensors) or both on the GPU")
+    V_array = _vectors(_backend.to_host(V_array), problem.P, problem.names, problem.dtype)
     out = np.empty(V_array.shape, dtype=problem.dtype)
     # One call, the weights read in place (no operator kept, nothing copied that need not be).
     _core.loss_hvp(*problem.core_args, V_array, out, *problem.head)
-    return out
+    return out if problem.device is None else _backend.to_device_of(problem.device, out)
