@@ -7,10 +7,12 @@
 
 #include "binding.hpp"
 #include "block_problem.hpp"
+#include "blockhess/buffer.hpp"
 #include "blockhess/block_model.hpp"
 #include "blockhess/engine/derivatives.hpp"
 #include "blockhess/engine/loss.hpp"
 #include "blockhess/cuda/device_hessian.hpp"
+#include "blockhess/cuda/runtime.hpp"
 #include "non_finite_error.hpp"
 
 namespace blockhess::bind {
@@ -34,8 +36,19 @@ void bind_for(py::module_& m, const char* suffix) {
         if (out == 0) throw std::invalid_argument("blockhess._cuda: out is null");
         py::gil_scoped_release release;
         auto e = c.problem.evaluate(eps);
-        cuda::DeviceHessian<T> H{reinterpret_cast<T*>(out), c.P, stream};
-        return engine::loss_hessian_into(e.graph(), *heads::make(c.target), c.part, c.wrt, H);
+        try {
+          cuda::DeviceHessian<T> H{reinterpret_cast<T*>(out), c.P, stream};
+          return engine::loss_hessian_into(e.graph(), *heads::make(c.target), c.part, c.wrt, H);
+        } catch (const engine::FactorsDoNotReach&) {
+          // A parameter below the last block's attention: the host engine's exact products
+          // (engine/loss.hpp's loss_hessian, docs/derivation.md §5.4), the result uploaded after
+          // whatever the device assembly queued on the stream.
+          RawBuffer<T> host(static_cast<size_t>(c.P * c.P));
+          const T value = c.problem.evaluate(eps).loss_hessian(c.target, c.part, c.wrt, host.data());
+          cuda::copy_to_device(reinterpret_cast<void*>(out), host.data(), sizeof(T) * static_cast<size_t>(c.P * c.P),
+                               stream);
+          return value;
+        }
       },
       py::arg("X").noconvert(), py::arg("spec"), py::arg("weights"), py::arg("eps"), py::arg("kind"),
       py::arg("values").noconvert().none(true), py::arg("classes").noconvert().none(true), py::arg("part"),

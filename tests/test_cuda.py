@@ -452,6 +452,22 @@ def test_family_loss_hessian_gpu_matches_cpu(cp, rng, name, loss):
              blockhess.loss_hessian(X, target, params, loss=loss, head=head), np.float32)
 
 
+def test_a_stacks_whole_hessian_gpu_matches_cpu(cp, rng):
+    """A 2-layer stack: the last layer's block assembles on the GPU; with the lower layer in the
+    selection (the per-token factors do not reach it) the host engine's exact products fill H,
+    uploaded into the device result. Both against the CPU core, and the lower layer's Jacobian."""
+    spec = blockhess.ModelSpec(FAMILY["pre-everything-heads2"], n_layers=2, final_norm=True)
+    params = blockhess.BlockParams.random(spec, d=4, d_k=2, d_ff=5, seed=1)
+    X, T = rng.standard_normal((2, 3, 4)), rng.standard_normal((2, 3, 4))
+    dparams = blockhess.BlockParams.from_arrays(spec, {n: cp.asarray(a) for n, a in zip(params.names, params.arrays)})
+    for wrt in (("h.1", "ln_f"), None):
+        H = blockhess.loss_hessian(cp.asarray(X), cp.asarray(T), dparams, wrt=wrt)
+        _compare(H, blockhess.loss_hessian(X, T, params, wrt=wrt), np.float64)
+        assert bool((H == H.T).all())
+    _compare(blockhess.block_jacobian(cp.asarray(X[0]), dparams, "h.0.W_V"),
+             blockhess.block_jacobian(X[0], params, "h.0.W_V"), np.float64)
+
+
 @pytest.mark.parametrize("name", ["pre-everything-heads2", "post-everything", "rmsnorm"])
 def test_family_block_output_hessian_gpu_matches_cpu(cp, rng, name):
     spec = FAMILY[name]

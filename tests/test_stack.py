@@ -94,6 +94,25 @@ def test_the_last_layers_dense_hessian_and_diagonal_match_autograd(rng, spec_nam
     assert ref.rel_err(op.diagonal(), np.diag(ref_H)) <= 1e-10
 
 
+def test_a_lower_layers_jacobian_and_the_output_hessians_refusal(rng):
+    """dZ/dW for a lower layer's weight (one forward tangent per entry: the per-token factors do not
+    reach it) against jacrev of the definition; the output Hessian, assembled from the factors, is
+    refused there with what to use instead."""
+    spec = ModelSpec(SPECS[sorted(SPECS)[0]], n_layers=2, final_norm=True)
+    params = BlockParams.random(spec, d=d, d_k=dk, d_ff=dff, seed=3)
+    X = rng.standard_normal((L, d))
+    named = {n: ref.t(a) for n, a in zip(params.names, params.arrays)}
+    for name in ("h.0.W_Q", "h.0.W_1", "h.1.W_K"):
+        J = blockhess.block_jacobian(X, params, name, eps=EPS)
+
+        def output(w, name=name):
+            return stack(ref.t(X)[None], spec, {**named, name: w}, EPS).reshape(-1)
+
+        assert ref.rel_err(J, torch.func.jacrev(output)(named[name]).reshape(J.shape).numpy()) <= 1e-12
+    with pytest.raises(ValueError, match="for a lower layer use loss_hessian"):
+        blockhess.block_output_hessian(X, params, "h.0.W_Q", "h.1.W_1", eps=EPS)
+
+
 def test_a_stack_in_float32_is_close_to_float64(rng):
     spec = ModelSpec(GPT2_LIKE, n_layers=2)
     params, X, target, _, _ = _problem(rng, spec, "mse")

@@ -5,6 +5,8 @@
 #pragma once
 
 #include <algorithm>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "blockhess/buffer.hpp"
@@ -17,6 +19,27 @@
 
 namespace blockhess::engine {
 
+// Where the per-token factors do not reach p (a lower block of a stack, an embedding:
+// FactorsDoNotReach): column k of dZ/dW_p is the output's forward tangent along the unit tangent
+// e_k of p, one forward tangent per entry of p, in parallel (docs/derivation.md §5.4).
+template <class T>
+void jacobian_by_tangents(const Graph<T>& g, int p, T* J, FiniteRecord* finite) {
+  const index_t m = g.tokens() * g.width(g.output()), np = g.parameter(p).size();
+  const int slots = parallel::num_threads();
+  std::vector<Tangent<T>> tangents(static_cast<size_t>(slots));
+  std::vector<std::vector<T>> units(static_cast<size_t>(slots), std::vector<T>(static_cast<size_t>(np), T(0)));
+  const index_t work = 4 * m;  // about a forward pass's multiply-adds per output entry
+  blockhess::detail::parallel_for_slots(np, np * work >= blockhess::detail::kParallelWorkThreshold,
+                                        blockhess::detail::chunk_size(np, work, slots), slots, [&](index_t k, int slot) {
+    std::vector<T>& unit = units[static_cast<size_t>(slot)];
+    unit[static_cast<size_t>(k)] = T(1);
+    const T* dZ = g.jvp_parameter(tangents[static_cast<size_t>(slot)], p, unit.data());
+    for (index_t r = 0; r < m; ++r) J[r * np + k] = dZ ? dZ[r] : T(0);
+    unit[static_cast<size_t>(k)] = T(0);
+  });
+  note_finite(finite, J, m * np);
+}
+
 // dZ/dW_p: (tokens width(Z), n_p), row t w + a, column p's flat index. Each token's rows are
 // written once, piece by piece (a split parameter's pieces write their own columns of every row),
 // and checked into `finite` (when given) while they are in cache.
@@ -25,7 +48,13 @@ void jacobian(Graph<T>& g, int p, T* J, FiniteRecord* finite = nullptr) {
   std::vector<bool> only(static_cast<size_t>(g.num_params()), false);
   only.at(static_cast<size_t>(p)) = true;
   g.select(only);
-  g.push_factors(/*to_output=*/true);
+  try {
+    g.push_factors(/*to_output=*/true);
+  } catch (const FactorsDoNotReach&) {
+    g.clear_factors();
+    jacobian_by_tangents(g, p, J, finite);
+    return;
+  }
   const index_t w = g.width(g.output()), np = g.parameter(p).size();
   std::vector<const Factor<T>*> moving;
   for (int piece : g.pieces_of(p))
@@ -84,7 +113,13 @@ void output_hessians(Graph<T>& g, int i, int j, Out& out, Take&& take) {
   std::vector<bool> wrt(static_cast<size_t>(g.num_params()), false);
   wrt.at(static_cast<size_t>(i)) = wrt.at(static_cast<size_t>(j)) = true;
   g.select(wrt);
-  g.push_factors(/*to_output=*/false);
+  try {
+    g.push_factors(/*to_output=*/false);
+  } catch (const FactorsDoNotReach& e) {
+    throw std::invalid_argument(std::string(e.what()) +
+                                "; the output Hessian is assembled from them (a pair of the last block's or a final "
+                                "norm's parameters): for a lower layer use loss_hessian, exact for every layer");
+  }
   const std::vector<index_t> off = g.offsets(wrt);
   const index_t ni = g.parameter(i).size(), nj = g.parameter(j).size();
   const index_t m = g.tokens() * g.width(g.output());

@@ -410,6 +410,15 @@ class Graph {
       if (tg.in((*it)->output)) (*it)->vjp_tangent(*this, tg, curved);
   }
 
+  // The forward tangent of every value for the tangent dW of parameter p alone: returns the output's
+  // tangent, or null where p does not reach it.
+  const T* jvp_parameter(Tangent<T>& tg, int p, const T* dW) const {
+    start(tg);
+    tg.dW.at(static_cast<size_t>(p)) = dW;
+    for (auto& node : nodes_) node->jvp(*this, tg);
+    return tg.in(output_);
+  }
+
   // The forward tangent of every value for the tangent dX of the input value x, no parameter
   // moving (the forward half of hvp): returns the output's tangent, or null where x does not reach it.
   const T* jvp_input(Tangent<T>& tg, int x, const T* dX) const {
