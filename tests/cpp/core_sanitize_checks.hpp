@@ -865,6 +865,29 @@ inline void check_stack(std::mt19937_64& rng) {
   CHECK(throws<std::invalid_argument>(
             [&] { model_at(W).loss_hessian_diagonal(mse, blk::Part::full, first, diag.data(), n - 1); }),
         ctx + " a lower layer's diagonal above the product limit refused");
+  // Its Jacobian, one forward tangent per entry (engine/derivatives.hpp), against central differences
+  // of one sample's output; its output Hessian, which needs the factors, refused.
+  auto one_sample = [&](const std::vector<std::vector<double>>& weights) {
+    return blk::Model<double>::stack(spec, D, stack, 1, X.data(), pointers(weights), eps);
+  };
+  auto model = one_sample(W);
+  const index_t rows = model.tokens() * model.output_width();
+  std::vector<double> J(rows * n);
+  model.jacobian(0, J.data());
+  double gap = 0;
+  for (index_t k = 0; k < n; k += 5) {
+    const double h = 1e-6;
+    auto Wp = W, Wm = W;
+    Wp[0][k] += h;
+    Wm[0][k] -= h;
+    const auto up = one_sample(Wp), down = one_sample(Wm);
+    for (index_t r = 0; r < rows; ++r)
+      gap = std::max(gap, std::abs((up.output()[r] - down.output()[r]) / (2 * h) - J[r * n + k]));
+  }
+  CHECK(gap < 1e-6, ctx + " a lower layer's Jacobian = central differences");
+  std::vector<double> O(rows * n * n);
+  CHECK(throws<std::invalid_argument>([&] { one_sample(W).output_hessian(0, 0, O.data()); }),
+        ctx + " a lower layer's output Hessian refused");
 }
 
 // A language model through Model::language_model: token ids, wte and wpe, two blocks, ln_f and the LM
