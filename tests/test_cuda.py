@@ -14,7 +14,10 @@ Two kinds of tests live here:
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import sys
+import types
 
 import kernel_emulation
 import numpy as np
@@ -450,6 +453,48 @@ def test_family_loss_hessian_gpu_matches_cpu(cp, rng, name, loss):
     T32 = cp.asarray(target.astype(np.float32) if loss == "mse" else target)
     _compare(blockhess.loss_hessian(cp.asarray(X.astype(np.float32)), T32, p32, loss=loss, head=h32),
              blockhess.loss_hessian(X, target, params, loss=loss, head=head), np.float32)
+
+
+class _LinearOperatorStandIn:
+    """cupyx.scipy.sparse.linalg.LinearOperator's constructor, for the emulated GPU (no cupyx)."""
+
+    def __init__(self, shape, matvec, matmat, rmatvec, dtype):
+        self.shape, self.matvec, self.matmat, self.dtype = shape, matvec, matmat, dtype
+
+
+def test_the_operator_on_gpu_vectors_and_to_cupyx(cp, rng, monkeypatch):
+    """The operator built from GPU arrays: products of GPU vectors and its diagonal on the device,
+    equal to the CPU's; to_cupyx() for CuPy's solvers (on a GPU, its top eigenvalue by cupyx's eigsh)."""
+    X, W, target, _ = ref.random_block(rng, 4, 3, 2, 5, B=2)
+    dparams = blockhess.BlockParams(*(cp.asarray(w) for w in W))
+    op = blockhess.hessian_operator(cp.asarray(X), cp.asarray(target), dparams)
+    on_host = blockhess.hessian_operator(X, target, blockhess.BlockParams(*W))
+    v, V = rng.standard_normal(op.shape[0]), rng.standard_normal((op.shape[0], 3))
+    _compare(op @ cp.asarray(v), on_host @ v, np.float64)
+    _compare(op.matmat(cp.asarray(V)), on_host.matmat(V), np.float64)
+    _compare(op.diagonal(), on_host.diagonal(), np.float64)
+    if emulated(cp):
+        linalg = types.SimpleNamespace(LinearOperator=_LinearOperatorStandIn)
+        for name, module in (("cupyx", types.SimpleNamespace(scipy=None)), ("cupyx.scipy", types.SimpleNamespace()),
+                             ("cupyx.scipy.sparse", types.SimpleNamespace()), ("cupyx.scipy.sparse.linalg", linalg)):
+            monkeypatch.setitem(sys.modules, name, module)
+        A = op.to_cupyx()
+        assert A.shape == op.shape and A.dtype == op.dtype
+        _compare(A.matvec(cp.asarray(v)), on_host @ v, np.float64)
+    else:
+        from cupyx.scipy.sparse.linalg import eigsh
+
+        top = float(eigsh(op.to_cupyx(), k=1, which="LA", return_eigenvectors=False)[0])
+        want = float(on_host.eigsh(k=1, return_eigenvectors=False)[0])
+        assert abs(top - want) <= 1e-8 * abs(want)
+
+
+def test_to_cupyx_without_cupy_says_how_to_get_it(rng):
+    if importlib.util.find_spec("cupyx") is not None:
+        pytest.skip("CuPy is installed")
+    X, W, target, _ = ref.random_block(rng, 4, 3, 2, 5)
+    with pytest.raises(ImportError, match=r"blockhess\[cuda\]"):
+        blockhess.hessian_operator(X, target, blockhess.BlockParams(*W)).to_cupyx()
 
 
 def test_a_stacks_whole_hessian_gpu_matches_cpu(cp, rng):

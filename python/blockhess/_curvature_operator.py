@@ -216,3 +216,14 @@ class CurvatureOperator:
             raise ImportError("to_scipy() needs scipy: pip install scipy") from err
         return LinearOperator(self.shape, matvec=self.matvec, matmat=self.matmat, rmatvec=self.matvec,
                               dtype=self.dtype)
+
+    def to_cupyx(self) -> Any:
+        """A ``cupyx.scipy.sparse.linalg.LinearOperator`` over this operator, for CuPy's ``eigsh``,
+        ``cg`` or ``lanczos`` on GPU vectors: each product is the engine's (from a host copy of the
+        vector), returned on the vector's device (CuPy is optional: the ``cuda`` extra)."""
+        try:
+            from cupyx.scipy.sparse.linalg import LinearOperator
+        except ImportError as err:
+            raise ImportError("to_cupyx() needs CuPy: pip install 'blockhess[cuda]'") from err
+        return LinearOperator(self.shape, matvec=self.matvec, matmat=self.matmat, rmatvec=self.matvec,
+                              dtype=self.dtype)

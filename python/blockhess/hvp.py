@@ -32,7 +32,9 @@ class HessianOperator(CurvatureOperator):
 
     ``op @ v``, ``op.matvec(v)`` for v of shape (P,), ``op.matmat(V)`` for V of shape (P, k). Vectors
     are converted to the operator's dtype; results are NumPy arrays, torch tensors for torch
-    inputs, and on the device for GPU vectors (the engine computes them from host copies). ``op.to_scipy()`` gives a ``scipy.sparse.linalg.LinearOperator`` (for ``eigsh``, ``cg``).
+    inputs, and on the device for GPU vectors (the engine computes them from host copies).
+    ``op.to_scipy()`` gives a ``scipy.sparse.linalg.LinearOperator`` (for ``eigsh``, ``cg``),
+    ``op.to_cupyx()`` its ``cupyx.scipy.sparse.linalg`` twin over GPU vectors.
 
     Curvature without a dense matrix: :meth:`diagonal`, :meth:`trace` (whole or per parameter) exact
     from the per-token factors (or, for a model's lower layers, from one product per parameter), or
