@@ -42,6 +42,8 @@ def _calls():
     Xe = rng.standard_normal((3, 16, 8))
     ve = rng.standard_normal(pe.size)
     head = (rng.standard_normal((8, 3)), rng.standard_normal(3))
+    stack = blockhess.ModelSpec(everything, n_layers=2)
+    ps = blockhess.BlockParams.random(stack, d=8, d_k=4, d_ff=16, seed=4)
     return {
         # The dense Hessians of a block with many pieces (heads) are assembled block by block on
         # the pool; the pooled head's site then adds to all of it between two rounds of blocks.
@@ -61,6 +63,8 @@ def _calls():
         "softmax_hessian_blocks": lambda: blockhess.softmax_hessian(S, layout="blocks"),
         "attention_jacobian": lambda: blockhess.attention_jacobian(*A, "W_K"),
         "block_jacobian": lambda: blockhess.block_jacobian(X, params, "W_1"),
+        # A lower layer's: one forward tangent per entry, the columns shared among the threads.
+        "block_jacobian_lower_layer": lambda: blockhess.block_jacobian(Xe[0], ps, "h.0.W_1"),
     }
 
 
