@@ -691,8 +691,9 @@ def test_speed_sanity_block_hessian_at_benchmark_size(cp, rng):
 
 
 def test_language_models_and_vits_on_the_gpu_are_refused_clearly(cp, rng):
-    """Their nodes run on the CPU only so far: device inputs are a TypeError that says so, never a
-    silent host round trip or a GPU path that does not know their parts."""
+    """Their GPU path is not there yet (their ids, patches and positions are not wired for device
+    inputs): device inputs are a TypeError that says so, never a GPU path that does not know their
+    parts."""
     vit = blockhess.ModelSpec(blockhess.BlockSpec(), patch_dim=4, n_positions=6, classes=3)
     params = blockhess.BlockParams.random(vit, d=4, d_k=2, d_ff=5)
     X = cp.asarray(rng.standard_normal((2, 5, 4)))
