@@ -690,16 +690,31 @@ def test_speed_sanity_block_hessian_at_benchmark_size(cp, rng):
     _compare(H, blockhess.loss_hessian(X, target, params), np.float64)
 
 
-def test_language_models_and_vits_on_the_gpu_are_refused_clearly(cp, rng):
-    """Their GPU path is not there yet (their ids, patches and positions are not wired for device
-    inputs): device inputs are a TypeError that says so, never a GPU path that does not know their
-    parts."""
-    vit = blockhess.ModelSpec(blockhess.BlockSpec(), patch_dim=4, n_positions=6, classes=3)
-    params = blockhess.BlockParams.random(vit, d=4, d_k=2, d_ff=5)
-    X = cp.asarray(rng.standard_normal((2, 5, 4)))
+def test_a_vit_on_the_gpu_matches_cpu(cp, rng):
+    """A 2-block ViT with a class token, positions and its classifier on GPU arrays: the last block's
+    Hessian assembled on the device, the whole model's through the host engine's products (the
+    patch embedding, class token and positions are below the attention), the gradient, forward
+    pass and diagonal from host copies; all against the CPU core."""
+    vit = blockhess.ModelSpec(blockhess.BlockSpec(norm_position="pre", norm_affine=True), n_layers=2, final_norm=True,
+                              patch_dim=6, n_positions=5, classes=3, class_token=True)
+    params = blockhess.BlockParams.random(vit, d=4, d_k=2, d_ff=5, seed=2)
+    X, y = rng.standard_normal((2, 4, 6)), np.array([0, 2])
     params_d = blockhess.BlockParams.from_arrays(vit, {n: cp.asarray(a) for n, a in zip(params.names, params.arrays)})
-    with pytest.raises(TypeError, match="a ViT .* runs on the CPU so far"):
-        blockhess.loss_hessian(X, cp.asarray(np.array([0, 2])), params_d, loss="pooled_cross_entropy")
+    Xd, yd = cp.asarray(X), cp.asarray(y)
+    kwargs = dict(loss="pooled_cross_entropy")
+    for wrt in (("h.1", "ln_f", "W_C", "b_C"), None):
+        _compare(blockhess.loss_hessian(Xd, yd, params_d, wrt=wrt, **kwargs),
+                 blockhess.loss_hessian(X, y, params, wrt=wrt, **kwargs), np.float64)
+    _compare(blockhess.loss_gradient(Xd, yd, params_d, **kwargs), blockhess.loss_gradient(X, y, params, **kwargs),
+             np.float64)
+    _compare(blockhess.block_forward(Xd, params_d), blockhess.block_forward(X, params), np.float64)
+    _compare(blockhess.hessian_operator(Xd, yd, params_d, **kwargs).diagonal(),
+             blockhess.hessian_operator(X, y, params, **kwargs).diagonal(), np.float64)
+
+
+def test_language_models_on_the_gpu_are_refused_clearly(cp, rng):
+    """Their GPU path is not there yet (token ids are not wired for device inputs): device ids are a
+    TypeError that says so, never a GPU path that does not know their parts."""
     lm = blockhess.ModelSpec(blockhess.BlockSpec(), vocab_size=7)
     lm_params = blockhess.BlockParams.random(lm, d=4, d_k=2, d_ff=5)
     with pytest.raises(TypeError, match="a language model runs on the CPU so far"):
