@@ -322,6 +322,7 @@ def _batch(X: Any, params: BlockParams, *, single: bool = False, promote_with: t
     if spec.n_positions and spec.tokens(X.shape[-2]) > spec.n_positions:
         raise ValueError(f"X has {X.shape[-2]} tokens per sample{' and a class token' if spec.class_token else ''}, "
                          f"but wpe has only n_positions = {spec.n_positions} rows")
+    _backend.on_device(X, *params.arrays)  # TypeError for host and device arrays mixed
     dtype = common_dtype(X, *params.arrays, *promote_with)
     weights = tuple(contiguous(w, dtype) for w in params.arrays)
     X3 = contiguous(X.reshape((1, *X.shape)) if X.ndim == 2 else X, dtype)
