@@ -75,7 +75,12 @@ def to_host(a: Any) -> Any:
     return a if a is None or isinstance(a, np.ndarray) else a.get()
 
 
+def device_of(a: Any) -> Any:
+    """The device context of a CuPy array (a no-op for a NumPy array: the tests' emulated GPU)."""
+    return contextlib.nullcontext() if isinstance(a, np.ndarray) else a.device
+
+
 def to_device_of(x: Any, result: np.ndarray) -> Any:
     """``result``, a host array the engine computed from host copies, copied to the device of x."""
-    with contextlib.nullcontext() if isinstance(x, np.ndarray) else x.device:
+    with device_of(x):
         return device_module().asarray(result)

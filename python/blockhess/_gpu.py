@@ -20,7 +20,6 @@ without a GPU.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Any
 
@@ -36,9 +35,7 @@ def _xp(a: Any) -> Any:
     return np if isinstance(a, np.ndarray) else _backend.device_module()
 
 
-def _device(a: Any) -> Any:
-    """The device context of a CuPy array (a no-op for the NumPy emulation)."""
-    return contextlib.nullcontext() if isinstance(a, np.ndarray) else a.device
+_device = _backend.device_of
 
 
 def _same_device(*arrays: Any) -> None:
