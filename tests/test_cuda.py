@@ -355,9 +355,9 @@ def test_commutation_gpu_matches_cpu(cp, rng):
     np.testing.assert_array_equal(host(blockhess.commute(cp.asarray(M), 3, 5)), blockhess.commute(M, 3, 5))
     B, X = rng.standard_normal((4, 6)), rng.standard_normal((5, 6))
     _compare(blockhess.kron_apply(Ad, cp.asarray(B), cp.asarray(X)), blockhess.kron_apply(A, B, X), np.float64)
-    from blockhess import _gpu
-
-    np.testing.assert_array_equal(host(_gpu.commutation_matrix(4, 6, np.float32, Ad)), blockhess.commutation_matrix(4, 6))
+    K = blockhess.commutation_matrix(4, 6, dtype=np.float32, like=Ad)
+    assert _is_device_result(K) and K.dtype == np.float32
+    np.testing.assert_array_equal(host(K), blockhess.commutation_matrix(4, 6))
 
 
 @pytest.mark.parametrize("L,d,dk,dv", [(1, 2, 3, 2), (5, 4, 3, 6), (9, 8, 8, 8)])

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import blockhess
-from blockhess import _gpu
+from blockhess import _core, _gpu
 
 pytestmark = kernel_emulation.needs_emulator
 
@@ -40,6 +40,33 @@ def rel(a, b):
 TOL = 1e-12
 
 
+def both(name, *args, shape, dtype=np.float64):
+    """The same call on both modules: _gpu.name(*args, out) (the GPU path, with the emulated kernels)
+    and _core.name(*args, out) (the CPU core), which _backend.kernels_for swaps for each other."""
+    got, want = np.empty(shape, dtype=dtype), np.empty(shape, dtype=dtype)
+    getattr(_gpu, name)(*args, got)
+    getattr(_core, name)(*args, want)
+    return got, want
+
+
+def test_the_gpu_module_has_the_cores_names_and_kernels_for_picks_between_them(monkeypatch):
+    """_backend.kernels_for swaps _core and _gpu: every function of _gpu is one of _core's (the tests
+    below call both with the same arguments), host arrays get _core, device arrays _gpu, and a mix
+    is a TypeError."""
+    import inspect
+
+    from blockhess import _backend
+
+    functions = [n for n, f in vars(_gpu).items() if inspect.isfunction(f) and f.__module__ == _gpu.__name__
+                 and not n.startswith("_")]
+    assert len(functions) == 17 and all(hasattr(_core, n) for n in functions), functions
+    cupy_emulation.install(monkeypatch)
+    host, device = np.zeros(3), cupy_emulation.to_device(np.zeros(3))
+    assert _backend.kernels_for(host, None) is _core and _backend.kernels_for(device, None) is _gpu
+    with pytest.raises(TypeError, match="mix host"):
+        _backend.kernels_for(host, device)
+
+
 @pytest.mark.parametrize("L,d", [(1, 2), (3, 5), (6, 4)])
 @pytest.mark.parametrize("eps", [0.0, 1e-3])
 @pytest.mark.parametrize("affine", [False, True])
@@ -49,18 +76,13 @@ def test_layernorm(kernels, rng, L, d, eps, affine):
     beta = rng.standard_normal(d) if affine else None
     G = rng.standard_normal((L, d))
     scale = 1.0 if d == 2 else 1e-300
-    r = lambda a, b: np.linalg.norm(a - b) / max(np.linalg.norm(b), scale)  # noqa: E731
-    assert r(_gpu.layernorm(X, eps, gamma, beta), blockhess.layernorm(X, eps, gamma, beta)) <= TOL
-    for layout in ("dense", "blocks"):
-        assert r(_gpu.layernorm_jacobian(X, eps, gamma, layout, "X"),
-                 blockhess.layernorm_jacobian(X, eps=eps, gamma=gamma, layout=layout)) <= TOL
-        assert r(_gpu.layernorm_hessian(X, eps, gamma, layout),
-                 blockhess.layernorm_hessian(X, eps=eps, gamma=gamma, layout=layout)) <= TOL
-    for wrt in ("gamma", "beta"):
-        got = _gpu.layernorm_jacobian(X, eps, gamma, "dense", wrt)  # block reductions: equal up to rounding
-        assert r(got, blockhess.layernorm_jacobian(X, eps=eps, gamma=gamma, wrt=wrt)) <= TOL
-    assert r(_gpu.layernorm_hessian_contract(X, G, eps, gamma),
-             blockhess.layernorm_hessian_contract(X, G, eps=eps, gamma=gamma)) <= TOL
+    r = lambda ab: np.linalg.norm(ab[0] - ab[1]) / max(np.linalg.norm(ab[1]), scale)  # noqa: E731
+    assert r(both("layernorm_forward", X, eps, gamma, beta, shape=(L, d))) <= TOL
+    for kind, shape in ((0, (L, d, d)), (1, (L * d, L * d)), (2, (L * d, d)), (3, (L * d, d))):
+        assert r(both("layernorm_jacobian", X, eps, gamma, kind, shape=shape)) <= TOL  # gamma, beta: block reductions
+    for kind, shape in ((0, (L, d, d, d)), (1, ((L * d) ** 2, L * d))):
+        assert r(both("layernorm_hessian", X, eps, gamma, kind, shape=shape)) <= TOL
+    assert r(both("layernorm_hessian_contract", X, eps, gamma, G, shape=(L, d, d))) <= TOL
     assert {"layernorm_forward", "layernorm_jacobian_dense", "layernorm_jacobian_blocks", "layernorm_hessian_dense",
             "layernorm_hessian_blocks", "layernorm_hessian_contract"} <= set(kernels.calls)
 
@@ -69,23 +91,37 @@ def test_layernorm_zero_variance_message_matches_cpu(kernels):
     X = np.array([[1.0, 2.0, 3.0], [2.0, 2.0, 2.0]])
     with pytest.raises(ValueError) as cpu:
         blockhess.layernorm_jacobian(X)
-    for call in (lambda: _gpu.layernorm(X, 0.0, None, None),
-                 lambda: _gpu.layernorm_jacobian(X, 0.0, None, "blocks", "X"),
-                 lambda: _gpu.layernorm_hessian(X, 0.0, None, "dense"),
-                 lambda: _gpu.layernorm_hessian_contract(X, X, 0.0, None)):
+    out = lambda *shape: np.empty(shape)  # noqa: E731
+    for call in (lambda: _gpu.layernorm_forward(X, 0.0, None, None, out(2, 3)),
+                 lambda: _gpu.layernorm_jacobian(X, 0.0, None, 0, out(2, 3, 3)),
+                 lambda: _gpu.layernorm_hessian(X, 0.0, None, 1, out(36, 6)),
+                 lambda: _gpu.layernorm_hessian_contract(X, 0.0, None, X, out(2, 3, 3))):
         with pytest.raises(ValueError) as gpu:
             call()
         assert str(gpu.value) == str(cpu.value)
-    assert np.isfinite(_gpu.layernorm_jacobian(X, 1e-5, None, "blocks", "X")).all()
+    J = out(2, 3, 3)
+    _gpu.layernorm_jacobian(X, 1e-5, None, 0, J)
+    assert np.isfinite(J).all()
+
+
+def test_non_finite_results_are_named_as_the_core_names_them(kernels):
+    """An overflowing result: the GPU path raises the core's NonFiniteError, naming the same stage."""
+    X, W = np.full((2, 3), 1e200), np.full((3, 3), 1e200)
+    for name, args, shape, stage in (("attention_forward", (X, W, W, W), (2, 3), "the attention output"),
+                                     ("ffn_forward", (X, W, W), (2, 3), "the FFN output"),
+                                     ("ffn_jacobian", (X, W, W, 0), (6, 9), "the FFN Jacobian with respect to W_1")):
+        for module in (_core, _gpu):
+            with pytest.raises(blockhess.NonFiniteError, match="^" + stage), np.errstate(all="ignore"):  # NumPy's
+                getattr(module, name)(*args, np.empty(shape))  # overflow warnings, which CuPy does not give
 
 
 @pytest.mark.parametrize("m,n", [(1, 1), (3, 3), (2, 5), (4, 3)])
 def test_softmax(kernels, rng, m, n):
     T = rng.standard_normal((m, n)) * 2
-    assert rel(_gpu.softmax(T), blockhess.softmax(T)) <= TOL
-    for layout in ("dense", "blocks"):
-        assert rel(_gpu.softmax_jacobian(T, layout), blockhess.softmax_jacobian(T, layout=layout)) <= TOL
-        assert rel(_gpu.softmax_hessian(T, layout), blockhess.softmax_hessian(T, layout=layout)) <= TOL
+    assert rel(*both("softmax_forward", T, shape=(m, n))) <= TOL
+    for kind, jacobian, hessian in ((0, (m, n, n), (m, n, n, n)), (1, (m * n, m * n), ((m * n) ** 2, m * n))):
+        assert rel(*both("softmax_jacobian", T, kind, shape=jacobian)) <= TOL
+        assert rel(*both("softmax_hessian", T, kind, shape=hessian)) <= TOL
 
 
 @pytest.mark.parametrize("rows,n", [(4, 70), (2, 300)])
@@ -96,18 +132,15 @@ def test_rows_longer_than_a_warp(kernels, rng, rows, n):
 
     X = rng.standard_normal((rows, n)) * 1.5 + 0.3
     gamma, G = rng.standard_normal(n), rng.standard_normal((rows, n))
-    assert rel(_gpu.layernorm(X, 1e-3, gamma, gamma), blockhess.layernorm(X, 1e-3, gamma, gamma)) <= TOL
-    assert rel(_gpu.layernorm_jacobian(X, 1e-3, gamma, "blocks", "X"),
-               blockhess.layernorm_jacobian(X, eps=1e-3, gamma=gamma, layout="blocks")) <= TOL
-    assert rel(_gpu.layernorm_hessian_contract(X, G, 1e-3, gamma),
-               blockhess.layernorm_hessian_contract(X, G, eps=1e-3, gamma=gamma)) <= TOL
-    A = _gpu.softmax(X)
-    assert rel(A, blockhess.softmax(X)) <= TOL
-    assert rel(_gpu.softmax_jacobian(X, "blocks"), blockhess.softmax_jacobian(X, layout="blocks")) <= TOL
+    assert rel(*both("layernorm_forward", X, 1e-3, gamma, gamma, shape=(rows, n))) <= TOL
+    assert rel(*both("layernorm_jacobian", X, 1e-3, gamma, 0, shape=(rows, n, n))) <= TOL
+    assert rel(*both("layernorm_hessian_contract", X, 1e-3, gamma, G, shape=(rows, n, n))) <= TOL
+    A, want = both("softmax_forward", X, shape=(rows, n))
+    assert rel(A, want) <= TOL
+    assert rel(*both("softmax_jacobian", X, 0, shape=(rows, n, n))) <= TOL
     if n <= 70:
-        assert rel(_gpu.layernorm_hessian(X, 1e-3, gamma, "blocks"),
-                   blockhess.layernorm_hessian(X, eps=1e-3, gamma=gamma, layout="blocks")) <= TOL
-        assert rel(_gpu.softmax_hessian(X, "blocks"), blockhess.softmax_hessian(X, layout="blocks")) <= TOL
+        assert rel(*both("layernorm_hessian", X, 1e-3, gamma, 0, shape=(rows, n, n, n))) <= TOL
+        assert rel(*both("softmax_hessian", X, 0, shape=(rows, n, n, n))) <= TOL
     w = A * (G - (A * G).sum(axis=1, keepdims=True))
     vjp, contract = np.empty_like(A), np.empty((rows, n, n))
     _gpu_launch.softmax_vjp(A, G, vjp)
@@ -118,41 +151,31 @@ def test_rows_longer_than_a_warp(kernels, rng, rows, n):
 
 
 def test_commutation(kernels, rng):
-    A = rng.standard_normal((3, 5))
-    v = blockhess.vec_r(A)
-    np.testing.assert_array_equal(_gpu.vec_r(A), v)
-    np.testing.assert_array_equal(_gpu.unvec_r(v, 3, 5), A)
-    np.testing.assert_array_equal(_gpu.commute(v, 3, 5), blockhess.commute(v, 3, 5))
-    M = rng.standard_normal((15, 4))
-    np.testing.assert_array_equal(_gpu.commute(M, 5, 3), blockhess.commute(M, 5, 3))
-    np.testing.assert_array_equal(_gpu.commutation_matrix(3, 5, np.float64, A), blockhess.commutation_matrix(3, 5))
-    B, X = rng.standard_normal((2, 4)), rng.standard_normal((5, 4))
-    assert rel(_gpu.kron_apply(A, B, X), blockhess.kron_apply(A, B, X)) <= TOL
+    v, M = rng.standard_normal(15), rng.standard_normal((15, 4))
+    np.testing.assert_array_equal(*both("commute", v, 3, 5, shape=(15,)))
+    np.testing.assert_array_equal(*both("commute", M, 5, 3, shape=(15, 4)))
+    np.testing.assert_array_equal(*both("commutation_dense", 3, 5, shape=(15, 15)))
+    A, B, X = rng.standard_normal((3, 5)), rng.standard_normal((2, 4)), rng.standard_normal((5, 4))
+    assert rel(*both("kron_apply", A, B, X, shape=(6,))) <= TOL
 
 
 @pytest.mark.parametrize("L,d,dk,dv", [(1, 2, 3, 2), (4, 3, 2, 5), (5, 4, 4, 4), (9, 40, 3, 5)])  # L d > 256: column tiles
 def test_attention(kernels, rng, L, d, dk, dv):
     X, WQ, WK, WV = (rng.standard_normal(s) for s in ((L, d), (d, dk), (d, dk), (d, dv)))
-    assert rel(_gpu.attention(X, WQ, WK, WV), blockhess.attention(X, WQ, WK, WV)) <= TOL
-    for wrt in ("W_Q", "W_K", "W_V", "X"):
-        got = _gpu.attention_jacobian(X, WQ, WK, WV, wrt)
-        want = blockhess.attention_jacobian(X, WQ, WK, WV, wrt)
-        assert rel(got, want) <= TOL, wrt
+    assert rel(*both("attention_forward", X, WQ, WK, WV, shape=(L, dv))) <= TOL
+    for wrt, n in enumerate((d * dk, d * dk, d * dv, L * d)):  # W_Q, W_K, W_V, X
+        assert rel(*both("attention_jacobian", X, WQ, WK, WV, wrt, shape=(L * dv, n))) <= TOL, wrt
 
 
 @pytest.mark.parametrize("L,d,f,e", [(1, 2, 3, 2), (4, 3, 5, 2), (3, 4, 4, 4)])
 def test_ffn(kernels, rng, L, d, f, e):
     Y, W1, W2 = rng.standard_normal((L, d)), rng.standard_normal((d, f)), rng.standard_normal((f, e))
-    assert rel(_gpu.ffn(Y, W1, W2), blockhess.ffn(Y, W1, W2)) <= TOL
-    for wrt in ("W_1", "W_2", "Y"):
-        assert rel(_gpu.ffn_jacobian(Y, W1, W2, wrt, "dense"), blockhess.ffn_jacobian(Y, W1, W2, wrt)) <= TOL
-    assert rel(_gpu.ffn_jacobian(Y, W1, W2, "Y", "blocks"), blockhess.ffn_jacobian(Y, W1, W2, "Y", layout="blocks")) <= TOL
-    for wrt in ("W_1", "W_2"):
-        for got, want in zip(_gpu.ffn_jacobian(Y, W1, W2, wrt, "kron"), blockhess.ffn_jacobian(Y, W1, W2, wrt, layout="kron")):
-            assert rel(got, want) <= TOL, wrt
-    for layout in ("dense", "blocks"):
-        np.testing.assert_array_equal(_gpu.ffn_cross_hessian(Y, W1, W2, layout),
-                                      blockhess.ffn_cross_hessian(Y, W1, W2, layout=layout))
+    assert rel(*both("ffn_forward", Y, W1, W2, shape=(L, e))) <= TOL
+    shapes = ((L * e, d * f), (L * e, f * e), (L * e, L * d), (L, e, d), (L, e, f), (L, f))  # kinds 0..5
+    for kind, shape in enumerate(shapes):
+        assert rel(*both("ffn_jacobian", Y, W1, W2, kind, shape=shape)) <= TOL, kind
+    for kind, shape in ((0, (L, d, f)), (1, (L * e * d * f, f * e))):
+        np.testing.assert_array_equal(*both("ffn_cross_hessian", Y, W1, W2, kind, shape=shape))
 
 
 def _block(rng, B, L, d, dk, dff, dtype=np.float64):
@@ -168,8 +191,10 @@ BLOCK_SHAPES = [(1, 3, 4, 2, 5), (2, 4, 3, 3, 6), (1, 5, 6, 4, 3)]
 def _hessian(X, params, eps, kind, values, classes, part, selected):
     """_gpu.loss_hessian (the engine with its GPU assembly target) on the paper's block."""
     P = sum(n for n, s in zip(params.sizes, selected) if s)
-    return _gpu.loss_hessian(X, params.spec._core(), params.arrays, eps, kind, values, classes, part, selected, P,
-                             None, (None, None))
+    H = np.empty((P, P), dtype=X.dtype)
+    _gpu.loss_hessian(X, params.spec._core(), list(params.arrays), eps, kind, values, classes, part, selected, H,
+                      None, None)
+    return H
 
 
 @pytest.mark.parametrize("B,L,d,dk,dff", BLOCK_SHAPES)
@@ -209,7 +234,8 @@ def test_block_output_hessian(kernels, rng):
     X, params = _block(rng, 1, 3, 4, 2, 3)
     for i, j in ((0, 0), (0, 1), (4, 0), (3, 4), (2, 2), (1, 3)):
         shape = (X.shape[1] * X.shape[2] * params.sizes[i], params.sizes[j])
-        got = _gpu.block_output_hessian(X, params.spec._core(), params.arrays, 1e-3, i, j, shape)
+        got = np.empty(shape)
+        _gpu.block_output_hessian(X, params.spec._core(), list(params.arrays), 1e-3, i, j, got)
         want = blockhess.block_output_hessian(X[0], params, params.names[i], params.names[j], eps=1e-3)
         assert rel(got, want) <= TOL, (i, j)
 
@@ -273,7 +299,9 @@ def test_public_functions_dispatch_to_the_gpu_path(device, kernels, rng):
     for k, case in enumerate(cases):
         kernels.calls.clear()
         got, want = case(D), case(lambda a: a)
-        assert any(c.startswith("_gpu.") for c in kernels.calls), f"case {k} did not reach the GPU path"
+        assert isinstance(got, cupy_emulation.DevArray), f"case {k} did not return a device array"
+        copies = k in (9, 10)  # vec_r and unvec_r: array copies, no kernel
+        assert copies or any(c.startswith("_gpu.") for c in kernels.calls), f"case {k} did not reach the GPU path"
         assert rel(got, want) <= TOL, k
 
 

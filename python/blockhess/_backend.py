@@ -57,6 +57,11 @@ def device_module() -> Any:
     return cupy
 
 
+def array_module(x: Any) -> Any:
+    """NumPy for a host array, CuPy for a GPU array (RuntimeError when the GPU path cannot run)."""
+    return device_module() if is_device_array(x) else np
+
+
 def on_device(*arrays: Any) -> bool:
     """True if the arrays live on a GPU, False if on the host; TypeError when they are mixed."""
     flags = {is_device_array(a) for a in arrays if a is not None}
@@ -68,6 +73,35 @@ def on_device(*arrays: Any) -> bool:
     if device:
         require_gpu()
     return device
+
+
+def kernels_for(*arrays: Any) -> Any:
+    """The compiled functions that run a call on these arrays: ``_core`` for host arrays, ``_gpu`` for
+    GPU arrays (the same names and signatures, results written into a device ``out``); TypeError
+    when host and device arrays are mixed. A public function is written once, for both."""
+    if on_device(*arrays):
+        from . import _gpu  # imported here, not above: _gpu reads this module as it loads
+
+        return _gpu
+    return _core
+
+
+def empty(shape: Any, dtype: Any, like: Any) -> Any:
+    """An uninitialised result on the side of ``like``: NumPy on the host, CuPy on like's device."""
+    if not is_device_array(like):
+        return np.empty(shape, dtype=dtype)
+    with device_of(like):
+        return device_module().empty(shape, dtype=dtype)
+
+
+def engine_on_host(like: Any, compute: Any, *arrays: Any) -> Any:
+    """compute(*arrays), the CPU engine's call. For GPU arrays it runs on host copies and an array
+    result comes back on like's device (a Python number as it is): the engine's per-token work is
+    host code; only its Hessians assemble on the device (_gpu)."""
+    if not on_device(like):
+        return compute(*arrays)
+    result = compute(*(to_host(a) for a in arrays))
+    return to_device_of(like, result) if isinstance(result, np.ndarray) else result
 
 
 def to_host(a: Any) -> Any:

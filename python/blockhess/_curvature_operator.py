@@ -57,8 +57,7 @@ class CurvatureOperator:
         P = self.shape[0]
         require_output_fits((P, columns), self.dtype, f"the product H V over {', '.join(self.names)} (P = {P})",
                             "multiply fewer vectors at a time", working=self._product_working(columns))
-        product = self._product(_backend.to_host(V))
-        return _backend.to_device_of(V, product) if _backend.is_device_array(V) else product
+        return _backend.engine_on_host(V, self._product, V)
 
     def matvec(self, v: Any) -> Any:
         """H v for v of shape (P,)."""

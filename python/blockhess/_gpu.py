@@ -1,17 +1,19 @@
-"""GPU implementations of the public API (private): CuPy arrays in, CuPy arrays out.
+"""The GPU functions of the public API (private): the names and signatures of ``_core``'s.
 
-The public functions validate and normalise their inputs (float32/float64, C-contiguous, one
-dtype, all on the GPU), then call the function of the same name here. Each one runs on the device
-of its first array argument and on CuPy's current stream, and allocates its outputs with CuPy.
+Each function here takes what the ``_core`` binding of the same name takes (validated, contiguous
+arrays of one dtype, integer codes) and writes its result into ``out``, a GPU (CuPy) array the
+caller allocated; :func:`blockhess._backend.kernels_for` picks this module or ``_core``, so a
+public function is written once for both. Each runs on the device of ``out`` and on CuPy's current
+stream, and checks its result finite as the core does (NonFiniteError naming the same stage).
 
 The block's and its family's results are the engine's: its Hessians (loss_hessian,
 block_output_hessian) run their per-token work on the host from copies of the (small) inputs and the
 (P, P) assembly on the GPU (_cuda's bindings, cuda/'s DeviceHessian); its forward pass, Jacobians,
-loss and gradient run on the host from copies and are copied back (on_host). The component
+loss and gradient run on the host from copies and are copied back (_backend.engine_on_host). The component
 functions are written here over CuPy: per-token, structured steps go to the blockhess kernels
-(through :mod:`blockhess._gpu_launch`), dense matrix products to cuBLAS through CuPy. Nothing here synchronises, except the few checks that
-must raise in Python: the zero-variance test of LayerNorm rows (one reduction), the class-index
-range (done by the caller) and the Hessians' finiteness.
+(through :mod:`blockhess._gpu_launch`), dense matrix products to cuBLAS through CuPy. Nothing here
+synchronises, except the checks that must raise in Python: the zero-variance test of LayerNorm rows
+(one reduction) and the results' finiteness.
 
 The code only uses array operations that NumPy and CuPy share, so the tests run it on NumPy arrays
 with the real kernels and bindings compiled for the CPU (tests/kernel_emulation.py) on machines
@@ -27,15 +29,12 @@ import numpy as np
 
 from . import _backend
 from . import _gpu_launch as _k
+from ._validate import require_finite
 
 # ---- helpers ------------------------------------------------------------------------------------
 
 
-def _xp(a: Any) -> Any:
-    return np if isinstance(a, np.ndarray) else _backend.device_module()
-
-
-_device = _backend.device_of
+_xp, _device = _backend.array_module, _backend.device_of
 
 
 def _same_device(*arrays: Any) -> None:
@@ -64,67 +63,56 @@ def _outer(u: Any, v: Any) -> Any:
     return u[:, :, None] * v[:, None, :]
 
 
-# ---- LayerNorm ----------------------------------------------------------------------------------
+# ---- LayerNorm (kinds as src/bind_layernorm.cpp) --------------------------------------------------
 
 
-def layernorm(X: Any, eps: float, gamma: Any, beta: Any) -> Any:
-    xp = _xp(X)
-    _same_device(X, gamma, beta)
-    with _device(X):
-        Z = xp.empty_like(X)
-        sigma = xp.empty(X.shape[0], dtype=X.dtype)
-        _k.ln_forward(X, eps, gamma, beta, Z, sigma)
+def layernorm_forward(X: Any, eps: float, gamma: Any, beta: Any, out: Any) -> None:
+    _same_device(X, gamma, beta, out)
+    with _device(out):
+        sigma = _xp(X).empty(X.shape[0], dtype=X.dtype)
+        _k.ln_forward(X, eps, gamma, beta, out, sigma)
         _check_sigma(sigma)
-    return Z
+    require_finite(out, "LN(X)")
 
 
-def layernorm_jacobian(X: Any, eps: float, gamma: Any, layout: str, wrt: str) -> Any:
-    xp = _xp(X)
-    _same_device(X, gamma)
+_LN_JACOBIAN = ("the LayerNorm Jacobian blocks", "the dense LayerNorm Jacobian",
+                "the LayerNorm Jacobian with respect to gamma", "the LayerNorm Jacobian with respect to beta")
+
+
+def layernorm_jacobian(X: Any, eps: float, gamma: Any, kind: int, out: Any) -> None:
+    """kind 0: blocks (L, d, d), 1: dense (L d, L d), 2: gamma (L d, d), 3: beta (L d, d)."""
+    _same_device(X, gamma, out)
     L, d = X.shape
-    with _device(X):
-        sigma = xp.empty(L, dtype=X.dtype)
-        if wrt == "X" and layout == "dense":
-            out = xp.empty((L * d, L * d), dtype=X.dtype)
+    with _device(out):
+        sigma = _xp(X).empty(L, dtype=X.dtype)
+        if kind == 1:
             _k.ln_jacobian_dense(X, eps, gamma, out, sigma)
-        else:
-            out = xp.empty((L, d, d), dtype=X.dtype)
-            _k.ln_slab(X, eps, gamma, {"X": 0, "gamma": 1, "beta": 2}[wrt], out, sigma)
-            if wrt != "X":
-                out = out.reshape(L * d, d)
+        else:  # the slab kernel's kinds: 0 blocks, 1 gamma, 2 beta, each (L, d, d)
+            _k.ln_slab(X, eps, gamma, 0 if kind == 0 else kind - 1, out.reshape(L, d, d), sigma)
         _check_sigma(sigma)
-    return out
+    require_finite(out, _LN_JACOBIAN[kind])
 
 
-def layernorm_hessian(X: Any, eps: float, gamma: Any, layout: str) -> Any:
-    xp = _xp(X)
-    _same_device(X, gamma)
-    L, d = X.shape
-    with _device(X):
-        sigma = xp.empty(L, dtype=X.dtype)
-        if layout == "dense":
-            out = xp.empty(((L * d) ** 2, L * d), dtype=X.dtype)
-            _k.ln_hessian_dense(X, eps, gamma, out, sigma)
-        else:
-            out = xp.empty((L, d, d, d), dtype=X.dtype)
-            _k.ln_hessian_blocks(X, eps, gamma, out, sigma)
+def layernorm_hessian(X: Any, eps: float, gamma: Any, kind: int, out: Any) -> None:
+    """kind 0: blocks (L, d, d, d), 1: dense ((L d)^2, L d)."""
+    _same_device(X, gamma, out)
+    with _device(out):
+        sigma = _xp(X).empty(X.shape[0], dtype=X.dtype)
+        (_k.ln_hessian_dense if kind == 1 else _k.ln_hessian_blocks)(X, eps, gamma, out, sigma)
         _check_sigma(sigma)
-    return out
+    require_finite(out, "the dense LayerNorm second derivative" if kind == 1 else "the LayerNorm second-derivative blocks")
 
 
-def layernorm_hessian_contract(X: Any, G: Any, eps: float, gamma: Any) -> Any:
-    xp = _xp(X)
-    _same_device(X, G, gamma)
-    L, d = X.shape
-    with _device(X):
-        sigma = xp.empty(L, dtype=X.dtype)
-        out = xp.empty((L, d, d), dtype=X.dtype)
+def layernorm_hessian_contract(X: Any, eps: float, gamma: Any, G: Any, out: Any) -> None:
+    _same_device(X, G, gamma, out)
+    with _device(out):
+        sigma = _xp(X).empty(X.shape[0], dtype=X.dtype)
         _k.ln_hessian_contract(X, eps, gamma, G, out, sigma)
         _check_sigma(sigma)
-    return out
+    require_finite(out, "the contracted LayerNorm second derivative")
 
 
-# ---- softmax ------------------------------------------------------------------------------------
+# ---- softmax (kind 0: blocks, 1: dense) ------------------------------------------------------------
 
 
 def _softmax_rows(T: Any) -> Any:
@@ -133,79 +121,43 @@ def _softmax_rows(T: Any) -> Any:
     return A
 
 
-def softmax(T: Any) -> Any:
-    with _device(T):
-        return _softmax_rows(T)
+def softmax_forward(T: Any, out: Any) -> None:
+    with _device(out):
+        _k.softmax_forward(T, out)
 
 
-def softmax_jacobian(T: Any, layout: str) -> Any:
-    xp = _xp(T)
-    m, n = T.shape
-    with _device(T):
-        A = _softmax_rows(T)
-        if layout == "dense":
-            out = xp.empty((m * n, m * n), dtype=T.dtype)
-            _k.softmax_jacobian_dense(A, out)
-        else:
-            out = xp.empty((m, n, n), dtype=T.dtype)
-            _k.softmax_jacobian_blocks(A, out)
-    return out
+def softmax_jacobian(T: Any, kind: int, out: Any) -> None:
+    with _device(out):
+        (_k.softmax_jacobian_dense if kind == 1 else _k.softmax_jacobian_blocks)(_softmax_rows(T), out)
 
 
-def softmax_hessian(T: Any, layout: str) -> Any:
-    xp = _xp(T)
-    m, n = T.shape
-    with _device(T):
-        A = _softmax_rows(T)
-        if layout == "dense":
-            out = xp.empty(((m * n) ** 2, m * n), dtype=T.dtype)
-            _k.softmax_hessian_dense(A, out)
-        else:
-            out = xp.empty((m, n, n, n), dtype=T.dtype)
-            _k.softmax_hessian_blocks(A, out)
-    return out
+def softmax_hessian(T: Any, kind: int, out: Any) -> None:
+    with _device(out):
+        (_k.softmax_hessian_dense if kind == 1 else _k.softmax_hessian_blocks)(_softmax_rows(T), out)
 
 
 # ---- commutation / Kronecker --------------------------------------------------------------------
 
 
-def vec_r(A: Any) -> Any:
-    with _device(A):
-        return _xp(A).array(A, dtype=A.dtype, order="C").reshape(-1)
-
-
-def unvec_r(v: Any, m: int, n: int) -> Any:
-    with _device(v):
-        return _xp(v).array(v, dtype=v.dtype, order="C").reshape(m, n)
-
-
-def commute(v: Any, m: int, n: int) -> Any:
-    with _device(v):
-        out = _xp(v).empty_like(v)
+def commute(v: Any, m: int, n: int, out: Any) -> None:
+    with _device(out):
         _k.commute(v, m, n, out)
-    return out
 
 
-def commutation_matrix(m: int, n: int, dtype: Any, like: Any) -> Any:
-    with _device(like):
-        out = _xp(like).empty((m * n, m * n), dtype=dtype)
+def commutation_dense(m: int, n: int, out: Any) -> None:
+    with _device(out):
         _k.commutation_dense(m, n, out)
-    return out
 
 
-def kron_apply(A: Any, B: Any, X: Any) -> Any:
-    """vec_r(A X B^T), multiplying in the cheaper order (as the CPU core)."""
-    _same_device(A, B, X)
+def kron_apply(A: Any, B: Any, X: Any, out: Any) -> None:
+    """vec_r(A X B^T), multiplying in the cheaper order (as the CPU core); the caller checks it finite."""
+    _same_device(A, B, X, out)
     (p, m), (q, n) = A.shape, B.shape
-    with _device(A):
-        if p * n * (m + q) <= m * q * (n + p):
-            out = (A @ X) @ B.T
-        else:
-            out = A @ (X @ B.T)
-        return _c(out).reshape(-1)
+    with _device(out):
+        out.reshape(p, q)[...] = (A @ X) @ B.T if p * n * (m + q) <= m * q * (n + p) else A @ (X @ B.T)
 
 
-# ---- attention ----------------------------------------------------------------------------------
+# ---- attention (wrt codes W_Q, W_K, W_V, X as src/bind_attention.cpp) ------------------------------
 
 
 def _attention_forward(X: Any, W_Q: Any, W_K: Any, W_V: Any):
@@ -215,127 +167,115 @@ def _attention_forward(X: Any, W_Q: Any, W_K: Any, W_V: Any):
     return c, Q, K, V, A, A @ V
 
 
-def attention(X: Any, W_Q: Any, W_K: Any, W_V: Any) -> Any:
-    _same_device(X, W_Q, W_K, W_V)
-    with _device(X):
-        return _attention_forward(X, W_Q, W_K, W_V)[-1]
+def attention_forward(X: Any, W_Q: Any, W_K: Any, W_V: Any, out: Any) -> None:
+    _same_device(X, W_Q, W_K, W_V, out)
+    with _device(out):
+        out[...] = _attention_forward(X, W_Q, W_K, W_V)[-1]
+    require_finite(out, "the attention output")
 
 
-def attention_jacobian(X: Any, W_Q: Any, W_K: Any, W_V: Any, wrt: str) -> Any:
+def attention_jacobian(X: Any, W_Q: Any, W_K: Any, W_V: Any, wrt: int, out: Any) -> None:
     """dF/d(wrt) (L d_v, n_wrt), with the per-token forms of docs/derivation.md §3.3."""
-    xp = _xp(X)
-    _same_device(X, W_Q, W_K, W_V)
+    _same_device(X, W_Q, W_K, W_V, out)
     (L, d), dk, dv = X.shape, W_Q.shape[1], W_V.shape[1]
-    with _device(X):
+    with _device(out):
         c, Q, K, V, A, F = _attention_forward(X, W_Q, W_K, W_V)
-        if wrt == "W_Q":
+        if wrt == 0:  # W_Q
             # M_t[a,k] = sum_s A[t,s] V[s,a] (K[s,k] - Kbar_t[k]);  J[t dv + a, b dk + k] = c X[t,b] M_t[a,k]
             M = (A @ _outer(V, K).reshape(L, dv * dk)).reshape(L, dv, dk) - _outer(F, A @ K)
-            out = xp.empty((L * dv, d * dk), dtype=X.dtype)
             _k.token_kron(X, _c(M), (d, dk, True), c, out)
-        elif wrt == "W_K":
+        elif wrt == 1:  # W_K
             # N_t[a,b] = sum_s A[t,s] V[s,a] (X[s,b] - Xbar_t[b]);  J[t dv + a, b dk + k] = c q_t[k] N_t[a,b]
             N = (A @ _outer(V, X).reshape(L, dv * d)).reshape(L, dv, d) - _outer(F, A @ X)
-            out = xp.empty((L * dv, d * dk), dtype=X.dtype)
             _k.token_kron(_c(Q), _c(N), (d, dk, False), c, out)
-        elif wrt == "W_V":
-            out = xp.empty((L * dv, d * dv), dtype=X.dtype)
+        elif wrt == 2:  # W_V
             _k.token_kron(_c(A @ X), None, (d, dv, True), 1.0, out)
-        else:
+        else:  # X
             Qt, Kt = _c(Q @ W_K.T), K @ W_Q.T  # row t: W_K q_t;  row s: W_Q k_s
             D = c * ((A @ _outer(V, Kt).reshape(L, dv * d)).reshape(L, dv, d) - _outer(F, A @ Kt))
-            out = xp.empty((L * dv, L * d), dtype=X.dtype)
             _k.attention_dx(A, W_V, _c(V), _c(F), Qt, _c(D), c, out)
-    return out
+    require_finite(out, "the attention Jacobian with respect to " + ("W_Q", "W_K", "W_V", "X")[wrt])
 
 
-# ---- FFN ----------------------------------------------------------------------------------------
+# ---- FFN (kinds as src/bind_ffn.cpp) -------------------------------------------------------------
 
 
-def ffn(Y: Any, W_1: Any, W_2: Any) -> Any:
-    xp = _xp(Y)
-    _same_device(Y, W_1, W_2)
-    with _device(Y):
+def ffn_forward(Y: Any, W_1: Any, W_2: Any, out: Any) -> None:
+    _same_device(Y, W_1, W_2, out)
+    with _device(out):
         H = Y @ W_1
-        return xp.where(H > 0, H, 0).astype(Y.dtype, copy=False) @ W_2
+        out[...] = _xp(Y).where(H > 0, H, 0).astype(Y.dtype, copy=False) @ W_2
+    require_finite(out, "the FFN output")
 
 
-def ffn_jacobian(Y: Any, W_1: Any, W_2: Any, wrt: str, layout: str) -> Any:
-    xp = _xp(Y)
-    _same_device(Y, W_1, W_2)
-    (L, d), f, e = Y.shape, W_1.shape[1], W_2.shape[1]
-    with _device(Y):
+_FFN_JACOBIAN = ("the FFN Jacobian with respect to W_1", "the FFN Jacobian with respect to W_2",
+                 "the FFN Jacobian with respect to Y", "the FFN Jacobian with respect to Y (blocks)",
+                 "the Kronecker factors of the FFN Jacobian with respect to W_1",
+                 "the Kronecker factors of the FFN Jacobian with respect to W_2")
+
+
+def ffn_jacobian(Y: Any, W_1: Any, W_2: Any, kind: int, out: Any) -> None:
+    """kind 0: W_1, 1: W_2, 2: Y dense, 3: Y blocks (L, e, d), 4: W_1's factor W_2^T D_t (L, e, f),
+    5: W_2's factor relu(Y W_1) (L, f)."""
+    _same_device(Y, W_1, W_2, out)
+    d, f = Y.shape[1], W_1.shape[1]
+    with _device(out):
         H = Y @ W_1
         mask = (H > 0).astype(Y.dtype)
-        if layout == "kron":  # the per-token Kronecker factors (U, V) of ffn.ffn_jacobian
-            if wrt == "W_1":
-                return Y.copy(), _c(W_2.T[None, :, :] * mask[:, None, :])
-            return _c(H * mask), xp.broadcast_to(xp.eye(e, dtype=Y.dtype), (L, e, e))
-        if wrt == "W_1":  # J[t e + c, b f + g] = Y[t,b] (W_2^T D_t)[c,g]
-            out = xp.empty((L * e, d * f), dtype=Y.dtype)
-            _k.token_kron(Y, _c(W_2.T[None, :, :] * mask[:, None, :]), (d, f, True), 1.0, out)
-            return out
-        if wrt == "W_2":  # relu(H) (x) I_e
-            out = xp.empty((L * e, f * e), dtype=Y.dtype)
-            _k.token_kron(_c(H * mask), None, (f, e, True), 1.0, out)
-            return out
-        blocks = _c((W_2.T[None, :, :] * mask[:, None, :]) @ W_1.T)  # (L, e, d): W_2^T D_t W_1^T
-        if layout == "blocks":
-            return blocks
-        out = xp.empty((L * e, L * d), dtype=Y.dtype)
-        _k.blockdiag_dense(blocks, out)
-    return out
+        if kind in (0, 4):  # J[t e + c, b f + g] = Y[t,b] (W_2^T D_t)[c,g]
+            factor = W_2.T[None, :, :] * mask[:, None, :]
+            if kind == 4:
+                out[...] = factor
+            else:
+                _k.token_kron(Y, _c(factor), (d, f, True), 1.0, out)
+        elif kind in (1, 5):  # relu(H) (x) I_e
+            if kind == 5:
+                out[...] = H * mask
+            else:
+                _k.token_kron(_c(H * mask), None, (f, W_2.shape[1], True), 1.0, out)
+        else:
+            blocks = (W_2.T[None, :, :] * mask[:, None, :]) @ W_1.T  # (L, e, d): W_2^T D_t W_1^T
+            if kind == 3:
+                out[...] = blocks
+            else:
+                _k.blockdiag_dense(_c(blocks), out)
+    require_finite(out, _FFN_JACOBIAN[kind])
 
 
-def ffn_cross_hessian(Y: Any, W_1: Any, W_2: Any, layout: str) -> Any:
-    xp = _xp(Y)
-    _same_device(Y, W_1, W_2)
-    (L, d), f, e = Y.shape, W_1.shape[1], W_2.shape[1]
-    with _device(Y):
-        C = _c(_outer(Y, ((Y @ W_1) > 0).astype(Y.dtype)))  # (L, d, f): Y[t,b] 1[H[t,g] > 0]
-        if layout == "blocks":
-            return C
-        out = xp.empty((L * e * d * f, f * e), dtype=Y.dtype)
-        _k.ffn_cross_dense(C, e, out)
-    return out
+def ffn_cross_hessian(Y: Any, W_1: Any, W_2: Any, kind: int, out: Any) -> None:
+    """kind 0: blocks (L, d, f), 1: dense ((L e d f), f e)."""
+    _same_device(Y, W_1, W_2, out)
+    with _device(out):
+        C = _outer(Y, ((Y @ W_1) > 0).astype(Y.dtype))  # (L, d, f): Y[t,b] 1[H[t,g] > 0]
+        if kind == 0:
+            out[...] = C
+        else:
+            _k.ffn_cross_dense(_c(C), W_2.shape[1], out)
+    require_finite(out, "the dense FFN cross second derivative" if kind == 1 else "the FFN cross second-derivative blocks")
 
 
 # ---- the block and models: the engine ------------------------------------------------------------
 #
 # Every block of the family: the engine's forward pass, Jacobians, loss and gradient run on the host
-# from copies of the inputs, and their result is copied to X's device; the Hessians assemble on the
-# device (block_output_hessian, loss_hessian).
+# from copies of the inputs and their result is copied to X's device (_backend.engine_on_host); the
+# Hessians assemble on the device (block_output_hessian, loss_hessian).
 
 
-def on_host(X3: Any, compute: Any, *arrays: Any) -> Any:
-    """compute(*host copies of arrays): the CPU engine's result, an array returned on X3's device or
-    a Python number as it is."""
-    result = compute(*(_backend.to_host(a) for a in arrays))
-    return _backend.to_device_of(X3, result) if isinstance(result, np.ndarray) else result
-
-
-def block_output_hessian(X3: Any, spec: tuple, weights: tuple[Any, ...], eps: float, i: int, j: int,
-                         shape: tuple[int, int]) -> Any:
+def block_output_hessian(X3: Any, spec: tuple, weights: list[Any], eps: float, i: int, j: int, out: Any) -> None:
     """For each output entry o: the (i, j) block of the Hessian of Z_o (cotangent e_o), by the engine
     (its per-token work on the host from copies of the inputs, each assembly on the GPU)."""
-    xp = _xp(X3)
-    with _device(X3):
-        out = xp.empty(shape, dtype=X3.dtype)
-        host = _backend.to_host
+    host = _backend.to_host
+    with _device(out):
         _k.block_output_hessian(host(X3), spec, [host(w) for w in weights], eps, i, j, out)
-    return out
 
 
-def loss_hessian(X3: Any, spec: tuple, weights: tuple[Any, ...], eps: float, kind: int, values: Any, classes: Any,
-                 part: int, selected: list[bool], P: int, out: Any, head: tuple[Any, Any]) -> Any:
+def loss_hessian(X3: Any, spec: tuple, weights: list[Any], eps: float, kind: int, values: Any, classes: Any,
+                 part: int, selected: list[bool], out: Any, W_C: Any, b_C: Any) -> None:
     """The (P, P) symmetric loss Hessian of any block of the family (``spec``: BlockSpec._core()),
     part 0 full, 1 outer, 2 functional, by the engine: its per-token work runs on the host from
-    copies of the (small) inputs, the assembly on the GPU into ``out`` (checked by the caller) or a
-    new array. Complete, and checked finite, when this returns."""
-    xp = _xp(X3)
-    with _device(X3):
-        H = xp.empty((P, P), dtype=X3.dtype) if out is None else out
-        host = _backend.to_host
+    copies of the (small) inputs, the assembly on the GPU into ``out``. Complete, and checked
+    finite, when this returns."""
+    host = _backend.to_host
+    with _device(out):
         _k.loss_hessian(host(X3), spec, [host(w) for w in weights], eps, kind, host(values), host(classes), part,
-                        selected, H, tuple(host(h) for h in head))
-    return H
+                        selected, out, (host(W_C), host(b_C)))

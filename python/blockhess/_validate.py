@@ -17,18 +17,13 @@ import numpy as np
 from . import _core
 from ._config import format_bytes, get_memory_budget
 from ._errors import NonFiniteError, OutputTooLargeError
+from ._backend import array_module
 from ._interop import as_array
 
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
-def _xp(x: Any):
-    """numpy, or cupy for arrays that live on a GPU (RuntimeError when the GPU path cannot run)."""
-    if hasattr(x, "__cuda_array_interface__"):
-        from ._backend import device_module
-
-        return device_module()
-    return np
+_xp = array_module
 
 
 def float_array(x: Any, name: str, *, ndim: int | tuple[int, ...] | None = None) -> Any:

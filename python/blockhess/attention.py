@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from . import _backend, _core, _gpu, _working_memory
+from . import _backend, _working_memory
 from ._interop import returns_callers_kind
-from ._validate import choice, common_dtype, contiguous, float_array, require_finite, require_output_fits
+from ._validate import choice, common_dtype, contiguous, float_array, require_output_fits
 
 _WRT = ("W_Q", "W_K", "W_V", "X")
 
@@ -49,11 +49,9 @@ def attention(X: Any, W_Q: Any, W_K: Any, W_V: Any) -> np.ndarray:
     (L, d), d_k, d_v = X.shape, W_Q.shape[1], W_V.shape[1]
     require_output_fits((L, d_v), dtype, "the attention output", "pass fewer tokens at a time",
                         working=_working_memory.attention(L, d, d_k, d_v, dtype.itemsize))
-    if _backend.on_device(X, W_Q, W_K, W_V):
-        return require_finite(_gpu.attention(X, W_Q, W_K, W_V), "the attention output")
-    out = np.empty((L, d_v), dtype=dtype)
-    _core.attention_forward(X, W_Q, W_K, W_V, out)
-    return require_finite(out, "the attention output")
+    out = _backend.empty((L, d_v), dtype, like=X)
+    _backend.kernels_for(X, W_Q, W_K, W_V).attention_forward(X, W_Q, W_K, W_V, out)  # checked finite
+    return out
 
 
 @returns_callers_kind
@@ -75,8 +73,6 @@ def attention_jacobian(X: Any, W_Q: Any, W_K: Any, W_V: Any, wrt: str) -> np.nda
     what = f"the attention Jacobian with respect to {wrt}"
     require_output_fits(shape, dtype, what, "use fewer tokens",
                         working=_working_memory.attention(L, d, d_k, d_v, dtype.itemsize, wrt))
-    if _backend.on_device(X, W_Q, W_K, W_V):
-        return require_finite(_gpu.attention_jacobian(X, W_Q, W_K, W_V, wrt), what)
-    out = np.empty(shape, dtype=dtype)
-    _core.attention_jacobian(X, W_Q, W_K, W_V, _WRT.index(wrt), out)  # checked finite as written
+    out = _backend.empty(shape, dtype, like=X)
+    _backend.kernels_for(X, W_Q, W_K, W_V).attention_jacobian(X, W_Q, W_K, W_V, _WRT.index(wrt), out)  # checked finite
     return out

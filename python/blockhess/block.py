@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _backend, _core, _gpu, _working_memory
+from . import _backend, _core, _working_memory
 from ._interop import as_array, is_torch_tensor, returns_callers_kind, to_torch
 from ._validate import _xp as _array_module
 from .model import ModelSpec
@@ -275,14 +275,6 @@ def _selected_sizes(params: BlockParams, names: tuple[str, ...]) -> tuple[int, .
     return tuple(params.sizes[params.names.index(n)] for n in names)
 
 
-def _engine(X3: Any, compute: Any, *arrays: Any) -> Any:
-    """compute(*arrays): the CPU engine's call; for device arrays on host copies, its result returned
-    on X3's device (_gpu.on_host; the Hessians assemble on the device instead)."""
-    if _backend.on_device(X3):
-        return _gpu.on_host(X3, compute, *arrays)
-    return compute(*arrays)
-
-
 def _working(params: BlockParams, B: int, L: int, itemsize: int, call: str, *, kind: int | None = None,
              head: tuple = (None, None), **options: Any) -> int:
     """The core's working-memory estimate of ``call`` on the block or model of ``params``
@@ -463,7 +455,7 @@ def block_forward(X: Any, params: BlockParams, *, eps: float | None = None) -> n
         _core.block_forward(X3, params.spec._core(), list(W), eps, out)  # the core names any stage that overflows
         return out
 
-    out = _engine(X3, forward, X3, *W)
+    out = _backend.engine_on_host(X3, forward, X3, *W)
     return out if _batched(shape, params) else out[0]
 
 
@@ -485,7 +477,7 @@ def block_jacobian(X: Any, params: BlockParams, wrt: str, *, eps: float | None =
         _core.block_jacobian(X3, params.spec._core(), list(W), eps, p, out)
         return require_finite(out, f"the block Jacobian with respect to {wrt}")
 
-    return _engine(X3, jacobian, X3, *W)
+    return _backend.engine_on_host(X3, jacobian, X3, *W)
 
 
 @returns_callers_kind
@@ -505,10 +497,8 @@ def block_output_hessian(X: Any, params: BlockParams, wrt_i: str, wrt_j: str, *,
                        selected=[k in (i, j) for k in range(len(params.names))])
     require_output_fits(shape, dtype, f"d2Z/d{wrt_i}d{wrt_j}", "use loss_hessian, which contracts it with the loss",
                         working=working)
-    if _backend.on_device(X3):
-        return _gpu.block_output_hessian(X3, params.spec._core(), W, eps, i, j, shape)
-    out = np.empty(shape, dtype=dtype)
-    _core.block_output_hessian(X3, params.spec._core(), list(W), eps, i, j, out)
+    out = _backend.empty(shape, dtype, like=X3)
+    _backend.kernels_for(X3).block_output_hessian(X3, params.spec._core(), list(W), eps, i, j, out)
     return out
 
 
@@ -547,7 +537,7 @@ def loss_value(X: Any, target: Any, params: BlockParams, *, loss: str = "mse", e
     def value(X3, values, classes, W_C, b_C, *W):
         return float(_core.loss_gradient(X3, params.spec._core(), list(W), eps, kind, values, classes, None, W_C, b_C))
 
-    return _engine(X3, value, X3, values, classes, *head, *W)
+    return _backend.engine_on_host(X3, value, X3, values, classes, *head, *W)
 
 
 @returns_callers_kind
@@ -571,7 +561,7 @@ def loss_gradient(X: Any, target: Any, params: BlockParams, *, loss: str = "mse"
         _core.loss_gradient(X3, params.spec._core(), list(W), eps, kind, values, classes, out, W_C, b_C)
         return out
 
-    return _engine(X3, gradient, X3, values, classes, *head, *W)
+    return _backend.engine_on_host(X3, gradient, X3, values, classes, *head, *W)
 
 
 @returns_callers_kind
@@ -629,12 +619,9 @@ def loss_hessian(
         callers = (("X", X), *zip(params.names, params._sources), ("target", target),
                    *(zip(("W_C", "b_C"), head) if head[0] is not None else ()))
         out = output_array(out, (P, P), dtype, callers)
-    if _backend.on_device(X3):
-        H = _gpu.loss_hessian(X3, params.spec._core(), W, eps, kind, values, classes, part_code, selected, P, out,
-                              head)
-    else:
-        H = np.empty((P, P), dtype=dtype) if out is None else out
-        _core.loss_hessian(X3, params.spec._core(), list(W), eps, kind, values, classes, part_code, selected, H, *head)
+    H = _backend.empty((P, P), dtype, like=X3) if out is None else out
+    _backend.kernels_for(X3).loss_hessian(X3, params.spec._core(), list(W), eps, kind, values, classes, part_code,
+                                          selected, H, *head)
     if layout == "dense":
         return H
     bounds = np.cumsum((0, *_selected_sizes(params, names)))

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _check_config, _check_references
+from . import _backend, _check_config, _check_references
 from ._check_comparison import (HVP_TOLERANCE, HVP_VECTORS, NOISE_MULTIPLE, SPLIT_TOLERANCE, TOLERANCE, fro,
                                 fro_of_difference, fro_of_split_residual, max_asymmetry, rounding_noise,
                                 smallest_layernorm_sigma, spectral_norm)
@@ -42,10 +42,6 @@ def _to_device(arrays, device):
     import cupy
 
     return [cupy.asarray(a) for a in arrays]
-
-
-def _to_host(a):
-    return a.get() if hasattr(a, "__cuda_array_interface__") else np.asarray(a)
 
 
 def run_check(cfg: Config, progress: Progress | None = None) -> tuple[Report, dict[str, Any]]:
@@ -75,11 +71,11 @@ def run_check(cfg: Config, progress: Progress | None = None) -> tuple[Report, di
             cupy.cuda.get_current_stream().synchronize()
         times.append(time.perf_counter() - t0)
         bar.advance()
-    outer = _to_host(loss_hessian(Xd, target_d, params, part="outer", **kwargs))
+    outer = _backend.to_host(loss_hessian(Xd, target_d, params, part="outer", **kwargs))
     bar.advance()
-    functional = _to_host(loss_hessian(Xd, target_d, params, part="functional", **kwargs))
+    functional = _backend.to_host(loss_hessian(Xd, target_d, params, part="functional", **kwargs))
     bar.advance()
-    full = _to_host(full)
+    full = _backend.to_host(full)
     value = float(loss_value(Xd, target_d, params, **kwargs))
     bar.phase("matrix-free H v")
     hvp = _check_hvp(X, target, weights, full, cfg, head)  # the engine's products, on the host arrays

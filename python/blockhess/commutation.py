@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _backend, _core, _gpu
+from . import _backend, _core
 from ._interop import returns_callers_kind
 from ._validate import common_dtype, contiguous, float_array, positive_int, require_finite, require_output_fits
 
@@ -29,9 +29,9 @@ def _float_dtype(dtype: Any) -> np.dtype:
 def vec_r(A: Any) -> np.ndarray:
     """Row-major vectorisation of a 2-D array: ``vec_r(A)[i*n + j] = A[i, j]`` (a new 1-D array)."""
     A = float_array(A, "A", ndim=2)
-    if _backend.on_device(A):
-        return _gpu.vec_r(A)
-    return np.array(A, dtype=A.dtype, order="C").reshape(-1)
+    xp = _backend.array_module(A)  # RuntimeError, saying how to rebuild, for a GPU array without a GPU
+    with _backend.device_of(A):
+        return xp.array(A, dtype=A.dtype, order="C").reshape(-1)
 
 
 @returns_callers_kind
@@ -41,9 +41,9 @@ def unvec_r(v: Any, m: int, n: int) -> np.ndarray:
     v = float_array(v, "v", ndim=1)
     if v.shape != (m * n,):
         raise ValueError(f"v must have shape ({m * n},) to unstack into ({m}, {n}), got {v.shape}")
-    if _backend.on_device(v):
-        return _gpu.unvec_r(v, m, n)
-    return np.array(v, dtype=v.dtype, order="C").reshape(m, n)
+    xp = _backend.array_module(v)  # RuntimeError, saying how to rebuild, for a GPU array without a GPU
+    with _backend.device_of(v):
+        return xp.array(v, dtype=v.dtype, order="C").reshape(m, n)
 
 
 @returns_callers_kind
@@ -69,10 +69,10 @@ def commutation_matrix(m: int, n: int, *, dtype: Any = np.float64, like: Any = N
     dtype = _float_dtype(dtype)
     shape = (m * n, m * n)
     require_output_fits(shape, dtype, "the dense commutation matrix", "use blockhess.commute(v, m, n)")
-    if _backend.on_device(like):
-        return _gpu.commutation_matrix(m, n, dtype, float_array(like, "like"))
-    out = np.empty(shape, dtype=dtype)
-    _core.commutation_dense(m, n, out)
+    if like is not None:
+        like = float_array(like, "like")
+    out = _backend.empty(shape, dtype, like=like)
+    _backend.kernels_for(like).commutation_dense(m, n, out)
     return out
 
 
@@ -87,13 +87,11 @@ def commute(v: Any, m: int, n: int) -> np.ndarray:
     v = float_array(v, "v", ndim=(1, 2))
     if v.shape[0] != m * n:
         raise ValueError(f"v must have m*n = {m * n} rows for m={m}, n={n}, got shape {v.shape}")
-    _backend.on_device(v)
+    kernels = _backend.kernels_for(v)
     require_output_fits(v.shape, v.dtype, "K_{m,n} v", "pass fewer columns of v at a time")
     v = contiguous(v, v.dtype)
-    if _backend.on_device(v):
-        return _gpu.commute(v, m, n)
-    out = np.empty_like(v)
-    _core.commute(v, m, n, out)
+    out = _backend.empty(v.shape, v.dtype, like=v)
+    kernels.commute(v, m, n, out)
     return out
 
 
@@ -115,15 +113,13 @@ def kron_apply(A: Any, B: Any, X: Any) -> np.ndarray:
             f"X must have shape ({m}, {n}) or ({m * n},) to match A of shape {A.shape} and B of "
             f"shape {B.shape}, got {X.shape}"
         )
-    _backend.on_device(A, B, X)
+    kernels = _backend.kernels_for(A, B, X)
     dtype = common_dtype(A, B, X)
     A, B = contiguous(A, dtype), contiguous(B, dtype)
     X = contiguous(X, dtype).reshape(m, n)
     # The core works on aligned copies of A, B, X and the result, and forms A X or X B^T between.
     working = (p * m + q * n + m * n + p * q + max(p * n, m * q)) * dtype.itemsize
     require_output_fits((p * q,), dtype, "(A ⊗ B) vec_r(X)", "apply it to smaller operands", working=working)
-    if _backend.on_device(A, B, X):
-        return require_finite(_gpu.kron_apply(A, B, X), "(A ⊗ B) vec_r(X)")
-    out = np.empty(p * q, dtype=dtype)
-    _core.kron_apply(A, B, X, out)
+    out = _backend.empty(p * q, dtype, like=A)
+    kernels.kron_apply(A, B, X, out)
     return require_finite(out, "(A ⊗ B) vec_r(X)")

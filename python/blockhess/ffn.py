@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from . import _backend, _core, _gpu, _working_memory
+from . import _backend, _working_memory
 from ._interop import returns_callers_kind
-from ._validate import choice, common_dtype, contiguous, float_array, require_finite, require_output_fits
+from ._validate import choice, common_dtype, contiguous, float_array, require_output_fits
 
 _LAYOUTS = ("dense", "blocks")
 
@@ -45,11 +45,9 @@ def ffn(Y: Any, W_1: Any, W_2: Any) -> np.ndarray:
     (L, d), d_ff, d_out = Y.shape, W_1.shape[1], W_2.shape[1]
     require_output_fits((L, d_out), dtype, "the FFN output", "pass fewer tokens at a time",
                         working=_working_memory.ffn(L, d, d_ff, d_out, dtype.itemsize))
-    if _backend.on_device(Y, W_1, W_2):
-        return require_finite(_gpu.ffn(Y, W_1, W_2), "the FFN output")
-    out = np.empty((L, d_out), dtype=dtype)
-    _core.ffn_forward(Y, W_1, W_2, out)
-    return require_finite(out, "the FFN output")
+    out = _backend.empty((L, d_out), dtype, like=Y)
+    _backend.kernels_for(Y, W_1, W_2).ffn_forward(Y, W_1, W_2, out)  # checked finite
+    return out
 
 
 @returns_callers_kind
@@ -86,10 +84,8 @@ def ffn_jacobian(Y: Any, W_1: Any, W_2: Any, wrt: str, *, layout: str = "dense")
         shape, kind, hint = (L, d_out, d), 3, "use fewer tokens"
     what = f"the FFN Jacobian with respect to {wrt}" + (" (blocks)" if layout == "blocks" else "")
     require_output_fits(shape, dtype, what, hint, working=_working_memory.ffn(L, d, d_ff, d_out, dtype.itemsize, kind))
-    if _backend.on_device(Y, W_1, W_2):
-        return require_finite(_gpu.ffn_jacobian(Y, W_1, W_2, wrt, layout), what)
-    out = np.empty(shape, dtype=dtype)
-    _core.ffn_jacobian(Y, W_1, W_2, kind, out)  # checked finite as written (NonFiniteError)
+    out = _backend.empty(shape, dtype, like=Y)
+    _backend.kernels_for(Y, W_1, W_2).ffn_jacobian(Y, W_1, W_2, kind, out)  # checked finite
     return out
 
 
@@ -100,15 +96,15 @@ def _kron_factors(Y: Any, W_1: Any, W_2: Any, wrt: str, dtype: np.dtype):
     factors = (L * d + L * d_out * d_ff,) if wrt == "W_1" else (L * d_ff + d_out * d_out,)
     require_output_fits(factors, dtype, what, "pass fewer tokens at a time",
                         working=_working_memory.ffn(L, d, d_ff, d_out, dtype.itemsize, 4 if wrt == "W_1" else 5))
-    if _backend.on_device(Y, W_1, W_2):
-        return tuple(require_finite(f, what) for f in _gpu.ffn_jacobian(Y, W_1, W_2, wrt, "kron"))
+    kernels, xp = _backend.kernels_for(Y, W_1, W_2), _backend.array_module(Y)
     if wrt == "W_1":
-        V = np.empty((L, d_out, d_ff), dtype=dtype)
-        _core.ffn_jacobian(Y, W_1, W_2, 4, V)  # relu'(Y W_1) W_2: finite whenever W_2 is
+        V = _backend.empty((L, d_out, d_ff), dtype, like=Y)
+        kernels.ffn_jacobian(Y, W_1, W_2, 4, V)  # relu'(Y W_1) W_2: finite whenever W_2 is
         return Y.copy(), V
-    U = np.empty((L, d_ff), dtype=dtype)
-    _core.ffn_jacobian(Y, W_1, W_2, 5, U)  # checked finite by the core
-    return U, np.broadcast_to(np.eye(d_out, dtype=dtype), (L, d_out, d_out))
+    U = _backend.empty((L, d_ff), dtype, like=Y)
+    kernels.ffn_jacobian(Y, W_1, W_2, 5, U)  # checked finite
+    with _backend.device_of(Y):
+        return U, xp.broadcast_to(xp.eye(d_out, dtype=dtype), (L, d_out, d_out))
 
 
 @returns_callers_kind
@@ -131,8 +127,6 @@ def ffn_cross_hessian(Y: Any, W_1: Any, W_2: Any, *, layout: str = "dense") -> n
     what = "the dense FFN cross second derivative" if layout == "dense" else "the FFN cross second-derivative blocks"
     working = _working_memory.ffn_cross(L, d, d_ff, d_out, dtype.itemsize, dense=layout == "dense")
     require_output_fits(shape, dtype, what, hint, working=working)
-    if _backend.on_device(Y, W_1, W_2):
-        return require_finite(_gpu.ffn_cross_hessian(Y, W_1, W_2, layout), what)
-    out = np.empty(shape, dtype=dtype)
-    _core.ffn_cross_hessian(Y, W_1, W_2, kind, out)  # Y times 0 or 1: finite whenever Y is
+    out = _backend.empty(shape, dtype, like=Y)
+    _backend.kernels_for(Y, W_1, W_2).ffn_cross_hessian(Y, W_1, W_2, kind, out)  # Y times 0 or 1: finite
     return out

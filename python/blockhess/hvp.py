@@ -199,8 +199,12 @@ def loss_hvp(
     problem = _problem(X, target, params, loss, part, eps, wrt, columns, promote_with=(V_array,), head=head)
     if (problem.device is None) != (not _backend.is_device_array(V_array)):
         raise TypeError("V must be on the same side as X: both NumPy (or CPU tensors) or both on the GPU")
-    V_array = _vectors(_backend.to_host(V_array), problem.P, problem.names, problem.dtype)
-    out = np.empty(V_array.shape, dtype=problem.dtype)
-    # One call, the weights read in place (no operator kept, nothing copied that need not be).
-    _core.loss_hvp(*problem.core_args, V_array, out, *problem.head)
-    return out if problem.device is None else _backend.to_device_of(problem.device, out)
+
+    def product(V_host: np.ndarray) -> np.ndarray:
+        V_host = _vectors(V_host, problem.P, problem.names, problem.dtype)
+        out = np.empty(V_host.shape, dtype=problem.dtype)
+        # One call, the weights read in place (no operator kept, nothing copied that need not be).
+        _core.loss_hvp(*problem.core_args, V_host, out, *problem.head)
+        return out
+
+    return _backend.engine_on_host(V_array, product, V_array)

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _backend, _core, _gpu, _working_memory
+from . import _backend, _working_memory
 from ._interop import returns_callers_kind
 from ._validate import (
     choice,
@@ -18,7 +18,6 @@ from ._validate import (
     contiguous,
     float_array,
     nonneg_scalar,
-    require_finite,
     require_output_fits,
 )
 
@@ -50,10 +49,8 @@ def layernorm(X: Any, eps: float = 0.0, gamma: Any = None, beta: Any = None) -> 
     X, eps, dtype, gamma, beta, _ = _prepare(X, eps, gamma, beta)
     require_output_fits(X.shape, dtype, "LN(X)", "pass fewer rows at a time",
                         working=_working_memory.layernorm(X.shape[0], 1, dtype.itemsize))
-    if _backend.on_device(X, gamma, beta):
-        return require_finite(_gpu.layernorm(X, eps, gamma, beta), "LN(X)")
-    out = np.empty_like(X)
-    _core.layernorm_forward(X, eps, gamma, beta, out)  # checked finite as written (NonFiniteError)
+    out = _backend.empty(X.shape, dtype, like=X)
+    _backend.kernels_for(X, gamma, beta).layernorm_forward(X, eps, gamma, beta, out)  # checked finite
     return out
 
 
@@ -78,10 +75,8 @@ def layernorm_jacobian(
         shape, kind = (L * d, d), (2 if wrt == "gamma" else 3)
         what, hint = f"the LayerNorm Jacobian with respect to {wrt}", "pass fewer rows at a time"
     require_output_fits(shape, dtype, what, hint, working=_working_memory.layernorm(L, d, dtype.itemsize))
-    if _backend.on_device(X, gamma):
-        return require_finite(_gpu.layernorm_jacobian(X, eps, gamma, layout, wrt), what)
-    out = np.empty(shape, dtype=dtype)
-    _core.layernorm_jacobian(X, eps, gamma, kind, out)  # checked finite as written (NonFiniteError)
+    out = _backend.empty(shape, dtype, like=X)
+    _backend.kernels_for(X, gamma).layernorm_jacobian(X, eps, gamma, kind, out)  # checked finite
     return out
 
 
@@ -103,10 +98,8 @@ def layernorm_hessian(X: Any, *, eps: float = 0.0, gamma: Any = None, layout: st
         hint = "use layernorm_hessian_contract, or pass fewer rows at a time"
     require_output_fits(shape, dtype, what, hint,
                         working=_working_memory.layernorm(L, d, dtype.itemsize, dense_hessian=layout == "dense"))
-    if _backend.on_device(X, gamma):
-        return require_finite(_gpu.layernorm_hessian(X, eps, gamma, layout), what)
-    out = np.empty(shape, dtype=dtype)
-    _core.layernorm_hessian(X, eps, gamma, kind, out)  # checked finite as written (NonFiniteError)
+    out = _backend.empty(shape, dtype, like=X)
+    _backend.kernels_for(X, gamma).layernorm_hessian(X, eps, gamma, kind, out)  # checked finite
     return out
 
 
@@ -123,8 +116,6 @@ def layernorm_hessian_contract(X: Any, G: Any, *, eps: float = 0.0, gamma: Any =
     what = "the contracted LayerNorm second derivative"
     require_output_fits((L, d, d), dtype, what, "pass fewer rows at a time",
                         working=_working_memory.layernorm(L, d, dtype.itemsize))
-    if _backend.on_device(X, G, gamma):
-        return require_finite(_gpu.layernorm_hessian_contract(X, G, eps, gamma), what)
-    out = np.empty((L, d, d), dtype=dtype)
-    _core.layernorm_hessian_contract(X, eps, gamma, G, out)  # checked finite as written (NonFiniteError)
+    out = _backend.empty((L, d, d), dtype, like=X)
+    _backend.kernels_for(X, G, gamma).layernorm_hessian_contract(X, eps, gamma, G, out)  # checked finite
     return out

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _backend, _core, _gpu, _working_memory
+from . import _backend, _working_memory
 from ._interop import returns_callers_kind
 from ._validate import choice, contiguous, float_array, require_output_fits
 
@@ -47,10 +47,8 @@ def softmax(T: Any) -> np.ndarray:
     """``softmax(T)`` over each row (the last axis); same shape and dtype as ``T``."""
     T = _prepare(T)
     require_output_fits(T.shape, T.dtype, "softmax(T)", "pass fewer rows of T at a time")
-    if _backend.on_device(T):
-        return _gpu.softmax(T)
-    out = np.empty_like(T)
-    _core.softmax_forward(T, out)
+    out = _backend.empty(T.shape, T.dtype, like=T)
+    _backend.kernels_for(T).softmax_forward(T, out)
     return out
 
 
@@ -66,10 +64,8 @@ def softmax_jacobian(T: Any, *, layout: str = "dense") -> np.ndarray:
     m, n = T.shape
     shape, kind = ((m * n, m * n), 1) if layout == "dense" else ((m, n, n), 0)
     _require_fits(shape, T.dtype, layout, "Jacobian", m, n)
-    if _backend.on_device(T):
-        return _gpu.softmax_jacobian(T, layout)
-    out = np.empty(shape, dtype=T.dtype)
-    _core.softmax_jacobian(T, kind, out)
+    out = _backend.empty(shape, T.dtype, like=T)
+    _backend.kernels_for(T).softmax_jacobian(T, kind, out)
     return out
 
 
@@ -87,8 +83,6 @@ def softmax_hessian(T: Any, *, layout: str = "dense") -> np.ndarray:
     N = m * n
     shape, kind = ((N * N, N), 1) if layout == "dense" else ((m, n, n, n), 0)
     _require_fits(shape, T.dtype, layout, "second derivative", m, n)
-    if _backend.on_device(T):
-        return _gpu.softmax_hessian(T, layout)
-    out = np.empty(shape, dtype=T.dtype)
-    _core.softmax_hessian(T, kind, out)
+    out = _backend.empty(shape, T.dtype, like=T)
+    _backend.kernels_for(T).softmax_hessian(T, kind, out)
     return out
