@@ -385,11 +385,20 @@ class Graph {
     for (auto& per_value : factors_) per_value.clear();
   }
 
-  // Every node's curvature (the functional part of the Hessian of the scalar behind reverse()).
+  // Every node's curvature (the functional part of the Hessian of the scalar behind reverse()), over
+  // the selected parameters: a node that none of them moves (through an input or a parameter of its
+  // own) adds nothing, since each of its terms is bilinear in those differentials, and is skipped
+  // (a lower block's LayerNorm sites, say, when the selection is a higher block's).
   Terms<T> curvature() const {
     Terms<T> terms;
-    for (auto& node : nodes_)
-      if (varies(node->output)) node->curvature(*this, terms);
+    std::vector<char> moved(width_.size(), 0);
+    for (auto& node : nodes_) {
+      bool m = false;
+      for (int p : node->params) m = m || selected(p);
+      for (int v : node->inputs) m = m || moved[static_cast<size_t>(v)];
+      moved[static_cast<size_t>(node->output)] = m;
+      if (m) node->curvature(*this, terms);
+    }
     return terms;
   }
 
