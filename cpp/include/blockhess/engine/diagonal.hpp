@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <stdexcept>
 #include <utility>
 #include <vector>
 
@@ -175,9 +176,11 @@ void add_diagonal(const Graph<T>& g, Terms<T> terms, const std::vector<index_t>&
     for (const PooledSite<T>& s : terms.pooled)
       if (g.factor(s.value, f).present) detail::pooled_diagonal(g, g.factor(s.value, f), s, at(f));
   }
-  for (const KronTerm<T>& k : terms.kron)
-    if (k.i == k.j && g.piece_selected(k.i))
-      detail::term_diagonal(n, k.si, k.u, k.sj, k.w, k.gamma, false, at(k.i));
+  for (const KronTerm<T>& k : terms.kron) {
+    if (k.i != k.j || !g.piece_selected(k.i)) continue;
+    if (k.symmetric && k.gamma_diagonal) detail::term_diagonal(n, k.si, k.u, k.sj, k.w, k.gamma_diagonal, true, at(k.i));
+    else detail::term_diagonal(n, k.si, k.u, k.sj, k.w, k.gamma, false, at(k.i));
+  }
   for (const DiagonalTerm<T>& k : terms.diagonal) {
     if (k.i != k.j || !g.piece_selected(k.i)) continue;
     const index_t r = k.si.n_mat();
@@ -186,6 +189,39 @@ void add_diagonal(const Graph<T>& g, Terms<T> terms, const std::vector<index_t>&
     };
     detail::term_diagonal(n, k.si, k.u, k.sj, k.w, gamma, true, at(k.i));
   }
+}
+
+// The sites above a token-local cut (Graph::token_local_cuts: every node after `cut` is token-local),
+// the nodes' there where `functional` and the head's `outer` sites, as one site at the cut's value c:
+//     Omega~_t = sum_s M_s,t^T Omega_s,t M_s,t,
+// M_s,t the Jacobian of site s's value on c's row t, read off a probe factor (G_t = I at c, in piece
+// 0's slot with nothing selected) pushed through the nodes after the cut. A parameter of a node up
+// to the cut moves those values only through c, by M_s,t U_t with U_t its factor at c, so its share
+// of every site above is U_t^T Omega~_t U_t (docs/derivation.md §4.5): one site at c in place of
+// its factors pushed through every node above. Leaves no factors behind.
+template <class T>
+Site<T> site_at_cut(Graph<T>& g, int cut, bool functional, const std::vector<Site<T>>& outer) {
+  const index_t n = g.tokens();
+  const int c = g.nodes()[static_cast<size_t>(cut)]->output;
+  const index_t w = g.width(c);
+  g.select(std::vector<bool>(static_cast<size_t>(g.num_params()), false));
+  std::vector<Site<T>> above = functional ? g.curvature_after(cut).sites : std::vector<Site<T>>{};
+  above.insert(above.end(), outer.begin(), outer.end());
+  g.push_factors_through(-1);
+  g.set_factor(c, 0, entering<T>(kron::Split{1, w, true}, std::make_shared<const Buffer<T>>(n, T(1)), w));
+  g.push_factors_after(cut);
+  auto omega = std::make_shared<Buffer<T>>(static_cast<size_t>(n * w * w), T(0));
+  for (const Site<T>& s : detail::settle_sites(g, std::move(above))) {
+    const Factor<T>& probe = g.factor(s.value, 0);
+    if (!probe.present) throw std::logic_error("engine: a site above a token-local cut that the cut does not reach");
+    blockhess::detail::parallel_for(n, 2 * w * probe.width * (w + probe.width), [&](index_t t) {
+      Mat<T> C(w, w);
+      detail::moving_sandwich(probe, probe, s, t, C.data());
+      MapM<T>(omega->data() + t * w * w, w, w) += C;
+    });
+  }
+  g.clear_factors();
+  return Site<T>{c, std::move(omega), false};
 }
 
 #ifdef BLOCKHESS_COMPILED

@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <deque>
+#include <limits>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -148,6 +149,9 @@ class Node {
   // Token-local with one input, and no parameter that carries factors: a site at its output is the
   // site J_t^T Omega_t J_t at its input (every factor at the output is J_t times one at the input).
   virtual bool pulls_sites() const { return false; }
+  // Whether row t of its output depends on row t of its inputs alone (no mixing of tokens): a
+  // factor stays the same per-token map through it (Graph::token_local_cuts).
+  virtual bool token_local() const { return false; }
   // Where the node applies parameter p (one of its own) to every token as a weight: LinearUse.
   virtual LinearUse<T> linear_use(const Graph<T>& /*g*/, int /*p*/) const { return {}; }
   virtual void pull_site(const Graph<T>&, index_t /*t*/, const T* /*omega_out*/, T* /*omega_in*/) const {}
@@ -373,11 +377,42 @@ class Graph {
   // The tangent factors of the selected parameters at every value, up to the output's producer's
   // input (to_output: at the output too; sites at the output are pulled back instead).
   void push_factors(bool to_output) {
-    for (auto& per_value : factors_) per_value.assign(pieces_.size(), Factor<T>{});
-    for (auto& node : nodes_) {
-      if (!to_output && node->output == output_ && node->pulls_sites()) continue;
-      node->push(*this);
+    fresh_factors();
+    push_nodes(0, to_output);
+  }
+
+  // The nodes k after which every node is token-local and reads only k's output or a later node's
+  // (and parameters): a parameter of a node up to k moves every later value through k's output
+  // alone, token by token (diagonal.hpp's site at a cut). In order; never the last node.
+  std::vector<int> token_local_cuts() const {
+    std::vector<int> cuts;
+    const int n = static_cast<int>(nodes_.size());
+    for (int k = 0; k + 1 < n; ++k) {
+      bool cut = true;
+      for (int m = k + 1; m < n && cut; ++m) {
+        cut = nodes_[static_cast<size_t>(m)]->token_local();
+        for (int v : nodes_[static_cast<size_t>(m)]->inputs)
+          cut = cut && (v == nodes_[static_cast<size_t>(k)]->output || producer_[static_cast<size_t>(v)] > k);
+      }
+      if (cut) cuts.push_back(k);
     }
+    return cuts;
+  }
+
+  // push_factors(false) in two parts around a cut: through the nodes up to `last` from no factors
+  // (nothing above it moves), then through the nodes after it onto the factors already there.
+  void push_factors_through(int last) {
+    fresh_factors();
+    for (int k = 0; k <= last; ++k) nodes_[static_cast<size_t>(k)]->push(*this);
+  }
+  void push_factors_after(int last) { push_nodes(last + 1, false); }
+
+  // The last node that uses parameter p.
+  int last_use(int p) const {
+    int last = -1;
+    for (const auto& node : nodes_)
+      if (std::find(node->params.begin(), node->params.end(), p) != node->params.end()) last = node->index;
+    return last;
   }
 
   // Drops every value's factors (after a push that a node declined: FactorsDoNotReach).
@@ -389,16 +424,27 @@ class Graph {
   // the selected parameters: a node that none of them moves (through an input or a parameter of its
   // own) adds nothing, since each of its terms is bilinear in those differentials, and is skipped
   // (a lower block's LayerNorm sites, say, when the selection is a higher block's).
-  Terms<T> curvature() const {
+  // Up to node `last` only, where given (the nodes after a cut bring their sites there instead).
+  Terms<T> curvature(int last = std::numeric_limits<int>::max()) const {
     Terms<T> terms;
     std::vector<char> moved(width_.size(), 0);
     for (auto& node : nodes_) {
+      if (node->index > last) break;
       bool m = false;
       for (int p : node->params) m = m || selected(p);
       for (int v : node->inputs) m = m || moved[static_cast<size_t>(v)];
       moved[static_cast<size_t>(node->output)] = m;
       if (m) node->curvature(*this, terms);
     }
+    return terms;
+  }
+
+  // The curvature of the nodes after `last` (with nothing selected: their sites, which diagonal.hpp
+  // settles at a cut).
+  Terms<T> curvature_after(int last) const {
+    Terms<T> terms;
+    for (const auto& node : nodes_)
+      if (node->index > last && varies(node->output)) node->curvature(*this, terms);
     return terms;
   }
 
@@ -439,6 +485,17 @@ class Graph {
   }
 
  private:
+  void fresh_factors() {
+    for (auto& per_value : factors_) per_value.assign(pieces_.size(), Factor<T>{});
+  }
+  // Pushes the nodes from `first` on (to_output: as push_factors).
+  void push_nodes(int first, bool to_output) {
+    for (auto& node : nodes_) {
+      if (node->index < first || (!to_output && node->output == output_ && node->pulls_sites())) continue;
+      node->push(*this);
+    }
+  }
+
   void require_one_flag_each(const std::vector<bool>& selection) const {
     if (selection.size() != params_.size())
       throw std::invalid_argument("engine: wrt needs one flag per parameter (" + std::to_string(params_.size()) +

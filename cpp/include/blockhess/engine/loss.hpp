@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <numeric>
@@ -301,22 +302,39 @@ T loss_hessian(Graph<T>& g, Head<T>& head, Part part, const std::vector<bool>& w
 // The entries of a group whose factors do not reach it (a lower block of a stack, an embedding)
 // come from products with those columns of the identity instead (one product per entry,
 // docs/derivation.md §5.4), refused (std::invalid_argument) when there are more than max_products.
+// A group below a token-local cut (where the head does not couple tokens) pushes its factors up to
+// the cut only and meets every site above it there, pulled back once per cut (site_at_cut).
 template <class T>
 T loss_hessian_diagonal(Graph<T>& g, Head<T>& head, Part part, const std::vector<bool>& wrt, T* diag,
                         index_t max_products = std::numeric_limits<index_t>::max()) {
   const T value = reverse_loss(g, head);
-  const Terms<T> outer = outer_terms(g, head, part);
+  Terms<T> outer = outer_terms(g, head, part);
+  outer.sites = detail::settle_sites(g, std::move(outer.sites));  // pulled back once, not once per group
   index_t P = 0;
   const std::vector<index_t> offset = g.offsets(wrt, &P);
   std::fill_n(diag, P, T(0));
   std::vector<bool> unreached(wrt.size(), false);
   std::string reason;
+  const std::vector<int> cuts = head.couples_tokens() ? std::vector<int>{} : g.token_local_cuts();
+  std::map<int, Site<T>> at_cut;
   for (const std::vector<int>& group : g.factor_groups()) {
     const std::vector<bool> some = selected_in(group, wrt);
     if (std::find(some.begin(), some.end(), true) == some.end()) continue;
+    int used = -1;
+    for (int p : group) used = std::max(used, g.last_use(p));
+    const auto cut = std::lower_bound(cuts.begin(), cuts.end(), used);
     try {
-      push_loss_factors(g, head, part, some);
-      add_diagonal(g, loss_terms(g, outer, part), offset, diag);
+      if (cut == cuts.end()) {
+        push_loss_factors(g, head, part, some);
+        add_diagonal(g, loss_terms(g, outer, part), offset, diag);
+        continue;
+      }
+      if (at_cut.find(*cut) == at_cut.end()) at_cut.emplace(*cut, site_at_cut(g, *cut, part != Part::outer, outer.sites));
+      g.select(some);
+      g.push_factors_through(*cut);
+      Terms<T> terms = part != Part::outer ? g.curvature(*cut) : Terms<T>{};
+      terms.sites.push_back(at_cut.at(*cut));
+      add_diagonal(g, std::move(terms), offset, diag);
     } catch (const FactorsDoNotReach& refusal) {
       g.clear_factors();
       if (reason.empty()) reason = refusal.what();

@@ -48,6 +48,9 @@ struct KronTerm {
   const T* w = nullptr;  // (tokens, sj.n_vec())
   std::function<void(index_t, T*)> gamma;  // writes Gamma_t, (si.n_mat(), sj.n_mat()) row-major
   bool symmetric = false;  // i == j with the same factors on both sides: the upper triangle suffices
+  // For a symmetric term, optionally: writes only the diagonal of Gamma_t (si.n_mat() values), all
+  // that the Hessian's diagonal reads of it (diagonal.hpp), at a fraction of the full Gamma_t's cost.
+  std::function<void(index_t, T*)> gamma_diagonal;
 };
 
 // As KronTerm with Gamma_t = diag(D_t) (kron::accumulate_diagonal).

@@ -133,6 +133,9 @@ class WorkingMemory {
       factors = one_group_at_a_time ? std::max(factors, group) : factors + group;
     }
     total += factors;
+    if (one_group_at_a_time && !(head_ && head_->couples_tokens()))  // loss.hpp's site at each token-local cut
+      for (int k : g_.token_local_cuts()) total += g_.tokens() * g_.width(g_.nodes()[static_cast<size_t>(k)]->output) *
+                                                   g_.width(g_.nodes()[static_cast<size_t>(k)]->output);
     if (outer && head_->couples_tokens()) {  // assemble.hpp's token-summed Jacobian slabs, a few samples at a time
       const index_t d = g_.width(g_.output());
       total += 2 * std::max<index_t>(1, std::min(g_.samples(), 128 / std::max<index_t>(1, d))) * d * selected_size();

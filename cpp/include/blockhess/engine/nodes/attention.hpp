@@ -320,17 +320,24 @@ class AttentionNode final : public Node<T> {
         for (size_t c = a; c < logit_pieces.size(); ++c) {
           const int pi = logit_pieces[a], pj = logit_pieces[c];
           const Factor<T>&fi = g.factor(this->output, pi), &fj = g.factor(this->output, pj);
+          auto site = [this, i, L](index_t t) {  // the softmax's second derivative on row t, contracted
+            const index_t b = t / L, r = t % L;
+            Mat<T> Hs(L, L);
+            softmax::hessian_contract_row(weights(b, i, L) + r * L, logit_cotangent_of_weights(b, i, L) + r * L, L,
+                                          Hs.data());
+            return Hs;
+          };
           terms.kron.push_back(KronTerm<T>{pi, pj, fi.split, fj.split, fi.vec->data(), fj.vec->data(),
-                                           [this, logit_matrix, pi, pj, L, i](index_t t, T* out) {
-                                             const index_t b = t / L, r = t % L;
-                                             Mat<T> Hs(L, L);
-                                             softmax::hessian_contract_row(weights(b, i, L) + r * L,
-                                                                           logit_cotangent_of_weights(b, i, L) + r * L, L,
-                                                                           Hs.data());
+                                           [site, logit_matrix, pi, pj](index_t t, T* out) {
                                              const Mat<T> Ui = logit_matrix(pi, t), Uj = logit_matrix(pj, t);
-                                             MapM<T>(out, Ui.cols(), Uj.cols()).noalias() = Ui.transpose() * Hs * Uj;
+                                             MapM<T>(out, Ui.cols(), Uj.cols()).noalias() = Ui.transpose() * site(t) * Uj;
                                            },
                                            pi == pj});
+          if (pi == pj)
+            terms.kron.back().gamma_diagonal = [site, logit_matrix, pi](index_t t, T* out) {
+              const Mat<T> U = logit_matrix(pi, t), HU = site(t) * U;
+              Eigen::Map<Eigen::Matrix<T, 1, Eigen::Dynamic>>(out, U.cols()) = U.cwiseProduct(HU).colwise().sum();
+            };
         }
       // <gF_i, dA_i dV_i> with dV_i = X dW_V (head i's columns): Gamma_t = U_t^T Jsm_t X, gF_i on W_V's columns.
       if (g.selected(wv())) {
@@ -526,23 +533,32 @@ class AttentionNode final : public Node<T> {
       MapM<T>(m.Pk.data() + t * hk_ * r, hk_, r).noalias() = W(g, wk()).transpose() * U;
       MapM<T>(m.Pv.data() + t * hv_ * r, hv_, r).noalias() = W(g, wv()).transpose() * U;
     });
+    // The sums over a sample's tokens u, for all its tokens t at once (one GEMM each, not a product
+    // per pair): [q_t^T Pk_u]_u is Q_i (L, d_k) times the keys' tangents laid out (d_k, L r), and
+    // sum_u a_tu Pv_u is A_i (L, L) times the values' (L, d_v r).
     Buffer<T> UF(n * hv_ * r, T(0));
-    blockhess::detail::parallel_for(n, heads_ * L * r * (dk_ + dv_), [&](index_t t) {
-      const index_t b = t / L, row = t % L;
+    Buffer<T> keys(dk_ * L * r), AV(L * dv_ * r);
+    for (index_t b = 0; b < n / L; ++b)
       for (index_t i = 0; i < heads_; ++i) {
-        MapM<T> dT(m.dT.data() + (i * n + t) * L * r, L, r);
-        dT.noalias() = s_ * (k(b, i, L) * MapC<T>(m.Pq.data() + t * hk_ * r, hk_, r).middleRows(i * dk_, dk_));
-        const auto qt = MapC<T>(Q_.data() + t * hk_ + i * dk_, 1, dk_);
-        for (index_t u = 0; u < L; ++u)
-          dT.row(u).noalias() += s_ * (qt * MapC<T>(m.Pk.data() + (b * L + u) * hk_ * r, hk_, r).middleRows(i * dk_, dk_));
-        const Vec a(weights(b, i, L) + row * L, L);
-        auto out = ColMapM<T>(UF.data() + t * hv_ * r, hv_, r).middleRows(i * dv_, dv_);
-        for (index_t u = 0; u < L; ++u)
-          out += a[u] * MapC<T>(m.Pv.data() + (b * L + u) * hv_ * r, hv_, r).middleRows(i * dv_, dv_);
-        const Mat<T> JdT = a.asDiagonal() * dT - a * (a.transpose() * dT);  // Jsm_t dT_t
-        out.noalias() += v(b, i, L).transpose() * JdT;
+        blockhess::detail::parallel_for(L, dk_ * r, [&](index_t u) {
+          for (index_t c = 0; c < dk_; ++c)
+            std::copy_n(m.Pk.data() + ((b * L + u) * hk_ + i * dk_ + c) * r, r, keys.data() + (c * L + u) * r);
+        });
+        T* dT_b = m.dT.data() + (i * n + b * L) * L * r;  // (L, L r): row t is token t's (L, r)
+        product(MapM<T>(dT_b, L, L * r), q(b, i, L), MapC<T>(keys.data(), dk_, L * r), s_, false);
+        product(MapM<T>(AV.data(), L, dv_ * r), MapC<T>(weights(b, i, L), L, L),
+                MapC<T>(m.Pv.data() + b * L * hv_ * r, L, hv_ * r).middleCols(i * dv_ * r, dv_ * r), T(1), false);
+        blockhess::detail::parallel_for(L, L * r * (dk_ + dv_), [&](index_t row) {
+          const index_t t = b * L + row;
+          MapM<T> dT(dT_b + row * L * r, L, r);
+          dT.noalias() += s_ * (k(b, i, L) * MapC<T>(m.Pq.data() + t * hk_ * r, hk_, r).middleRows(i * dk_, dk_));
+          const Vec a(weights(b, i, L) + row * L, L);
+          auto out = ColMapM<T>(UF.data() + t * hv_ * r, hv_, r).middleRows(i * dv_, dv_);
+          out = MapC<T>(AV.data() + row * dv_ * r, dv_, r);
+          const Mat<T> JdT = a.asDiagonal() * dT - a * (a.transpose() * dT);  // Jsm_t dT_t
+          out.noalias() += v(b, i, L).transpose() * JdT;
+        });
       }
-    });
     m.at_F.present = true;
     m.at_F.split = in.split;
     m.at_F.vec = in.vec;

@@ -126,6 +126,7 @@ class NormNode final : public Node<T> {
     const index_t n = g.tokens(), d = width(g), rows = 5 * d * parallel::num_threads();
     return {n * (1 + d), 2 * d * parallel::num_threads(), n * d + rows, n * (1 + d * d)};
   }
+  bool token_local() const override { return true; }
   bool pulls_sites() const override { return !affine(); }
   bool parameters_move_alike() const override { return false; }  // gamma's factor is diagonal, beta's the identity
   void pull_site(const Graph<T>& g, index_t t, const T* omega_out, T* omega_in) const override {

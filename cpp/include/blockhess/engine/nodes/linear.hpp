@@ -88,6 +88,8 @@ class LinearNode final : public Node<T> {
     }
   }
 
+  bool token_local() const override { return true; }
+
   void jvp(const Graph<T>& g, Tangent<T>& tg) const override {
     const T* din = tg.in(in());
     const T* dW = tg.dW[static_cast<size_t>(param())];

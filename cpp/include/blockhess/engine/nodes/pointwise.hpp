@@ -60,6 +60,7 @@ class PointwiseNode final : public Node<T> {
     return {smooth ? 2 * size : size, 0, 0, smooth ? size : 0};
   }
 
+  bool token_local() const override { return true; }
   bool pulls_sites() const override { return true; }
   void pull_site(const Graph<T>& g, index_t t, const T* omega_out, T* omega_in) const override {
     const index_t w = g.width(in());

@@ -34,6 +34,8 @@ class ResidualNode final : public Node<T> {
 
   void curvature(const Graph<T>&, Terms<T>&) const override {}
 
+  bool token_local() const override { return true; }
+
   void jvp(const Graph<T>& g, Tangent<T>& tg) const override {
     const T *da = tg.in(this->inputs[0]), *db = tg.in(this->inputs[1]);
     if (!da && !db) return;

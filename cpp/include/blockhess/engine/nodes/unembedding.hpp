@@ -65,6 +65,7 @@ class UnembeddingNode final : public Node<T> {
   // Token-local and, with W_E never carrying factors (above), linear in its input alone: a site at
   // the logits is W_E^T Omega_t W_E at its input (d, d), where the factors meet it instead of being
   // carried to the vocabulary's width.
+  bool token_local() const override { return true; }
   bool pulls_sites() const override { return true; }
   void pull_site(const Graph<T>& g, index_t /*t*/, const T* omega_out, T* omega_in) const override {
     const Mat<T> omega_W = MapC<T>(omega_out, vocab(g), vocab(g)) * W(g);
