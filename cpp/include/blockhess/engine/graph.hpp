@@ -399,6 +399,29 @@ class Graph {
     return cuts;
   }
 
+  // The cuts a diagonal over `selection` takes, each group to the first at or after its parameters'
+  // last use: a cut's site costs about one push of a factor as wide as its value through the nodes
+  // above it and saves the groups below it theirs, so it is taken where those groups' factors have
+  // at least twice its columns (an attention alone, as wide as the cut, pushes as much as the probe).
+  std::vector<int> token_local_cuts(const std::vector<bool>& selection) const {
+    require_one_flag_each(selection);
+    const std::vector<int> cuts = token_local_cuts();
+    std::vector<index_t> columns(cuts.size(), 0);
+    for (const auto& node : nodes_) {
+      int last = -1, groups = 0;
+      for (int p : node->params)
+        if (selection[static_cast<size_t>(p)]) last = std::max(last, last_use(p)), ++groups;
+      const auto at = std::lower_bound(cuts.begin(), cuts.end(), last);
+      if (last < 0 || at == cuts.end()) continue;
+      columns[static_cast<size_t>(at - cuts.begin())] +=
+          node->factor_columns(*this) * (node->parameters_move_alike() ? 1 : groups);
+    }
+    std::vector<int> taken;
+    for (size_t k = 0; k < cuts.size(); ++k)
+      if (columns[k] >= 2 * width(nodes_[static_cast<size_t>(cuts[k])]->output)) taken.push_back(cuts[k]);
+    return taken;
+  }
+
   // push_factors(false) in two parts around a cut: through the nodes up to `last` from no factors
   // (nothing above it moves), then through the nodes after it onto the factors already there.
   void push_factors_through(int last) {

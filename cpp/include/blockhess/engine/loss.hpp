@@ -302,8 +302,9 @@ T loss_hessian(Graph<T>& g, Head<T>& head, Part part, const std::vector<bool>& w
 // The entries of a group whose factors do not reach it (a lower block of a stack, an embedding)
 // come from products with those columns of the identity instead (one product per entry,
 // docs/derivation.md §5.4), refused (std::invalid_argument) when there are more than max_products.
-// A group below a token-local cut (where the head does not couple tokens) pushes its factors up to
-// the cut only and meets every site above it there, pulled back once per cut (site_at_cut).
+// A group below a token-local cut that pays (Graph::token_local_cuts(wrt); none where the head
+// couples tokens) pushes its factors up to the cut only and meets every site above it there,
+// pulled back once per cut (site_at_cut).
 template <class T>
 T loss_hessian_diagonal(Graph<T>& g, Head<T>& head, Part part, const std::vector<bool>& wrt, T* diag,
                         index_t max_products = std::numeric_limits<index_t>::max()) {
@@ -315,7 +316,7 @@ T loss_hessian_diagonal(Graph<T>& g, Head<T>& head, Part part, const std::vector
   std::fill_n(diag, P, T(0));
   std::vector<bool> unreached(wrt.size(), false);
   std::string reason;
-  const std::vector<int> cuts = head.couples_tokens() ? std::vector<int>{} : g.token_local_cuts();
+  const std::vector<int> cuts = head.couples_tokens() ? std::vector<int>{} : g.token_local_cuts(wrt);
   std::map<int, Site<T>> at_cut;
   for (const std::vector<int>& group : g.factor_groups()) {
     const std::vector<bool> some = selected_in(group, wrt);

@@ -112,7 +112,9 @@ class WorkingMemory {
 
   // The factored assembly: the caches, every node's curvature terms, kron::accumulate's chunks,
   // and the selected parameters' factors at every value downstream of where they enter: all
-  // groups at once for a dense Hessian, the largest group alone for the diagonal.
+  // groups at once for a dense Hessian, the largest group alone for the diagonal. The diagonal's
+  // groups below a token-local cut stop there, where the cut's site (one (w, w) Omega a token) and,
+  // while it is formed, a probe factor pushed through the nodes above are held (loss.hpp).
   index_t factored(Part part, bool one_group_at_a_time) const {
     const bool outer = head_ && part != Part::functional, functional = part != Part::outer;
     index_t total = kept(outer);
@@ -123,19 +125,29 @@ class WorkingMemory {
     total += 3 * std::min(g_.tokens() * widest * widest, kron_chunk);
     if (functional)
       for (const auto& node : g_.nodes()) total += node->footprint(g_).curvature;
+    const bool cut = one_group_at_a_time && !(head_ && head_->couples_tokens());
+    const std::vector<int> cuts = cut ? g_.token_local_cuts(selected_) : std::vector<int>{};
+    std::vector<int> used;  // the cuts the selected groups stop at
     index_t factors = 0;
     for (const auto& node : g_.nodes()) {
       index_t entering = 0;
+      int last = -1;
       for (int p : node->params)
-        if (selected_[static_cast<size_t>(p)]) entering += node->entering_factor(g_, p);
+        if (selected_[static_cast<size_t>(p)]) entering += node->entering_factor(g_, p), last = std::max(last, g_.last_use(p));
       if (entering == 0) continue;
-      const index_t group = entering + downstream(*node, node->factor_columns(g_));
+      const auto at = std::lower_bound(cuts.begin(), cuts.end(), last);
+      const int stop = at == cuts.end() ? static_cast<int>(g_.nodes().size()) : *at;
+      if (at != cuts.end() && std::find(used.begin(), used.end(), stop) == used.end()) used.push_back(stop);
+      const index_t group = entering + downstream(*node, node->factor_columns(g_), stop);
       factors = one_group_at_a_time ? std::max(factors, group) : factors + group;
     }
+    for (int k : used) {
+      const Node<T>& at = *g_.nodes()[static_cast<size_t>(k)];
+      const index_t w = g_.width(at.output);
+      total += g_.tokens() * w * w;
+      factors = std::max(factors, downstream(at, w, static_cast<int>(g_.nodes().size())));
+    }
     total += factors;
-    if (one_group_at_a_time && !(head_ && head_->couples_tokens()))  // loss.hpp's site at each token-local cut
-      for (int k : g_.token_local_cuts()) total += g_.tokens() * g_.width(g_.nodes()[static_cast<size_t>(k)]->output) *
-                                                   g_.width(g_.nodes()[static_cast<size_t>(k)]->output);
     if (outer && head_->couples_tokens()) {  // assemble.hpp's token-summed Jacobian slabs, a few samples at a time
       const index_t d = g_.width(g_.output());
       total += 2 * std::max<index_t>(1, std::min(g_.samples(), 128 / std::max<index_t>(1, d))) * d * selected_size();
@@ -144,13 +156,13 @@ class WorkingMemory {
   }
 
   // A factor of r columns entering at `from`'s output: its G_t at that value and every value
-  // downstream, and what it costs passing each node on the way.
-  index_t downstream(const Node<T>& from, index_t r) const {
+  // downstream up to node `last`'s, and what it costs passing each node on the way.
+  index_t downstream(const Node<T>& from, index_t r, int last) const {
     std::vector<char> reached(static_cast<size_t>(g_.num_values()), 0);
     reached[static_cast<size_t>(from.output)] = 1;
     index_t total = g_.tokens() * r * g_.width(from.output);
     for (const auto& node : g_.nodes()) {
-      if (node->index <= from.index) continue;
+      if (node->index <= from.index || node->index > last) continue;
       const bool moved = std::any_of(node->inputs.begin(), node->inputs.end(),
                                      [&](int v) { return reached[static_cast<size_t>(v)] != 0; });
       if (!moved) continue;
