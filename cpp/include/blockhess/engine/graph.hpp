@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <deque>
 #include <limits>
+#include <map>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -406,20 +407,26 @@ class Graph {
   std::vector<int> token_local_cuts(const std::vector<bool>& selection) const {
     require_one_flag_each(selection);
     const std::vector<int> cuts = token_local_cuts();
-    std::vector<index_t> columns(cuts.size(), 0);
+    std::map<int, index_t> columns;  // a cut's groups' factor columns
     for (const auto& node : nodes_) {
       int last = -1, groups = 0;
       for (int p : node->params)
         if (selection[static_cast<size_t>(p)]) last = std::max(last, last_use(p)), ++groups;
-      const auto at = std::lower_bound(cuts.begin(), cuts.end(), last);
-      if (last < 0 || at == cuts.end()) continue;
-      columns[static_cast<size_t>(at - cuts.begin())] +=
-          node->factor_columns(*this) * (node->parameters_move_alike() ? 1 : groups);
+      const int cut = cut_at_or_after(cuts, last);
+      if (last < 0 || cut < 0) continue;
+      columns[cut] += node->factor_columns(*this) * (node->parameters_move_alike() ? 1 : groups);
     }
     std::vector<int> taken;
-    for (size_t k = 0; k < cuts.size(); ++k)
-      if (columns[k] >= 2 * width(nodes_[static_cast<size_t>(cuts[k])]->output)) taken.push_back(cuts[k]);
+    for (const auto& [cut, r] : columns)
+      if (r >= 2 * width(nodes_[static_cast<size_t>(cut)]->output)) taken.push_back(cut);
     return taken;
+  }
+
+  // The first of `cuts` (in order) at or after node `last`, the last to use a group's parameters:
+  // where that group's factors stop; -1 where none is.
+  static int cut_at_or_after(const std::vector<int>& cuts, int last) {
+    const auto at = std::lower_bound(cuts.begin(), cuts.end(), last);
+    return at == cuts.end() ? -1 : *at;
   }
 
   // push_factors(false) in two parts around a cut: through the nodes up to `last` from no factors

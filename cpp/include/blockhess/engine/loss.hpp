@@ -323,18 +323,18 @@ T loss_hessian_diagonal(Graph<T>& g, Head<T>& head, Part part, const std::vector
     if (std::find(some.begin(), some.end(), true) == some.end()) continue;
     int used = -1;
     for (int p : group) used = std::max(used, g.last_use(p));
-    const auto cut = std::lower_bound(cuts.begin(), cuts.end(), used);
+    const int cut = Graph<T>::cut_at_or_after(cuts, used);
     try {
-      if (cut == cuts.end()) {
+      if (cut < 0) {
         push_loss_factors(g, head, part, some);
         add_diagonal(g, loss_terms(g, outer, part), offset, diag);
         continue;
       }
-      if (at_cut.find(*cut) == at_cut.end()) at_cut.emplace(*cut, site_at_cut(g, *cut, part != Part::outer, outer.sites));
+      if (at_cut.find(cut) == at_cut.end()) at_cut.emplace(cut, site_at_cut(g, cut, part != Part::outer, outer.sites));
       g.select(some);
-      g.push_factors_through(*cut);
-      Terms<T> terms = part != Part::outer ? g.curvature(*cut) : Terms<T>{};
-      terms.sites.push_back(at_cut.at(*cut));
+      g.push_factors_through(cut);
+      Terms<T> terms = part != Part::outer ? g.curvature(cut) : Terms<T>{};
+      terms.sites.push_back(at_cut.at(cut));
       add_diagonal(g, std::move(terms), offset, diag);
     } catch (const FactorsDoNotReach& refusal) {
       g.clear_factors();

@@ -135,9 +135,9 @@ class WorkingMemory {
       for (int p : node->params)
         if (selected_[static_cast<size_t>(p)]) entering += node->entering_factor(g_, p), last = std::max(last, g_.last_use(p));
       if (entering == 0) continue;
-      const auto at = std::lower_bound(cuts.begin(), cuts.end(), last);
-      const int stop = at == cuts.end() ? static_cast<int>(g_.nodes().size()) : *at;
-      if (at != cuts.end() && std::find(used.begin(), used.end(), stop) == used.end()) used.push_back(stop);
+      const int cut_at = Graph<T>::cut_at_or_after(cuts, last);
+      const int stop = cut_at < 0 ? static_cast<int>(g_.nodes().size()) : cut_at;
+      if (cut_at >= 0 && std::find(used.begin(), used.end(), stop) == used.end()) used.push_back(stop);
       const index_t group = entering + downstream(*node, node->factor_columns(g_), stop);
       factors = one_group_at_a_time ? std::max(factors, group) : factors + group;
     }

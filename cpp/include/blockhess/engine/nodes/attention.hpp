@@ -537,7 +537,7 @@ class AttentionNode final : public Node<T> {
     // per pair): [q_t^T Pk_u]_u is Q_i (L, d_k) times the keys' tangents laid out (d_k, L r), and
     // sum_u a_tu Pv_u is A_i (L, L) times the values' (L, d_v r).
     Buffer<T> UF(n * hv_ * r, T(0));
-    Buffer<T> keys(dk_ * L * r), AV(L * dv_ * r);
+    RawBuffer<T> keys(dk_ * L * r), AV(L * dv_ * r);  // written before they are read
     for (index_t b = 0; b < n / L; ++b)
       for (index_t i = 0; i < heads_; ++i) {
         blockhess::detail::parallel_for(L, dk_ * r, [&](index_t u) {
