@@ -190,8 +190,8 @@ std::vector<Factor<T>> left_multiply(const std::vector<const Factor<T>*>& in, in
 // G'_t = W^T G_t for every factor in `in`, with one weight W (w_in, w_out) for every token (a
 // linear map): for a dense G_t, all tokens' G'_t^T = G_t^T W at once.
 template <class T>
-std::vector<Factor<T>> left_multiply_weight(const std::vector<const Factor<T>*>& in, index_t tokens, const T* weight,
-                                            index_t w_in, index_t w_out) {
+std::vector<Factor<T>> left_multiply_weight(const Backend<T>& backend, const std::vector<const Factor<T>*>& in,
+                                            index_t tokens, const T* weight, index_t w_in, index_t w_out) {
   std::vector<Factor<T>> out(in.size());
   const std::vector<size_t> first = detail::first_alike(in);
   const MapC<T> W(weight, w_in, w_out);
@@ -203,7 +203,7 @@ std::vector<Factor<T>> left_multiply_weight(const std::vector<const Factor<T>*>&
     Buffer<T> G(static_cast<size_t>(tokens * r * w_out));
     MapM<T> Gt(G.data(), tokens * r, w_out);  // the G'_t^T, token after token
     if (f.form == Form::dense) {
-      product(Gt, MapC<T>(f.U->data(), tokens * r, w_in), W, T(1), false);
+      product(backend, Gt, MapC<T>(f.U->data(), tokens * r, w_in), W, T(1), false);
     } else {  // G_t = diag(delta_t) (or I): G'_t^T = diag(delta_t) W
       blockhess::detail::parallel_for(tokens, r * w_out, [&](index_t t) {
         for (index_t k = 0; k < r; ++k)

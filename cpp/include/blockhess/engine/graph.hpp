@@ -29,6 +29,7 @@
 
 #include "blockhess/buffer.hpp"
 #include "blockhess/config.hpp"
+#include "blockhess/cpu_backend.hpp"
 #include "blockhess/engine/factor.hpp"
 #include "blockhess/engine/terms.hpp"
 #include "blockhess/finite.hpp"
@@ -181,10 +182,19 @@ class Graph {
     const T* values() const { return borrowed ? borrowed : data.data(); }
   };
 
-  Graph(index_t B, index_t L) : B_(B), L_(L) {}
+  // A graph of B samples of L tokens whose products run on `backend` (backend.hpp), which must
+  // outlive it. The nodes' per-token work runs on the host, in the backend's memory: a backend the
+  // host cannot address (the GPU's, so far) is refused (docs/backends.md).
+  explicit Graph(index_t B, index_t L, const Backend<T>& backend = cpu_backend<T>())
+      : B_(B), L_(L), backend_(&backend) {
+    if (!backend.host_addressable())
+      throw std::invalid_argument("engine: the nodes' per-token work runs on the host, and this backend's memory is "
+                                  "not the host's (docs/backends.md)");
+  }
   Graph(const Graph&) = delete;
   Graph& operator=(const Graph&) = delete;
 
+  const Backend<T>& backend() const { return *backend_; }
   index_t samples() const { return B_; }
   index_t tokens_per_sample() const { return L_; }
   index_t tokens() const { return B_ * L_; }
@@ -552,6 +562,7 @@ class Graph {
   }
 
   index_t B_, L_;
+  const Backend<T>* backend_;
   std::vector<Param> params_;
   std::vector<Piece> pieces_;
   std::vector<std::vector<int>> pieces_of_;

@@ -58,9 +58,9 @@ class AttentionNode final : public Node<T> {
       for (int p : {bq(), bk(), bv()}) g.split_columns(p, heads_);
     Q_.resize(n * hk_), K_.resize(n * hk_), V_.resize(n * hv_), A_.resize(B * heads_ * L * L);
     const MapC<T> X(g.value(x()), n, d);
-    product(MapM<T>(Q_.data(), n, hk_), X, W(g, wq()), T(1), false);
-    product(MapM<T>(K_.data(), n, hk_), X, W(g, wk()), T(1), false);
-    product(MapM<T>(V_.data(), n, hv_), X, W(g, wv()), T(1), false);
+    product(g.backend(), MapM<T>(Q_.data(), n, hk_), X, W(g, wq()), T(1), false);
+    product(g.backend(), MapM<T>(K_.data(), n, hk_), X, W(g, wk()), T(1), false);
+    product(g.backend(), MapM<T>(V_.data(), n, hv_), X, W(g, wv()), T(1), false);
     if (biased()) {
       MapM<T>(Q_.data(), n, hk_).rowwise() += MapC<T>(g.weight(bq()), 1, hk_).row(0);
       MapM<T>(K_.data(), n, hk_).rowwise() += MapC<T>(g.weight(bk()), 1, hk_).row(0);
@@ -70,16 +70,19 @@ class AttentionNode final : public Node<T> {
     require_finite(K_.data(), n * hk_, "block: the keys X W_K");
     require_finite(V_.data(), n * hv_, "block: the values X W_V");
     T* F = g.value_out(this->output);
-    for (index_t b = 0; b < B; ++b)
+    // Sample by sample, every head at once: the logits, the weights row by row, the output.
+    for (index_t b = 0; b < B; ++b) {
+      batched_product(g.backend(), heads_, MapM<T>(weights(b, 0, L), L, L), L * L, q(b, 0, L), dk_,
+                      k(b, 0, L).transpose(), dk_, s_, false);
       for (index_t i = 0; i < heads_; ++i) {
-        MapM<T> A(weights(b, i, L), L, L);
-        product(A, q(b, i, L), k(b, i, L).transpose(), s_, false);
+        T* A = weights(b, i, L);
         if (causal_)
-          for (index_t r = 0; r < L; ++r)
-            std::fill(A.data() + r * L + r + 1, A.data() + (r + 1) * L, -std::numeric_limits<T>::infinity());
-        for (index_t r = 0; r < L; ++r) softmax::forward_row(A.data() + r * L, L, A.data() + r * L);
-        product(head_cols(F, b, i, L), A, v(b, i, L), T(1), false);
+          for (index_t r = 0; r < L; ++r) std::fill(A + r * L + r + 1, A + (r + 1) * L, -std::numeric_limits<T>::infinity());
+        for (index_t r = 0; r < L; ++r) softmax::forward_row(A + r * L, L, A + r * L);
       }
+      batched_product(g.backend(), heads_, head_cols(F, b, 0, L), dv_, MapC<T>(weights(b, 0, L), L, L), L * L,
+                      v(b, 0, L), dv_, T(1), false);
+    }
     require_finite(A_.data(), B * heads_ * L * L, "block: the attention weights softmax(X W_Q W_K^T X^T / sqrt(d_k))");
     require_finite(F, n * hv_, "block: the attention output A X W_V");
   }
@@ -128,22 +131,25 @@ class AttentionNode final : public Node<T> {
     const T* gF = g.cotangent(this->output);
     gA_.resize(A_.size()), gT_.resize(A_.size());
     gQ_.resize(Q_.size()), gK_.resize(K_.size()), gV_.resize(V_.size());
-    for (index_t b = 0; b < B; ++b)
-      for (index_t i = 0; i < heads_; ++i) {
-        T* gA = gA_.data() + (b * heads_ + i) * L * L;
-        product(MapM<T>(gA, L, L), head_cols(gF, b, i, L), v(b, i, L).transpose(), T(1), false);
-        for (index_t r = 0; r < L; ++r)
-          softmax::vjp_row(weights(b, i, L) + r * L, gA + r * L, L, gT_.data() + (b * heads_ + i) * L * L + r * L);
-        const MapC<T> gT(logit_cotangent(b, i, L), L, L), A(weights(b, i, L), L, L);
-        product(head_of(gQ_, b, i, L, hk_, dk_), gT, k(b, i, L), s_, false);
-        product(head_of(gK_, b, i, L, hk_, dk_), gT.transpose(), q(b, i, L), s_, false);
-        product(head_of(gV_, b, i, L, hv_, dv_), A.transpose(), head_cols(gF, b, i, L), T(1), false);
-      }
+    const index_t LL = L * L;
+    for (index_t b = 0; b < B; ++b) {  // sample by sample, every head at once
+      T* gA = gA_.data() + b * heads_ * LL;
+      batched_product(g.backend(), heads_, MapM<T>(gA, L, L), LL, head_cols(gF, b, 0, L), dv_, v(b, 0, L).transpose(),
+                      dv_, T(1), false);
+      for (index_t r = 0; r < heads_ * L; ++r)
+        softmax::vjp_row(weights(b, 0, L) + r * L, gA + r * L, L, gT_.data() + b * heads_ * LL + r * L);
+      const MapC<T> gT(logit_cotangent(b, 0, L), L, L), A(weights(b, 0, L), L, L);
+      batched_product(g.backend(), heads_, head_of(gQ_, b, 0, L, hk_, dk_), dk_, gT, LL, k(b, 0, L), dk_, s_, false);
+      batched_product(g.backend(), heads_, head_of(gK_, b, 0, L, hk_, dk_), dk_, gT.transpose(), LL, q(b, 0, L), dk_, s_,
+                      false);
+      batched_product(g.backend(), heads_, head_of(gV_, b, 0, L, hv_, dv_), dv_, A.transpose(), LL,
+                      head_cols(gF, b, 0, L), dv_, T(1), false);
+    }
     require_finite(gT_.data(), static_cast<index_t>(gT_.size()), "block: the reverse pass through the attention weights");
     const MapC<T> X(g.value(x()), n, d), gQ(gQ_.data(), n, hk_), gK(gK_.data(), n, hk_), gV(gV_.data(), n, hv_);
-    if (T* o = g.gradient_out(wq())) product(MapM<T>(o, d, hk_), X.transpose(), gQ, T(1), false);
-    if (T* o = g.gradient_out(wk())) product(MapM<T>(o, d, hk_), X.transpose(), gK, T(1), false);
-    if (T* o = g.gradient_out(wv())) product(MapM<T>(o, d, hv_), X.transpose(), gV, T(1), false);
+    if (T* o = g.gradient_out(wq())) product(g.backend(), MapM<T>(o, d, hk_), X.transpose(), gQ, T(1), false);
+    if (T* o = g.gradient_out(wk())) product(g.backend(), MapM<T>(o, d, hk_), X.transpose(), gK, T(1), false);
+    if (T* o = g.gradient_out(wv())) product(g.backend(), MapM<T>(o, d, hv_), X.transpose(), gV, T(1), false);
     if (biased()) {
       if (T* o = g.gradient_out(bq())) column_sums(gQ, o);
       if (T* o = g.gradient_out(bk())) MapM<T>(o, 1, hk_).setZero();  // exactly: the rows of gT sum to 0
@@ -152,9 +158,9 @@ class AttentionNode final : public Node<T> {
     if (!g.varies(x())) return;
     const Slot<T> slot = g.cotangent_slot(x());
     MapM<T> gX(slot.data, n, d);
-    product(gX, gQ, W(g, wq()).transpose(), T(1), slot.add);
-    product(gX, gK, W(g, wk()).transpose(), T(1), true);
-    product(gX, gV, W(g, wv()).transpose(), T(1), true);
+    product(g.backend(), gX, gQ, W(g, wq()).transpose(), T(1), slot.add);
+    product(g.backend(), gX, gK, W(g, wk()).transpose(), T(1), true);
+    product(g.backend(), gX, gV, W(g, wv()).transpose(), T(1), true);
   }
 
   void push(Graph<T>& g) const override {
@@ -233,7 +239,7 @@ class AttentionNode final : public Node<T> {
       if (g.selected(wv())) {
         Buffer<T> AX(n * d);
         for (index_t b = 0; b < B; ++b)
-          product(MapM<T>(AX.data() + b * L * d, L, d), MapC<T>(weights(b, i, L), L, L), sample_x(g, b), T(1), false);
+          product(g.backend(), MapM<T>(AX.data() + b * L * d, L, d), MapC<T>(weights(b, i, L), L, L), sample_x(g, b), T(1), false);
         const int piece = g.pieces_of(wv())[i];
         at_V.split = g.split_of(piece, true);
         at_V.vec = std::make_shared<const Buffer<T>>(std::move(AX));
@@ -366,7 +372,7 @@ class AttentionNode final : public Node<T> {
       if ((g.selected(wq()) || with_bias_q) && g.selected(wk())) {
         Buffer<T> gTX(n * d);
         for (index_t b = 0; b < B; ++b)
-          product(MapM<T>(gTX.data() + b * L * d, L, d), MapC<T>(logit_cotangent(b, i, L), L, L), sample_x(g, b), s_,
+          product(g.backend(), MapM<T>(gTX.data() + b * L * d, L, d), MapC<T>(logit_cotangent(b, i, L), L, L), sample_x(g, b), s_,
                   false);
         const T* gtx = terms.kept(std::move(gTX));
         const kron::Split key_rows = g.split_of(key_piece, true);
@@ -395,8 +401,8 @@ class AttentionNode final : public Node<T> {
     auto tangent_of = [&](int slot, int weight, const T* dW, const T* db, index_t cols) -> const RawBuffer<T>& {
       RawBuffer<T>& out = tg.scratch(this->index, slot, n * cols);
       MapM<T> o(out.data(), n, cols);
-      if (dW) product(o, X, MapC<T>(dW, d, cols), T(1), false);
-      if (dX) product(o, MapC<T>(dX, n, d), W(g, weight), T(1), dW != nullptr);
+      if (dW) product(g.backend(), o, X, MapC<T>(dW, d, cols), T(1), false);
+      if (dX) product(g.backend(), o, MapC<T>(dX, n, d), W(g, weight), T(1), dW != nullptr);
       if (!dW && !dX) o.setZero();
       if (db) o.rowwise() += MapC<T>(db, 1, cols).row(0);
       return out;
@@ -408,14 +414,14 @@ class AttentionNode final : public Node<T> {
     T* dF = tg.out(this->output, n * hv_);
     for (index_t b = 0; b < B; ++b)
       for (index_t i = 0; i < heads_; ++i) {
-        product(dT, head(dQ, b, i, L, hk_, dk_), k(b, i, L).transpose(), s_, false);
-        product(dT, q(b, i, L), head(dK, b, i, L, hk_, dk_).transpose(), s_, true);
+        product(g.backend(), dT, head(dQ, b, i, L, hk_, dk_), k(b, i, L).transpose(), s_, false);
+        product(g.backend(), dT, q(b, i, L), head(dK, b, i, L, hk_, dk_).transpose(), s_, true);
         const T* A = weights(b, i, L);
         T* dAi = dA.data() + (b * heads_ + i) * L * L;
         for (index_t r = 0; r < L; ++r) softmax::vjp_row(A + r * L, dT.data() + r * L, L, dAi + r * L);  // J symmetric
         const auto dFi = head_cols(dF, b, i, L);
-        product(dFi, MapC<T>(dAi, L, L), v(b, i, L), T(1), false);
-        product(dFi, MapC<T>(A, L, L), head(dV, b, i, L, hv_, dv_), T(1), true);
+        product(g.backend(), dFi, MapC<T>(dAi, L, L), v(b, i, L), T(1), false);
+        product(g.backend(), dFi, MapC<T>(A, L, L), head(dV, b, i, L, hv_, dv_), T(1), true);
       }
   }
 
@@ -440,8 +446,8 @@ class AttentionNode final : public Node<T> {
     MapM<T> dgT(tg.scratch(this->index, kDgT, L * L).data(), L, L);
     for (index_t b = 0; b < B; ++b)
       for (index_t i = 0; i < heads_; ++i) {
-        product(dgA, head_cols(dgF, b, i, L), v(b, i, L).transpose(), T(1), false);
-        if (curved && moves_v) product(dgA, head_cols(gF, b, i, L), head(dV, b, i, L, hv_, dv_).transpose(), T(1), true);
+        product(g.backend(), dgA, head_cols(dgF, b, i, L), v(b, i, L).transpose(), T(1), false);
+        if (curved && moves_v) product(g.backend(), dgA, head_cols(gF, b, i, L), head(dV, b, i, L, hv_, dv_).transpose(), T(1), true);
         const index_t at = (b * heads_ + i) * L * L;
         for (index_t r = 0; r < L; ++r) {
           const index_t row = at + r * L;
@@ -450,14 +456,14 @@ class AttentionNode final : public Node<T> {
         }
         const MapC<T> gT(gT_.data() + at, L, L), A(A_.data() + at, L, L), dAi(dA.data() + at, L, L);
         auto dgQi = head_of(dgQ, b, i, L, hk_, dk_);
-        product(dgQi, dgT, k(b, i, L), s_, false);
-        if (curved && moves_k) product(dgQi, gT, head(dK, b, i, L, hk_, dk_), s_, true);
+        product(g.backend(), dgQi, dgT, k(b, i, L), s_, false);
+        if (curved && moves_k) product(g.backend(), dgQi, gT, head(dK, b, i, L, hk_, dk_), s_, true);
         auto dgKi = head_of(dgK, b, i, L, hk_, dk_);
-        product(dgKi, dgT.transpose(), q(b, i, L), s_, false);
-        if (curved && moves_q) product(dgKi, gT.transpose(), head(dQ, b, i, L, hk_, dk_), s_, true);
+        product(g.backend(), dgKi, dgT.transpose(), q(b, i, L), s_, false);
+        if (curved && moves_q) product(g.backend(), dgKi, gT.transpose(), head(dQ, b, i, L, hk_, dk_), s_, true);
         auto dgVi = head_of(dgV, b, i, L, hv_, dv_);
-        product(dgVi, A.transpose(), head_cols(dgF, b, i, L), T(1), false);
-        if (curved) product(dgVi, dAi.transpose(), head_cols(gF, b, i, L), T(1), true);
+        product(g.backend(), dgVi, A.transpose(), head_cols(dgF, b, i, L), T(1), false);
+        if (curved) product(g.backend(), dgVi, dAi.transpose(), head_cols(gF, b, i, L), T(1), true);
       }
     const MapC<T> X(g.value(x()), n, d);
     const MapC<T> gQ(gQ_.data(), n, hk_), gK(gK_.data(), n, hk_), gV(gV_.data(), n, hv_);
@@ -466,8 +472,8 @@ class AttentionNode final : public Node<T> {
     auto weight_tangent = [&](T* out, index_t cols, const MapC<T>& dg, const MapC<T>& g0) {
       if (!out) return;
       MapM<T> o(out, d, cols);
-      product(o, X.transpose(), dg, T(1), false);
-      if (curved && dX) product(o, MapC<T>(dX, n, d).transpose(), g0, T(1), true);
+      product(g.backend(), o, X.transpose(), dg, T(1), false);
+      if (curved && dX) product(g.backend(), o, MapC<T>(dX, n, d).transpose(), g0, T(1), true);
     };
     weight_tangent(tg.dgrad[wq()], hk_, dgQm, gQ);
     weight_tangent(tg.dgrad[wk()], hk_, dgKm, gK);
@@ -481,13 +487,13 @@ class AttentionNode final : public Node<T> {
     // d(gQ W_Q^T + ...) = dgQ W_Q^T + (curved) gQ dW_Q^T + ...
     const Slot<T> slot = tg.dcot_slot(x(), n * d);
     MapM<T> dgX(slot.data, n, d);
-    product(dgX, dgQm, W(g, wq()).transpose(), T(1), slot.add);
-    product(dgX, dgKm, W(g, wk()).transpose(), T(1), true);
-    product(dgX, dgVm, W(g, wv()).transpose(), T(1), true);
+    product(g.backend(), dgX, dgQm, W(g, wq()).transpose(), T(1), slot.add);
+    product(g.backend(), dgX, dgKm, W(g, wk()).transpose(), T(1), true);
+    product(g.backend(), dgX, dgVm, W(g, wv()).transpose(), T(1), true);
     if (!curved) return;
-    if (const T* dW = tg.dW[wq()]) product(dgX, gQ, MapC<T>(dW, d, hk_).transpose(), T(1), true);
-    if (const T* dW = tg.dW[wk()]) product(dgX, gK, MapC<T>(dW, d, hk_).transpose(), T(1), true);
-    if (const T* dW = tg.dW[wv()]) product(dgX, gV, MapC<T>(dW, d, hv_).transpose(), T(1), true);
+    if (const T* dW = tg.dW[wq()]) product(g.backend(), dgX, gQ, MapC<T>(dW, d, hk_).transpose(), T(1), true);
+    if (const T* dW = tg.dW[wk()]) product(g.backend(), dgX, gK, MapC<T>(dW, d, hk_).transpose(), T(1), true);
+    if (const T* dW = tg.dW[wv()]) product(g.backend(), dgX, gV, MapC<T>(dW, d, hv_).transpose(), T(1), true);
   }
 
  private:
@@ -545,8 +551,8 @@ class AttentionNode final : public Node<T> {
             std::copy_n(m.Pk.data() + ((b * L + u) * hk_ + i * dk_ + c) * r, r, keys.data() + (c * L + u) * r);
         });
         T* dT_b = m.dT.data() + (i * n + b * L) * L * r;  // (L, L r): row t is token t's (L, r)
-        product(MapM<T>(dT_b, L, L * r), q(b, i, L), MapC<T>(keys.data(), dk_, L * r), s_, false);
-        product(MapM<T>(AV.data(), L, dv_ * r), MapC<T>(weights(b, i, L), L, L),
+        product(g.backend(), MapM<T>(dT_b, L, L * r), q(b, i, L), MapC<T>(keys.data(), dk_, L * r), s_, false);
+        product(g.backend(), MapM<T>(AV.data(), L, dv_ * r), MapC<T>(weights(b, i, L), L, L),
                 MapC<T>(m.Pv.data() + b * L * hv_ * r, L, hv_ * r).middleCols(i * dv_ * r, dv_ * r), T(1), false);
         blockhess::detail::parallel_for(L, L * r * (dk_ + dv_), [&](index_t row) {
           const index_t t = b * L + row;
@@ -613,8 +619,8 @@ class AttentionNode final : public Node<T> {
       }
       for (index_t b = 0; b < B; ++b) {
         const MapC<T> gT(logit_cotangent(b, i, L), L, L);
-        product(MapM<T>(SK.data() + b * L * dk_ * rv, L, dk_ * rv), gT, MapC<T>(PkI.data() + b * L * dk_ * rv, L, dk_ * rv), s_, false);
-        product(MapM<T>(SQ.data() + b * L * dk_ * rv, L, dk_ * rv), gT.transpose(), MapC<T>(PqI.data() + b * L * dk_ * rv, L, dk_ * rv), s_, false);
+        product(g.backend(), MapM<T>(SK.data() + b * L * dk_ * rv, L, dk_ * rv), gT, MapC<T>(PkI.data() + b * L * dk_ * rv, L, dk_ * rv), s_, false);
+        product(g.backend(), MapM<T>(SQ.data() + b * L * dk_ * rv, L, dk_ * rv), gT.transpose(), MapC<T>(PqI.data() + b * L * dk_ * rv, L, dk_ * rv), s_, false);
       }
       const T* sk = terms.kept(std::move(SK));
       const T* sq = terms.kept(std::move(SQ));
@@ -641,7 +647,7 @@ class AttentionNode final : public Node<T> {
           for (index_t t = 0; t < n; ++t)
             MapM<T>(PkK.data() + t * dk_ * rk, dk_, rk) = MapC<T>(mk.Pk.data() + t * hk_ * rk, hk_, rk).middleRows(i * dk_, dk_);
           for (index_t b = 0; b < B; ++b)
-            product(MapM<T>(SKK.data() + b * L * dk_ * rk, L, dk_ * rk), MapC<T>(logit_cotangent(b, i, L), L, L),
+            product(g.backend(), MapM<T>(SKK.data() + b * L * dk_ * rk, L, dk_ * rk), MapC<T>(logit_cotangent(b, i, L), L, L),
                     MapC<T>(PkK.data() + b * L * dk_ * rk, L, dk_ * rk), s_, false);
           skk = terms.kept(std::move(SKK));
         }

@@ -23,7 +23,7 @@ class LinearNode final : public Node<T> {
   void forward(Graph<T>& g) override {
     const index_t n = g.tokens();
     MapM<T> out(g.value_out(this->output), n, w_out(g));
-    product(out, MapC<T>(g.value(in()), n, w_in(g)), W(g), T(1), false);
+    product(g.backend(), out, MapC<T>(g.value(in()), n, w_in(g)), W(g), T(1), false);
     if (has_bias()) out.rowwise() += bias(g).row(0);
     require_finite(g.value(this->output), n * w_out(g), stage_);
   }
@@ -33,10 +33,10 @@ class LinearNode final : public Node<T> {
     const MapC<T> gout(g.cotangent(this->output), n, w_out(g));
     if (g.varies(in())) {
       const Slot<T> s = g.cotangent_slot(in());
-      product(MapM<T>(s.data, n, w_in(g)), gout, W(g).transpose(), T(1), s.add);
+      product(g.backend(), MapM<T>(s.data, n, w_in(g)), gout, W(g).transpose(), T(1), s.add);
     }
     if (T* grad = g.gradient_out(param()))
-      product(MapM<T>(grad, w_in(g), w_out(g)), MapC<T>(g.value(in()), n, w_in(g)).transpose(), gout, T(1), false);
+      product(g.backend(), MapM<T>(grad, w_in(g), w_out(g)), MapC<T>(g.value(in()), n, w_in(g)).transpose(), gout, T(1), false);
     if (has_bias())
       if (T* grad = g.gradient_out(bias_param())) column_sums(gout, grad);
   }
@@ -49,7 +49,7 @@ class LinearNode final : public Node<T> {
 
   void push(Graph<T>& g) const override {
     const index_t n = g.tokens();
-    g.set_factors(this->output, left_multiply_weight(g.factors(in()), n, g.weight(param()), w_in(g), w_out(g)));
+    g.set_factors(this->output, left_multiply_weight(g.backend(), g.factors(in()), n, g.weight(param()), w_in(g), w_out(g)));
     if (g.selected(param()))
       g.set_factor(this->output, g.whole(param()),
                    entering<T>(kron::Split{w_in(g), w_out(g), true}, g.value_buffer(in()), w_out(g)));
@@ -97,8 +97,8 @@ class LinearNode final : public Node<T> {
     if (!din && !dW && !db) return;
     const index_t n = g.tokens();
     MapM<T> dout(tg.out(this->output, n * w_out(g)), n, w_out(g));
-    if (din) product(dout, MapC<T>(din, n, w_in(g)), W(g), T(1), false);
-    if (dW) product(dout, MapC<T>(g.value(in()), n, w_in(g)), MapC<T>(dW, w_in(g), w_out(g)), T(1), din != nullptr);
+    if (din) product(g.backend(), dout, MapC<T>(din, n, w_in(g)), W(g), T(1), false);
+    if (dW) product(g.backend(), dout, MapC<T>(g.value(in()), n, w_in(g)), MapC<T>(dW, w_in(g), w_out(g)), T(1), din != nullptr);
     if (!din && !dW) dout.setZero();
     if (db) dout.rowwise() += MapC<T>(db, 1, w_out(g)).row(0);
   }
@@ -112,13 +112,13 @@ class LinearNode final : public Node<T> {
     if (din) {
       const Slot<T> s = tg.dcot_slot(in(), n * w_in(g));
       MapM<T> dgin(s.data, n, w_in(g));
-      product(dgin, dgout, W(g).transpose(), T(1), s.add);
-      if (curved && dW) product(dgin, gout, MapC<T>(dW, w_in(g), w_out(g)).transpose(), T(1), true);
+      product(g.backend(), dgin, dgout, W(g).transpose(), T(1), s.add);
+      if (curved && dW) product(g.backend(), dgin, gout, MapC<T>(dW, w_in(g), w_out(g)).transpose(), T(1), true);
     }
     if (T* out = tg.dgrad[static_cast<size_t>(param())]) {
       MapM<T> o(out, w_in(g), w_out(g));
-      product(o, MapC<T>(g.value(in()), n, w_in(g)).transpose(), dgout, T(1), false);
-      if (curved && din) product(o, MapC<T>(din, n, w_in(g)).transpose(), gout, T(1), true);
+      product(g.backend(), o, MapC<T>(g.value(in()), n, w_in(g)).transpose(), dgout, T(1), false);
+      if (curved && din) product(g.backend(), o, MapC<T>(din, n, w_in(g)).transpose(), gout, T(1), true);
     }
     if (has_bias())
       if (T* out = tg.dgrad[static_cast<size_t>(bias_param())]) column_sums(dgout, out);

@@ -26,7 +26,7 @@ class UnembeddingNode final : public Node<T> {
  public:
   void forward(Graph<T>& g) override {
     const index_t n = g.tokens();
-    product(MapM<T>(g.value_out(this->output), n, vocab(g)), X(g), W(g).transpose(), T(1), false);
+    product(g.backend(), MapM<T>(g.value_out(this->output), n, vocab(g)), X(g), W(g).transpose(), T(1), false);
     require_finite(g.value(this->output), n * vocab(g), "language model: the logits");
   }
 
@@ -35,10 +35,10 @@ class UnembeddingNode final : public Node<T> {
     const MapC<T> gout(g.cotangent(this->output), n, vocab(g));
     if (g.varies(in())) {
       const Slot<T> s = g.cotangent_slot(in());
-      product(MapM<T>(s.data, n, d(g)), gout, W(g), T(1), s.add);
+      product(g.backend(), MapM<T>(s.data, n, d(g)), gout, W(g), T(1), s.add);
     }
     const Slot<T> s = g.gradient_slot(param());
-    if (s.data) product(MapM<T>(s.data, vocab(g), d(g)), gout.transpose(), X(g), T(1), s.add);
+    if (s.data) product(g.backend(), MapM<T>(s.data, vocab(g), d(g)), gout.transpose(), X(g), T(1), s.add);
   }
 
   void push(Graph<T>& g) const override {
@@ -48,7 +48,7 @@ class UnembeddingNode final : public Node<T> {
     if (!any) return;
     Buffer<T> transposed(static_cast<size_t>(d(g) * vocab(g)));  // W_E^T, (d, vocab) row-major
     MapM<T>(transposed.data(), d(g), vocab(g)) = W(g).transpose();
-    g.set_factors(this->output, left_multiply_weight(g.factors(in()), g.tokens(), transposed.data(), d(g), vocab(g)));
+    g.set_factors(this->output, left_multiply_weight(g.backend(), g.factors(in()), g.tokens(), transposed.data(), d(g), vocab(g)));
   }
 
   // W_E applied transposed to every token (LinearUse): logits_t = x_t W_E^T.
@@ -78,8 +78,8 @@ class UnembeddingNode final : public Node<T> {
     if (!din && !dW) return;
     const index_t n = g.tokens();
     MapM<T> dout(tg.out(this->output, n * vocab(g)), n, vocab(g));
-    if (din) product(dout, MapC<T>(din, n, d(g)), W(g).transpose(), T(1), false);
-    if (dW) product(dout, X(g), MapC<T>(dW, vocab(g), d(g)).transpose(), T(1), din != nullptr);
+    if (din) product(g.backend(), dout, MapC<T>(din, n, d(g)), W(g).transpose(), T(1), false);
+    if (dW) product(g.backend(), dout, X(g), MapC<T>(dW, vocab(g), d(g)).transpose(), T(1), din != nullptr);
   }
 
   void vjp_tangent(const Graph<T>& g, Tangent<T>& tg, bool curved) const override {
@@ -91,14 +91,14 @@ class UnembeddingNode final : public Node<T> {
     if (din) {
       const Slot<T> s = tg.dcot_slot(in(), n * d(g));
       MapM<T> dgin(s.data, n, d(g));
-      product(dgin, dgout, W(g), T(1), s.add);
-      if (curved && dW) product(dgin, gout, MapC<T>(dW, vocab(g), d(g)), T(1), true);
+      product(g.backend(), dgin, dgout, W(g), T(1), s.add);
+      if (curved && dW) product(g.backend(), dgin, gout, MapC<T>(dW, vocab(g), d(g)), T(1), true);
     }
     const Slot<T> s = tg.dgrad_slot(param());
     if (s.data) {
       MapM<T> o(s.data, vocab(g), d(g));
-      product(o, dgout.transpose(), X(g), T(1), s.add);
-      if (curved && din) product(o, gout.transpose(), MapC<T>(din, n, d(g)), T(1), true);
+      product(g.backend(), o, dgout.transpose(), X(g), T(1), s.add);
+      if (curved && din) product(g.backend(), o, gout.transpose(), MapC<T>(din, n, d(g)), T(1), true);
     }
   }
 

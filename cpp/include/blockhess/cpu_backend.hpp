@@ -1,0 +1,40 @@
+// The host backend (backend.hpp): the core's one matrix product on its thread pool
+// (parallel_product.hpp), a batch as its products in order, memory from the core's cache
+// (memory_cache.hpp). The engine's results on it are those it had before backends existed, bit
+// for bit.
+#pragma once
+
+#include "blockhess/backend.hpp"
+#include "blockhess/memory_cache.hpp"
+#include "blockhess/parallel_product.hpp"
+
+namespace blockhess {
+
+template <class T>
+class CpuBackend final : public Backend<T> {
+ public:
+  void gemm(MatrixView<T> C, MatrixView<const T> A, MatrixView<const T> B, T alpha, bool accumulate) const override {
+    matrix_product<T>(C, A, B, alpha, accumulate);
+  }
+
+  // One product after another: each splits over the threads itself (matrix_product).
+  void gemm_batched(index_t count, MatrixView<T> C, index_t c_step, MatrixView<const T> A, index_t a_step,
+                    MatrixView<const T> B, index_t b_step, T alpha, bool accumulate) const override {
+    for (index_t k = 0; k < count; ++k, C.data += c_step, A.data += a_step, B.data += b_step)
+      matrix_product<T>(C, A, B, alpha, accumulate);
+  }
+
+  T* allocate(index_t n) const override { return static_cast<T*>(memory::allocate(static_cast<std::size_t>(n) * sizeof(T))); }
+  void release(T* p, index_t n) const noexcept override { memory::deallocate(p, static_cast<std::size_t>(n) * sizeof(T)); }
+  std::uintptr_t stream() const override { return 0; }
+  bool host_addressable() const override { return true; }
+};
+
+// The host backend: stateless, so one shared instance serves every graph and thread.
+template <class T>
+const Backend<T>& cpu_backend() {
+  static const CpuBackend<T> backend;
+  return backend;
+}
+
+}  // namespace blockhess
