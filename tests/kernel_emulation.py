@@ -128,10 +128,24 @@ def build(max_grid_x: int | None = None) -> Path:
 
     cuda_dir = ROOT / "cuda" / "src"
     edits = {"kMaxGridX = 1u << 20;": f"kMaxGridX = {int(max_grid_x)}u;"} if max_grid_x else None
-    return _build("_cuda" + sysconfig.get_config_var("EXT_SUFFIX"), cuda_dir, sorted(cuda_dir.glob("*.cu")),
-                  [ROOT / "src" / "cuda_module.cpp", ROOT / "src" / "cuda_block.cpp"],
+    return _build("_cuda" + sysconfig.get_config_var("EXT_SUFFIX"), cuda_dir, _kernel_sources(),
+                  [ROOT / "src" / "cuda_module.cpp", ROOT / "src" / "cuda_block.cpp", SHIM / "cublas.cpp"],
                   [ROOT / "src", Path(pybind11.get_include()), Path(sysconfig.get_paths()["include"]), eigen_include()],
                   edits)
+
+
+def _kernel_sources() -> list[Path]:
+    """cuda/src's files, less its cuBLAS loader: the emulator links the stand-in (cuda_emulator/cublas.cpp)."""
+    return [path for path in sorted((ROOT / "cuda" / "src").glob("*.cu")) if path.name != "cublas.cu"]
+
+
+def build_backend_probe(edits: dict[str, str] | None = None) -> Path:
+    """The GPU backend (cuda/src/backend.cu) with the cuBLAS stand-in and the C entry points of
+    cuda_emulator/backend_probe.cpp, as a plain shared library; ``edits`` make a deliberately broken
+    variant (tests/test_gpu_backend.py)."""
+    cuda_dir = ROOT / "cuda" / "src"
+    return _build("backend_probe.so", cuda_dir, [cuda_dir / "backend.cu", cuda_dir / "runtime.cu"],
+                  [SHIM / "cublas.cpp", SHIM / "backend_probe.cpp"], [eigen_include()], edits)
 
 
 def eigen_include() -> Path:
@@ -149,10 +163,11 @@ def build_selftest() -> Path:
 
 
 def build_all() -> None:
-    """Every variant the tests load: the module, its small-grid variant and the self-test."""
+    """Every variant the tests load: the module, its small-grid variant, the self-test and the backend probe."""
     build()
     build(max_grid_x=3)
     build_selftest()
+    build_backend_probe()
 
 
 # The mark of a test that loads the emulator: its build starts with the session (tests/conftest.py).

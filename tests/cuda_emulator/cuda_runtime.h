@@ -340,6 +340,11 @@ inline cudaError_t cudaMemsetAsync(void* p, int value, std::size_t bytes, cudaSt
   std::memset(p, value, bytes);
   return cudaSuccess;
 }
+inline cudaError_t cudaMemset2DAsync(void* p, std::size_t pitch, int value, std::size_t width, std::size_t height,
+                                     cudaStream_t) {
+  for (std::size_t r = 0; r < height; ++r) std::memset(static_cast<char*>(p) + r * pitch, value, width);
+  return cudaSuccess;
+}
 // Host memory stands in for device memory, and the emulated stream runs each launch to the end
 // before it returns, so copies are plain memcpy in call order.
 inline cudaError_t cudaMallocAsync(void** p, std::size_t bytes, cudaStream_t) {

@@ -1,0 +1,53 @@
+// C entry points over the backends' products (blockhess/backend.hpp) for tests/test_backends.py:
+// the host backend, and the GPU backend (cuda/src/backend.cu) compiled for the CPU kernel emulator
+// with the cuBLAS stand-in (cublas.cpp). Each returns 0, or 1 with the exception's message.
+#include <cstdint>
+#include <cstring>
+#include <exception>
+
+#include "blockhess/cpu_backend.hpp"
+#include "blockhess/cuda/backend.hpp"
+
+namespace {
+
+template <class T>
+blockhess::MatrixView<T> view(T* data, long rows, long cols, long stride, int row_major) {
+  return {data, rows, cols, stride, row_major != 0};
+}
+
+template <class T>
+int product(int gpu, long count, T* C, long m, long n, long ldc, long c_step, const T* A, long k, long lda,
+            int a_row_major, long a_step, const T* B, long ldb, int b_row_major, long b_step, double alpha,
+            int accumulate, std::uintptr_t stream, char* message, long message_size) {
+  try {
+    const auto a = view(A, m, k, lda, a_row_major);
+    const auto b = view(B, k, n, ldb, b_row_major);
+    const auto c = view(C, m, n, ldc, 1);
+    auto run = [&](const blockhess::Backend<T>& backend) {
+      if (count == 1 && c_step == 0 && a_step == 0 && b_step == 0)
+        backend.gemm(c, a, b, static_cast<T>(alpha), accumulate != 0);
+      else
+        backend.gemm_batched(count, c, c_step, a, a_step, b, b_step, static_cast<T>(alpha), accumulate != 0);
+    };
+    if (gpu) run(blockhess::cuda::CudaBackend<T>(stream));
+    else run(blockhess::cpu_backend<T>());
+    return 0;
+  } catch (const std::exception& e) {
+    std::strncpy(message, e.what(), static_cast<size_t>(message_size - 1));
+    message[message_size - 1] = '\0';
+    return 1;
+  }
+}
+
+}  // namespace
+
+#define BLOCKHESS_PROBE(name, T)                                                                                    \
+  extern "C" __attribute__((visibility("default"))) int name(                                                     \
+      int gpu, long count, T* C, long m, long n, long ldc, long c_step, const T* A, long k, long lda,             \
+      int a_row_major, long a_step, const T* B, long ldb, int b_row_major, long b_step, double alpha,             \
+      int accumulate, std::uintptr_t stream, char* message, long message_size) {                                  \
+    return product<T>(gpu, count, C, m, n, ldc, c_step, A, k, lda, a_row_major, a_step, B, ldb, b_row_major,      \
+                      b_step, alpha, accumulate, stream, message, message_size);                                  \
+  }
+BLOCKHESS_PROBE(product_f64, double)
+BLOCKHESS_PROBE(product_f32, float)
