@@ -1,5 +1,7 @@
-"""The GPU backend's products (cuda/src/backend.cu) on the CPU kernel emulator, with a stand-in for
-the cuBLAS calls it makes (tests/cuda_emulator/cublas.cpp, which checks their arguments as cuBLAS
+"""The GPU backend (cuda/src/backend.cu) on the CPU kernel emulator: its row operations (the
+engine's per-token work, engine/row_ops.hpp, one kernel each) against the host backend and NumPy,
+with the grid cut to 3 blocks as well so that the kernels' grid-stride loops go round; and its
+products, with a stand-in for the cuBLAS calls it makes (tests/cuda_emulator/cublas.cpp, which checks their arguments as cuBLAS
 documents them): every layout the engine hands a backend (row- or column-major operands, a head's
 columns inside a wider array, one row or column, depth 0), assigned or accumulated, alone or
 batched, in float64 and float32, against NumPy and against the host backend. cuBLAS is
@@ -32,6 +34,9 @@ def _load(path):
                        ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.c_long, P, ctypes.c_long, ctypes.c_int,
                        ctypes.c_long, ctypes.c_double, ctypes.c_int, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_long]
     lib.cublas_standin_last_stream.restype = ctypes.c_size_t
+    for name in ("activation_forward", "scale_entries", "activation_cotangent_tangent"):
+        for suffix in ("_f64", "_f32"):
+            getattr(lib, name + suffix).restype = ctypes.c_int
     return lib
 
 
@@ -41,8 +46,100 @@ def lib():
     return _load(kernel_emulation.build_backend_probe())
 
 
-def ptr(a: np.ndarray) -> P:
-    return P(a.__array_interface__["data"][0])
+@pytest.fixture(scope="module", params=["full grid", "3 blocks"])
+def row_lib(request, lib):
+    if request.param == "full grid":
+        return lib
+    return _load(kernel_emulation.build_backend_probe(edits={"kMaxGridX = 1u << 20;": "kMaxGridX = 3u;"}))
+
+
+def ptr(a: np.ndarray | None) -> P:
+    return P(None if a is None else a.__array_interface__["data"][0])
+
+
+# ---- row operations -------------------------------------------------------------------------------
+
+COUNT = 1000  # more items than 3 blocks of 256 threads: the grid-stride loop goes round
+ACTIVATIONS = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}
+
+
+def run_rows(lib, name, dtype, *args):
+    fn = getattr(lib, name + ("_f64" if dtype == np.float64 else "_f32"))
+    message = ctypes.create_string_buffer(512)
+    converted = [ptr(a) if a is None or isinstance(a, np.ndarray) else a for a in args]
+    assert fn(*converted, ctypes.c_long(COUNT), message, ctypes.c_long(512)) == 0, message.value.decode()
+
+
+def outputs(dtype, n):
+    """n arrays of COUNT items filled with NaN, and 5 sentinels past the end each (never written)."""
+    return [np.full(COUNT + 5, np.nan, dtype) for _ in range(n)]
+
+
+def _activation(name, x):
+    """phi(x) from its definition (activation.hpp), in float64."""
+    from math import erf
+
+    if name == "relu":
+        return np.maximum(x, 0)
+    if name == "gelu":
+        return x * (1 + np.vectorize(erf)(x / np.sqrt(2))) / 2
+    if name == "gelu_tanh":
+        return x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3))) / 2
+    return x / (1 + np.exp(-x))
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("kind", ACTIVATIONS)
+def test_the_activation_on_the_gpu_is_the_hosts(row_lib, dtype, kind):
+    x = (3 * np.random.default_rng(1).standard_normal(COUNT)).astype(dtype)
+    smooth = kind != "relu"
+    results = []
+    for gpu in (0, 1):
+        y, first, second = outputs(dtype, 3)
+        run_rows(row_lib, "activation_forward", dtype, gpu, ACTIVATIONS[kind], x, y, first, second if smooth else None)
+        assert np.isnan(y[COUNT:]).all() and np.isnan(first[COUNT:]).all() and np.isnan(second[COUNT:]).all()
+        assert np.isnan(second).all() != smooth  # phi'' written for a smooth phi only
+        results.append((y[:COUNT], first[:COUNT], second[:COUNT]))
+    for host, gpu in zip(*results):
+        np.testing.assert_array_equal(gpu, host)  # the same element functions, item by item
+    tol = 1e-14 if dtype == np.float64 else 1e-6
+    np.testing.assert_allclose(results[1][0], _activation(kind, x.astype(np.float64)), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("add", [False, True])
+def test_scaled_entries_on_the_gpu_are_the_hosts(row_lib, dtype, add):
+    rng = np.random.default_rng(2)
+    scale, x, start = (rng.standard_normal(COUNT + 5).astype(dtype) for _ in range(3))
+    for gpu in (0, 1):
+        out = start.copy()
+        if not add:
+            out[:COUNT] = np.nan  # never read where it assigns
+        run_rows(row_lib, "scale_entries", dtype, gpu, scale, x, out, int(add))
+        expected = scale[:COUNT] * x[:COUNT] + (start[:COUNT] if add else 0)
+        np.testing.assert_array_equal(out[:COUNT], expected)
+        np.testing.assert_array_equal(out[COUNT:], start[COUNT:])
+
+
+@pytest.mark.parametrize("curved", [False, True])
+@pytest.mark.parametrize("add", [False, True])
+def test_the_activations_cotangent_tangent_on_the_gpu_is_the_hosts(row_lib, curved, add):
+    rng = np.random.default_rng(3)
+    first, second, dg, g, dx, start = (rng.standard_normal(COUNT + 5) for _ in range(6))
+    for gpu in (0, 1):
+        out = start.copy()
+        run_rows(row_lib, "activation_cotangent_tangent", np.float64, gpu, first, second if curved else None, dg, g,
+                 dx, out, int(add))
+        expected = first[:COUNT] * dg[:COUNT]
+        if curved:
+            expected = expected + second[:COUNT] * g[:COUNT] * dx[:COUNT]
+        if add:
+            expected = start[:COUNT] + expected
+        np.testing.assert_array_equal(out[:COUNT], expected)
+        np.testing.assert_array_equal(out[COUNT:], start[COUNT:])
+
+
+# ---- products ---------------------------------------------------------------------------------------
 
 
 class Operand:

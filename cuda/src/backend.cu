@@ -1,6 +1,7 @@
-// The GPU backend's products (backend.hpp) through cuBLAS, which is column-major: a row-major C is
+// The GPU backend (backend.hpp). Products through cuBLAS, which is column-major: a row-major C is
 // the column-major C^T, and C^T = B^T A^T, so every product is cuBLAS's with the operands swapped,
-// a row-major operand read as it lies (N) and a column-major one transposed (T).
+// a row-major operand read as it lies (N) and a column-major one transposed (T). Row operations
+// (engine/row_ops.hpp) by one kernel each, a thread per item.
 #include <algorithm>
 #include <climits>
 #include <stdexcept>
@@ -8,6 +9,7 @@
 
 #include "blockhess/cuda/backend.hpp"
 #include "blockhess/cuda/runtime.hpp"
+#include "blockhess/engine/rows.hpp"
 #include "common.cuh"
 #include "cublas.cuh"
 
@@ -32,6 +34,13 @@ Operand operand(const MatrixView<T>& v, const char* what) {
   const index_t inner = v.row_major ? v.cols : v.rows, outer = v.row_major ? v.rows : v.cols;
   const index_t ld = outer <= 1 ? std::max<index_t>({v.stride, inner, 1}) : v.stride;
   return {v.row_major ? detail::kOpN : detail::kOpT, as_int(ld, what)};
+}
+
+// Items [0, count) of a row operation, a thread each, grid-stride beyond the grid's limit.
+template <class Op>
+__global__ void run_items(Op op, index_t count) {
+  const index_t step = static_cast<index_t>(blockDim.x) * gridDim.x;
+  for (index_t i = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += step) op(i, i + 1);
 }
 
 void check_status(int status, const char* what) {
@@ -97,6 +106,18 @@ void CudaBackend<T>::gemm_batched(index_t count, MatrixView<T> C, index_t c_step
                                               as_int(count, "a batch's count")),
                  "gemm_strided_batched");
 }
+
+#define BLOCKHESS_RUN_ON_GPU(Op)                                                                             \
+  template <class T>                                                                                          \
+  void CudaBackend<T>::run(const engine::rows::Op<T>& op, index_t count) const {                            \
+    if (count <= 0) return;                                                                                   \
+    using RowOp = engine::rows::Op<T>;                                                                        \
+    run_items<RowOp><<<detail::elementwise_blocks(count), detail::kMaxThreads, 0, detail::as_stream(stream_)>>>(op, \
+                                                                                                         count); \
+    detail::check_launch("row operation " #Op);                                                               \
+  }
+BLOCKHESS_ROW_OPS(BLOCKHESS_RUN_ON_GPU)
+#undef BLOCKHESS_RUN_ON_GPU
 
 template <class T>
 T* CudaBackend<T>::allocate(index_t n) const {

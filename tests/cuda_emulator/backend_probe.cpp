@@ -7,6 +7,7 @@
 
 #include "blockhess/cpu_backend.hpp"
 #include "blockhess/cuda/backend.hpp"
+#include "blockhess/engine/rows.hpp"
 
 namespace {
 
@@ -39,7 +40,43 @@ int product(int gpu, long count, T* C, long m, long n, long ldc, long c_step, co
   }
 }
 
+// op on the host backend (gpu = 0) or the GPU backend on stream 0.
+template <class T, class Op>
+int run(int gpu, const Op& op, long count, char* message, long message_size) {
+  try {
+    if (gpu) blockhess::cuda::CudaBackend<T>(0).run(op, count);
+    else blockhess::cpu_backend<T>().run(op, count);
+    return 0;
+  } catch (const std::exception& e) {
+    std::strncpy(message, e.what(), static_cast<size_t>(message_size - 1));
+    message[message_size - 1] = '\0';
+    return 1;
+  }
+}
+
 }  // namespace
+
+namespace rows = blockhess::engine::rows;
+
+#define BLOCKHESS_ROW_PROBES(suffix, T)                                                                            \
+  extern "C" __attribute__((visibility("default"))) int activation_forward##suffix(                               \
+      int gpu, int kind, const T* x, T* y, T* first, T* second, long count, char* message, long message_size) {  \
+    return run<T>(gpu, rows::ActivationForward<T>{static_cast<blockhess::activation::Kind>(kind), x, y, first,   \
+                                                  second},                                                       \
+                  count, message, message_size);                                                                 \
+  }                                                                                                              \
+  extern "C" __attribute__((visibility("default"))) int scale_entries##suffix(                                    \
+      int gpu, const T* scale, const T* x, T* out, int add, long count, char* message, long message_size) {      \
+    return run<T>(gpu, rows::ScaleEntries<T>{scale, x, out, add != 0}, count, message, message_size);            \
+  }                                                                                                              \
+  extern "C" __attribute__((visibility("default"))) int activation_cotangent_tangent##suffix(                     \
+      int gpu, const T* first, const T* second, const T* dg, const T* g, const T* dx, T* out, int add, long count, \
+      char* message, long message_size) {                                                                        \
+    return run<T>(gpu, rows::ActivationCotangentTangent<T>{first, second, dg, g, dx, out, add != 0}, count,       \
+                  message, message_size);                                                                        \
+  }
+BLOCKHESS_ROW_PROBES(_f64, double)
+BLOCKHESS_ROW_PROBES(_f32, float)
 
 #define BLOCKHESS_PROBE(name, T)                                                                                    \
   extern "C" __attribute__((visibility("default"))) int name(                                                     \

@@ -2,13 +2,15 @@
 //
 // The engine (engine/) is written once against this interface; a backend says how the work is
 // done: on the host (cpu_backend.hpp: the core's Eigen products on its thread pool, the memory
-// cache) or on a GPU (cuda/: cuBLAS on a stream, stream-ordered device memory). Each operation
-// here moves a whole matrix or a batch of them, so a virtual call costs nothing next to it.
+// cache) or on a GPU (cuda/: cuBLAS on a stream, stream-ordered device memory, a kernel per row
+// operation). Each operation here moves a whole matrix, a batch of them or every token's rows, so
+// a virtual call costs nothing next to it.
 #pragma once
 
 #include <cstdint>
 
 #include "blockhess/config.hpp"
+#include "blockhess/engine/row_ops.hpp"
 
 namespace blockhess {
 
@@ -39,6 +41,11 @@ class Backend {
   // of an attention, the samples of a batch. Each product is the one gemm() would make.
   virtual void gemm_batched(index_t count, MatrixView<T> C, index_t c_step, MatrixView<const T> A, index_t a_step,
                             MatrixView<const T> B, index_t b_step, T alpha, bool accumulate) const = 0;
+
+  // Items [0, count) of a row operation (engine/row_ops.hpp), each written by its item only.
+#define BLOCKHESS_DECLARE_RUN(Op) virtual void run(const engine::rows::Op<T>& op, index_t count) const = 0;
+  BLOCKHESS_ROW_OPS(BLOCKHESS_DECLARE_RUN)
+#undef BLOCKHESS_DECLARE_RUN
 
   // Storage for n values in the backend's memory, uninitialised, and its return.
   virtual T* allocate(index_t n) const = 0;

@@ -1,11 +1,13 @@
 // The host backend (backend.hpp): the core's one matrix product on its thread pool
-// (parallel_product.hpp), a batch as its products in order, memory from the core's cache
-// (memory_cache.hpp). The engine's results on it are those it had before backends existed, bit
+// (parallel_product.hpp), a batch as its products in order, the row operations' items split over
+// the same threads, memory from the core's cache (memory_cache.hpp). The engine's results on it are those it had before backends existed, bit
 // for bit.
 #pragma once
 
 #include "blockhess/backend.hpp"
+#include "blockhess/engine/rows.hpp"
 #include "blockhess/memory_cache.hpp"
+#include "blockhess/parallel.hpp"
 #include "blockhess/parallel_product.hpp"
 
 namespace blockhess {
@@ -23,6 +25,13 @@ class CpuBackend final : public Backend<T> {
     for (index_t k = 0; k < count; ++k, C.data += c_step, A.data += a_step, B.data += b_step)
       matrix_product<T>(C, A, B, alpha, accumulate);
   }
+
+#define BLOCKHESS_RUN_ON_HOST(Op)                                                  \
+  void run(const engine::rows::Op<T>& op, index_t count) const override {            \
+    blockhess::detail::parallel_ranges(count, op.cost(), [&op](index_t b, index_t e) { op(b, e); }); \
+  }
+  BLOCKHESS_ROW_OPS(BLOCKHESS_RUN_ON_HOST)
+#undef BLOCKHESS_RUN_ON_HOST
 
   T* allocate(index_t n) const override { return static_cast<T*>(memory::allocate(static_cast<std::size_t>(n) * sizeof(T))); }
   void release(T* p, index_t n) const noexcept override { memory::deallocate(p, static_cast<std::size_t>(n) * sizeof(T)); }

@@ -1,5 +1,5 @@
-// The GPU backend (blockhess/backend.hpp): products by cuBLAS, memory in the order of one stream
-// (runtime.hpp). Plain C++: the CUDA and cuBLAS types stay inside cuda/src.
+// The GPU backend (blockhess/backend.hpp): products by cuBLAS, row operations by a kernel each,
+// memory in the order of one stream (runtime.hpp). Plain C++: the CUDA and cuBLAS types stay inside cuda/src.
 //
 // cuBLAS is the one CuPy and PyTorch load (libcublas.so.13, found when the backend is first made):
 // the build needs no cuBLAS, and a machine without a GPU never loads it.
@@ -24,6 +24,9 @@ class CudaBackend final : public Backend<T> {
   void gemm(MatrixView<T> C, MatrixView<const T> A, MatrixView<const T> B, T alpha, bool accumulate) const override;
   void gemm_batched(index_t count, MatrixView<T> C, index_t c_step, MatrixView<const T> A, index_t a_step,
                     MatrixView<const T> B, index_t b_step, T alpha, bool accumulate) const override;
+#define BLOCKHESS_DECLARE_GPU_RUN(Op) void run(const engine::rows::Op<T>& op, index_t count) const override;
+  BLOCKHESS_ROW_OPS(BLOCKHESS_DECLARE_GPU_RUN)
+#undef BLOCKHESS_DECLARE_GPU_RUN
   T* allocate(index_t n) const override;
   void release(T* p, index_t n) const noexcept override;
   std::uintptr_t stream() const override { return stream_; }

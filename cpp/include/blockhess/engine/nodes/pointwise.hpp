@@ -5,8 +5,8 @@
 
 #include "blockhess/activation.hpp"
 #include "blockhess/engine/graph.hpp"
+#include "blockhess/engine/rows/pointwise.hpp"
 #include "blockhess/finite.hpp"
-#include "blockhess/parallel.hpp"
 
 namespace blockhess::engine {
 
@@ -17,27 +17,19 @@ class PointwiseNode final : public Node<T> {
 
   void forward(Graph<T>& g) override {
     const index_t n = g.tokens(), w = g.width(this->output), size = n * w;
-    const T* x = g.value(in());
     T* y = g.value_out(this->output);
     first_.resize(static_cast<size_t>(size));
-    if (kind_ == activation::Kind::relu) {
-      // phi'' = 0: second_ stays empty (only a smooth phi reads it). With the kind a constant the
-      // compiler folds the switch and vectorises the loop.
-      second_.clear();
-      rows(n, w, 1, [&](index_t k) {
-        T unused;
-        activation::evaluate(activation::Kind::relu, x[k], &y[k], &first_[k], &unused);
-      });
-    } else {
-      second_.resize(static_cast<size_t>(size));
-      rows(n, w, kSmoothCost, [&](index_t k) { activation::evaluate(kind_, x[k], &y[k], &first_[k], &second_[k]); });
-    }
+    // phi'' = 0 for relu: second_ stays empty (only a smooth phi reads it).
+    if (activation::is_piecewise_linear(kind_)) second_.clear();
+    else second_.resize(static_cast<size_t>(size));
+    g.backend().run(rows::ActivationForward<T>{kind_, g.value(in()), y, first_.data(), second_.empty() ? nullptr : second_.data()},
+                    size);
     require_finite(y, size, "block: the activation of the FFN's hidden units");
   }
 
   void vjp(Graph<T>& g) const override {
     if (!g.varies(in())) return;
-    scaled(first_.data(), g.cotangent(this->output), g.cotangent_slot(in()), g.tokens(), g.width(in()));
+    scaled(g, first_.data(), g.cotangent(this->output), g.cotangent_slot(in()), g.tokens() * g.width(in()));
   }
 
   void push(Graph<T>& g) const override {
@@ -72,43 +64,27 @@ class PointwiseNode final : public Node<T> {
   void jvp(const Graph<T>& g, Tangent<T>& tg) const override {
     const T* din = tg.in(in());
     if (!din) return;
-    const index_t n = g.tokens(), w = g.width(in());
-    scaled(first_.data(), din, Slot<T>{tg.out(this->output, n * w), false}, n, w);
+    const index_t size = g.tokens() * g.width(in());
+    scaled(g, first_.data(), din, Slot<T>{tg.out(this->output, size), false}, size);
   }
 
   // d(phi' g) = phi' dg + (curved) phi'' g d in.
   void vjp_tangent(const Graph<T>& g, Tangent<T>& tg, bool curved) const override {
     const T* din = tg.in(in());
     if (!din) return;
-    const index_t n = g.tokens(), w = g.width(in());
-    const T *dgout = tg.dcot[this->output].data(), *gout = g.cotangent(this->output);
-    const Slot<T> slot = tg.dcot_slot(in(), n * w);
+    const index_t size = g.tokens() * g.width(in());
+    const Slot<T> slot = tg.dcot_slot(in(), size);
     const bool smooth = curved && !activation::is_piecewise_linear(kind_);
-    rows(n, w, 2, [&](index_t k) {
-      T v = first_[k] * dgout[k];
-      if (smooth) v += second_[k] * gout[k] * din[k];
-      slot.data[k] = slot.add ? slot.data[k] + v : v;
-    });
+    g.backend().run(rows::ActivationCotangentTangent<T>{first_.data(), smooth ? second_.data() : nullptr,
+                                                        tg.dcot[this->output].data(), g.cotangent(this->output), din,
+                                                        slot.data, slot.add},
+                    size);
   }
 
  private:
   int in() const { return this->inputs[0]; }
-  // Rough cost of phi, phi' and phi'' at one entry of a smooth activation, in multiply-adds (a
-  // tanh, exp or erf): what decides whether a loop over the entries is worth splitting.
-  static constexpr index_t kSmoothCost = 32;
-  // entry(k) for every entry k of n tokens of width w, the tokens split over the threads (each
-  // entry writes its own outputs).
-  template <class Entry>
-  static void rows(index_t n, index_t w, index_t cost, Entry&& entry) {
-    blockhess::detail::parallel_for(n, w * cost, [&](index_t t) {
-      for (index_t k = t * w, end = k + w; k < end; ++k) entry(k);
-    });
-  }
-  static void scaled(const T* scale, const T* x, const Slot<T>& slot, index_t n, index_t w) {
-    rows(n, w, 1, [&](index_t k) {
-      const T v = scale[k] * x[k];
-      slot.data[k] = slot.add ? slot.data[k] + v : v;
-    });
+  static void scaled(const Graph<T>& g, const T* scale, const T* x, const Slot<T>& slot, index_t size) {
+    g.backend().run(rows::ScaleEntries<T>{scale, x, slot.data, slot.add}, size);
   }
 
   activation::Kind kind_;

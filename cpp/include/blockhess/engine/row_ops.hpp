@@ -1,0 +1,24 @@
+// The engine's per-token work as row operations: each a plain struct of pointers, sizes and flags
+// whose operator()(begin, end) does items [begin, end) (an entry, or a token's row, as the op says)
+// with the BLOCKHESS_HD element functions, so one definition serves the host (cpu_backend.hpp: the
+// items split over the core's threads) and the GPU (cuda/src/backend.cu: one thread per item). Its
+// cost() is its work per item in multiply-adds (what decides whether the host splits it).
+//
+// A backend runs each op through Backend::run (backend.hpp), one virtual overload per op: the list
+// below is the one place an op is named, and each backend instantiates it for every op there.
+#pragma once
+
+namespace blockhess::engine::rows {
+template <class T>
+struct ActivationForward;
+template <class T>
+struct ScaleEntries;
+template <class T>
+struct ActivationCotangentTangent;
+}  // namespace blockhess::engine::rows
+
+// X(op) for every row operation.
+#define BLOCKHESS_ROW_OPS(X) \
+  X(ActivationForward)       \
+  X(ScaleEntries)            \
+  X(ActivationCotangentTangent)

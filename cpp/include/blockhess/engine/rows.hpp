@@ -1,0 +1,5 @@
+// Every row operation's definition (the list: engine/row_ops.hpp), for the backends that run them.
+#pragma once
+
+#include "blockhess/engine/row_ops.hpp"
+#include "blockhess/engine/rows/pointwise.hpp"
