@@ -34,7 +34,8 @@ def _load(path):
                        ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.c_long, P, ctypes.c_long, ctypes.c_int,
                        ctypes.c_long, ctypes.c_double, ctypes.c_int, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_long]
     lib.cublas_standin_last_stream.restype = ctypes.c_size_t
-    for name in ("activation_forward", "scale_entries", "activation_cotangent_tangent"):
+    for name in ("activation_forward", "scale_entries", "activation_cotangent_tangent", "sum_entries", "write_entries",
+                 "add_bias", "softmax_rows", "softmax_vjp_rows", "softmax_cotangent_tangent_rows"):
         for suffix in ("_f64", "_f32"):
             getattr(lib, name + suffix).restype = ctypes.c_int
     return lib
@@ -63,11 +64,13 @@ COUNT = 1000  # more items than 3 blocks of 256 threads: the grid-stride loop go
 ACTIVATIONS = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}
 
 
-def run_rows(lib, name, dtype, *args):
+def run_rows(lib, name, dtype, *args, count=COUNT):
     fn = getattr(lib, name + ("_f64" if dtype == np.float64 else "_f32"))
     message = ctypes.create_string_buffer(512)
-    converted = [ptr(a) if a is None or isinstance(a, np.ndarray) else a for a in args]
-    assert fn(*converted, ctypes.c_long(COUNT), message, ctypes.c_long(512)) == 0, message.value.decode()
+    # Integers as 64-bit: past the sixth argument they go on the stack, where a 32-bit int's upper half
+    # is undefined (an int parameter reads the lower half of either).
+    converted = [ptr(a) if a is None or isinstance(a, np.ndarray) else ctypes.c_long(a) for a in args]
+    assert fn(*converted, ctypes.c_long(count), message, ctypes.c_long(512)) == 0, message.value.decode()
 
 
 def outputs(dtype, n):
@@ -137,6 +140,92 @@ def test_the_activations_cotangent_tangent_on_the_gpu_is_the_hosts(row_lib, curv
             expected = start[:COUNT] + expected
         np.testing.assert_array_equal(out[:COUNT], expected)
         np.testing.assert_array_equal(out[COUNT:], start[COUNT:])
+
+
+@pytest.mark.parametrize("add", [False, True])
+def test_entry_sums_and_writes_on_the_gpu_are_the_hosts(row_lib, add):
+    rng = np.random.default_rng(4)
+    a, b, start = (rng.standard_normal(COUNT + 5) for _ in range(3))
+    for gpu in (0, 1):
+        out = start.copy()
+        run_rows(row_lib, "sum_entries", np.float64, gpu, a, b, out)
+        np.testing.assert_array_equal(out, np.concatenate([a[:COUNT] + b[:COUNT], start[COUNT:]]))
+        out = start.copy()
+        run_rows(row_lib, "write_entries", np.float64, gpu, a, out, int(add))
+        np.testing.assert_array_equal(out[:COUNT], start[:COUNT] + a[:COUNT] if add else a[:COUNT])
+        np.testing.assert_array_equal(out[COUNT:], start[COUNT:])
+
+
+def test_a_bias_on_the_gpu_is_the_hosts(row_lib):
+    rng = np.random.default_rng(5)
+    width, tokens = 7, 150  # 1050 entries
+    bias, start = rng.standard_normal(width), rng.standard_normal(tokens * width + 5)
+    for gpu in (0, 1):
+        out = start.copy()
+        run_rows(row_lib, "add_bias", np.float64, gpu, bias, out, width, count=tokens * width)
+        np.testing.assert_array_equal(out[:-5], (start[:-5].reshape(tokens, width) + bias).ravel())
+        np.testing.assert_array_equal(out[-5:], start[-5:])
+
+
+def _softmax(logits, causal):
+    """Row softmax from its definition, float64; causal: row r of each (L, L) block sees k <= r."""
+    L = logits.shape[-1]
+    z = logits.copy()
+    if causal:
+        z[..., ~np.tril(np.ones((L, L), bool))] = -np.inf
+    e = np.exp(z - z.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_attention_softmax_rows_on_the_gpu_are_the_hosts(row_lib, dtype, causal):
+    """The weights' rows of 2 samples x 3 heads x (L, L), L = 13: 78 rows, more than 3 blocks' worth
+    once the grid is cut (a thread a row)."""
+    rng = np.random.default_rng(6)
+    L, blocks = 13, 6
+    logits = (3 * rng.standard_normal((blocks, L, L))).astype(dtype)
+    weights = []
+    for gpu in (0, 1):
+        a = np.concatenate([logits.ravel(), np.full(5, 7.0, dtype)])
+        run_rows(row_lib, "softmax_rows", dtype, gpu, a, L, int(causal), count=blocks * L)
+        assert (a[-5:] == 7.0).all()
+        weights.append(a[:-5].reshape(blocks, L, L))
+    np.testing.assert_array_equal(weights[1], weights[0])
+    tol = 1e-14 if dtype == np.float64 else 1e-6
+    np.testing.assert_allclose(weights[1], _softmax(logits.astype(np.float64), causal), rtol=tol, atol=tol)
+
+    g = rng.standard_normal((blocks, L, L)).astype(dtype)
+    cotangents = []
+    for gpu in (0, 1):
+        gt = np.full(blocks * L * L + 5, np.nan, dtype)
+        run_rows(row_lib, "softmax_vjp_rows", dtype, gpu, weights[0].ravel().copy(), g.ravel().copy(), gt, L,
+                 count=blocks * L)
+        assert np.isnan(gt[-5:]).all()
+        cotangents.append(gt[:-5].reshape(blocks, L, L))
+    np.testing.assert_array_equal(cotangents[1], cotangents[0])
+    a = weights[0].astype(np.float64)
+    expected = a * (g - (a * g).sum(axis=-1, keepdims=True))  # J^T g of each row, J = diag(a) - a a^T
+    np.testing.assert_allclose(cotangents[1], expected, rtol=tol * 10, atol=tol * 10)
+
+    # The tangent of J^T g as the weights move by da = J dt and g by dg.
+    dt, dg = (rng.standard_normal((blocks, L, L)).astype(dtype) for _ in range(2))
+    if causal:
+        dt[..., ~np.tril(np.ones((L, L), bool))] = 0  # the masked logits never move
+    da = (a * (dt - (a * dt).sum(axis=-1, keepdims=True))).astype(dtype)
+    tangents = []
+    for gpu in (0, 1):
+        dgt = np.full(blocks * L * L + 5, np.nan, dtype)
+        run_rows(row_lib, "softmax_cotangent_tangent_rows", dtype, gpu, weights[0].ravel().copy(), da.ravel().copy(),
+                 g.ravel().copy(), dg.ravel().copy(), dgt, L, count=blocks * L)
+        assert np.isnan(dgt[-5:]).all()
+        tangents.append(dgt[:-5].reshape(blocks, L, L))
+    np.testing.assert_array_equal(tangents[1], tangents[0])
+    # d[a * (g - a.g)] by the product rule, from the definition
+    da64, g64, dg64 = (x.astype(np.float64) for x in (da, g, dg))
+    ag = (a * g64).sum(axis=-1, keepdims=True)
+    expected = da64 * (g64 - ag) + a * (dg64 - (da64 * g64).sum(axis=-1, keepdims=True) - (a * dg64).sum(axis=-1, keepdims=True))
+    np.testing.assert_allclose(tangents[1], expected, rtol=tol * 10, atol=tol * 10)
 
 
 # ---- products ---------------------------------------------------------------------------------------

@@ -74,6 +74,31 @@ namespace rows = blockhess::engine::rows;
       char* message, long message_size) {                                                                        \
     return run<T>(gpu, rows::ActivationCotangentTangent<T>{first, second, dg, g, dx, out, add != 0}, count,       \
                   message, message_size);                                                                        \
+  }                                                                                                              \
+  extern "C" __attribute__((visibility("default"))) int sum_entries##suffix(                                       \
+      int gpu, const T* a, const T* b, T* out, long count, char* message, long message_size) {                   \
+    return run<T>(gpu, rows::SumEntries<T>{a, b, out}, count, message, message_size);                            \
+  }                                                                                                              \
+  extern "C" __attribute__((visibility("default"))) int write_entries##suffix(                                     \
+      int gpu, const T* x, T* out, int add, long count, char* message, long message_size) {                      \
+    return run<T>(gpu, rows::WriteEntries<T>{x, out, add != 0}, count, message, message_size);                   \
+  }                                                                                                              \
+  extern "C" __attribute__((visibility("default"))) int add_bias##suffix(                                          \
+      int gpu, const T* bias, T* out, long width, long count, char* message, long message_size) {                \
+    return run<T>(gpu, rows::AddBias<T>{bias, out, width}, count, message, message_size);                        \
+  }                                                                                                              \
+  extern "C" __attribute__((visibility("default"))) int softmax_rows##suffix(                                      \
+      int gpu, T* a, long L, int causal, long count, char* message, long message_size) {                         \
+    return run<T>(gpu, rows::SoftmaxRows<T>{a, L, causal != 0}, count, message, message_size);                   \
+  }                                                                                                              \
+  extern "C" __attribute__((visibility("default"))) int softmax_vjp_rows##suffix(                                  \
+      int gpu, const T* a, const T* g, T* gt, long L, long count, char* message, long message_size) {            \
+    return run<T>(gpu, rows::SoftmaxVjpRows<T>{a, g, gt, L}, count, message, message_size);                       \
+  }                                                                                                              \
+  extern "C" __attribute__((visibility("default"))) int softmax_cotangent_tangent_rows##suffix(                    \
+      int gpu, const T* a, const T* da, const T* g, const T* dg, T* dgt, long L, long count, char* message,        \
+      long message_size) {                                                                                       \
+    return run<T>(gpu, rows::SoftmaxCotangentTangentRows<T>{a, da, g, dg, dgt, L}, count, message, message_size);  \
   }
 BLOCKHESS_ROW_PROBES(_f64, double)
 BLOCKHESS_ROW_PROBES(_f32, float)

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cmath>
+#include <limits>
 
 #include "blockhess/config.hpp"
 
@@ -31,6 +32,16 @@ BLOCKHESS_HD int exponent(T x) {
   int k = 0;
   (void)BLOCKHESS_MATH(frexp)(x, &k);
   return k;
+}
+
+// +inf (numeric_limits is host-only in device code).
+template <class T>
+BLOCKHESS_HD T infinity() {
+#if defined(__CUDA_ARCH__)
+  return static_cast<T>(__longlong_as_double(0x7ff0000000000000LL));
+#else
+  return std::numeric_limits<T>::infinity();
+#endif
 }
 
 #undef BLOCKHESS_MATH

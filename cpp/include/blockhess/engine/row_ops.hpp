@@ -9,16 +9,37 @@
 #pragma once
 
 namespace blockhess::engine::rows {
-template <class T>
-struct ActivationForward;
+// entry by entry (rows/entries.hpp)
 template <class T>
 struct ScaleEntries;
 template <class T>
+struct SumEntries;
+template <class T>
+struct WriteEntries;
+template <class T>
+struct AddBias;
+// the pointwise activation's (rows/pointwise.hpp)
+template <class T>
+struct ActivationForward;
+template <class T>
 struct ActivationCotangentTangent;
+// the attention's row softmax (rows/softmax.hpp)
+template <class T>
+struct SoftmaxRows;
+template <class T>
+struct SoftmaxVjpRows;
+template <class T>
+struct SoftmaxCotangentTangentRows;
 }  // namespace blockhess::engine::rows
 
 // X(op) for every row operation.
-#define BLOCKHESS_ROW_OPS(X) \
-  X(ActivationForward)       \
-  X(ScaleEntries)            \
-  X(ActivationCotangentTangent)
+#define BLOCKHESS_ROW_OPS(X)    \
+  X(ScaleEntries)               \
+  X(SumEntries)                 \
+  X(WriteEntries)               \
+  X(AddBias)                    \
+  X(ActivationForward)          \
+  X(ActivationCotangentTangent) \
+  X(SoftmaxRows)                \
+  X(SoftmaxVjpRows)             \
+  X(SoftmaxCotangentTangentRows)

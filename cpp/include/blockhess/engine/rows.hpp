@@ -2,4 +2,6 @@
 #pragma once
 
 #include "blockhess/engine/row_ops.hpp"
+#include "blockhess/engine/rows/entries.hpp"
 #include "blockhess/engine/rows/pointwise.hpp"
+#include "blockhess/engine/rows/softmax.hpp"

@@ -31,6 +31,8 @@
 #include "blockhess/engine/graph.hpp"
 #include "blockhess/finite.hpp"
 #include "blockhess/parallel.hpp"
+#include "blockhess/engine/rows/entries.hpp"
+#include "blockhess/engine/rows/softmax.hpp"
 #include "blockhess/parallel_product.hpp"
 #include "blockhess/softmax.hpp"
 
@@ -62,27 +64,22 @@ class AttentionNode final : public Node<T> {
     product(g.backend(), MapM<T>(K_.data(), n, hk_), X, W(g, wk()), T(1), false);
     product(g.backend(), MapM<T>(V_.data(), n, hv_), X, W(g, wv()), T(1), false);
     if (biased()) {
-      MapM<T>(Q_.data(), n, hk_).rowwise() += MapC<T>(g.weight(bq()), 1, hk_).row(0);
-      MapM<T>(K_.data(), n, hk_).rowwise() += MapC<T>(g.weight(bk()), 1, hk_).row(0);
-      MapM<T>(V_.data(), n, hv_).rowwise() += MapC<T>(g.weight(bv()), 1, hv_).row(0);
+      g.backend().run(rows::AddBias<T>{g.weight(bq()), Q_.data(), hk_}, n * hk_);
+      g.backend().run(rows::AddBias<T>{g.weight(bk()), K_.data(), hk_}, n * hk_);
+      g.backend().run(rows::AddBias<T>{g.weight(bv()), V_.data(), hv_}, n * hv_);
     }
     require_finite(Q_.data(), n * hk_, "block: the queries X W_Q");
     require_finite(K_.data(), n * hk_, "block: the keys X W_K");
     require_finite(V_.data(), n * hv_, "block: the values X W_V");
     T* F = g.value_out(this->output);
-    // Sample by sample, every head at once: the logits, the weights row by row, the output.
-    for (index_t b = 0; b < B; ++b) {
+    // The logits of every head (a batch a sample), their rows' softmax, the outputs.
+    for (index_t b = 0; b < B; ++b)
       batched_product(g.backend(), heads_, MapM<T>(weights(b, 0, L), L, L), L * L, q(b, 0, L), dk_,
                       k(b, 0, L).transpose(), dk_, s_, false);
-      for (index_t i = 0; i < heads_; ++i) {
-        T* A = weights(b, i, L);
-        if (causal_)
-          for (index_t r = 0; r < L; ++r) std::fill(A + r * L + r + 1, A + (r + 1) * L, -std::numeric_limits<T>::infinity());
-        for (index_t r = 0; r < L; ++r) softmax::forward_row(A + r * L, L, A + r * L);
-      }
+    g.backend().run(rows::SoftmaxRows<T>{A_.data(), L, causal_}, B * heads_ * L);
+    for (index_t b = 0; b < B; ++b)
       batched_product(g.backend(), heads_, head_cols(F, b, 0, L), dv_, MapC<T>(weights(b, 0, L), L, L), L * L,
                       v(b, 0, L), dv_, T(1), false);
-    }
     require_finite(A_.data(), B * heads_ * L * L, "block: the attention weights softmax(X W_Q W_K^T X^T / sqrt(d_k))");
     require_finite(F, n * hv_, "block: the attention output A X W_V");
   }
@@ -132,12 +129,11 @@ class AttentionNode final : public Node<T> {
     gA_.resize(A_.size()), gT_.resize(A_.size());
     gQ_.resize(Q_.size()), gK_.resize(K_.size()), gV_.resize(V_.size());
     const index_t LL = L * L;
-    for (index_t b = 0; b < B; ++b) {  // sample by sample, every head at once
-      T* gA = gA_.data() + b * heads_ * LL;
-      batched_product(g.backend(), heads_, MapM<T>(gA, L, L), LL, head_cols(gF, b, 0, L), dv_, v(b, 0, L).transpose(),
-                      dv_, T(1), false);
-      for (index_t r = 0; r < heads_ * L; ++r)
-        softmax::vjp_row(weights(b, 0, L) + r * L, gA + r * L, L, gT_.data() + b * heads_ * LL + r * L);
+    for (index_t b = 0; b < B; ++b)  // a batch of heads a sample
+      batched_product(g.backend(), heads_, MapM<T>(gA_.data() + b * heads_ * LL, L, L), LL, head_cols(gF, b, 0, L),
+                      dv_, v(b, 0, L).transpose(), dv_, T(1), false);
+    g.backend().run(rows::SoftmaxVjpRows<T>{A_.data(), gA_.data(), gT_.data(), L}, B * heads_ * L);
+    for (index_t b = 0; b < B; ++b) {
       const MapC<T> gT(logit_cotangent(b, 0, L), L, L), A(weights(b, 0, L), L, L);
       batched_product(g.backend(), heads_, head_of(gQ_, b, 0, L, hk_, dk_), dk_, gT, LL, k(b, 0, L), dk_, s_, false);
       batched_product(g.backend(), heads_, head_of(gK_, b, 0, L, hk_, dk_), dk_, gT.transpose(), LL, q(b, 0, L), dk_, s_,
@@ -404,7 +400,7 @@ class AttentionNode final : public Node<T> {
       if (dW) product(g.backend(), o, X, MapC<T>(dW, d, cols), T(1), false);
       if (dX) product(g.backend(), o, MapC<T>(dX, n, d), W(g, weight), T(1), dW != nullptr);
       if (!dW && !dX) o.setZero();
-      if (db) o.rowwise() += MapC<T>(db, 1, cols).row(0);
+      if (db) g.backend().run(rows::AddBias<T>{db, o.data(), cols}, n * cols);
       return out;
     };
     const RawBuffer<T>&dQ = tangent_of(kDQ, wq(), dWQ, dbQ, hk_), &dK = tangent_of(kDK, wk(), dWK, dbK, hk_);
@@ -418,7 +414,7 @@ class AttentionNode final : public Node<T> {
         product(g.backend(), dT, q(b, i, L), head(dK, b, i, L, hk_, dk_).transpose(), s_, true);
         const T* A = weights(b, i, L);
         T* dAi = dA.data() + (b * heads_ + i) * L * L;
-        for (index_t r = 0; r < L; ++r) softmax::vjp_row(A + r * L, dT.data() + r * L, L, dAi + r * L);  // J symmetric
+        g.backend().run(rows::SoftmaxVjpRows<T>{A, dT.data(), dAi, L}, L);  // J is symmetric: J dT = J^T dT
         const auto dFi = head_cols(dF, b, i, L);
         product(g.backend(), dFi, MapC<T>(dAi, L, L), v(b, i, L), T(1), false);
         product(g.backend(), dFi, MapC<T>(A, L, L), head(dV, b, i, L, hv_, dv_), T(1), true);
@@ -449,11 +445,11 @@ class AttentionNode final : public Node<T> {
         product(g.backend(), dgA, head_cols(dgF, b, i, L), v(b, i, L).transpose(), T(1), false);
         if (curved && moves_v) product(g.backend(), dgA, head_cols(gF, b, i, L), head(dV, b, i, L, hv_, dv_).transpose(), T(1), true);
         const index_t at = (b * heads_ + i) * L * L;
-        for (index_t r = 0; r < L; ++r) {
-          const index_t row = at + r * L;
-          if (curved) softmax::vjp_tangent_row(A_.data() + row, dA.data() + row, gA_.data() + row, dgA.data() + r * L, L, dgT.data() + r * L);
-          else softmax::vjp_row(A_.data() + row, dgA.data() + r * L, L, dgT.data() + r * L);
-        }
+        if (curved)
+          g.backend().run(rows::SoftmaxCotangentTangentRows<T>{A_.data() + at, dA.data() + at, gA_.data() + at,
+                                                               dgA.data(), dgT.data(), L},
+                          L);
+        else g.backend().run(rows::SoftmaxVjpRows<T>{A_.data() + at, dgA.data(), dgT.data(), L}, L);
         const MapC<T> gT(gT_.data() + at, L, L), A(A_.data() + at, L, L), dAi(dA.data() + at, L, L);
         auto dgQi = head_of(dgQ, b, i, L, hk_, dk_);
         product(g.backend(), dgQi, dgT, k(b, i, L), s_, false);

@@ -11,6 +11,7 @@
 #include "blockhess/eigen.hpp"
 #include "blockhess/engine/graph.hpp"
 #include "blockhess/finite.hpp"
+#include "blockhess/engine/rows/entries.hpp"
 #include "blockhess/parallel_product.hpp"
 
 namespace blockhess::engine {
@@ -24,7 +25,7 @@ class LinearNode final : public Node<T> {
     const index_t n = g.tokens();
     MapM<T> out(g.value_out(this->output), n, w_out(g));
     product(g.backend(), out, MapC<T>(g.value(in()), n, w_in(g)), W(g), T(1), false);
-    if (has_bias()) out.rowwise() += bias(g).row(0);
+    if (has_bias()) g.backend().run(rows::AddBias<T>{g.weight(bias_param()), out.data(), w_out(g)}, n * w_out(g));
     require_finite(g.value(this->output), n * w_out(g), stage_);
   }
 
@@ -100,7 +101,7 @@ class LinearNode final : public Node<T> {
     if (din) product(g.backend(), dout, MapC<T>(din, n, w_in(g)), W(g), T(1), false);
     if (dW) product(g.backend(), dout, MapC<T>(g.value(in()), n, w_in(g)), MapC<T>(dW, w_in(g), w_out(g)), T(1), din != nullptr);
     if (!din && !dW) dout.setZero();
-    if (db) dout.rowwise() += MapC<T>(db, 1, w_out(g)).row(0);
+    if (db) g.backend().run(rows::AddBias<T>{db, dout.data(), w_out(g)}, n * w_out(g));
   }
 
   // d(g W^T) = dg W^T + (curved) g dW^T;  d(in^T g) = in^T dg + (curved) d in^T g.
@@ -129,7 +130,6 @@ class LinearNode final : public Node<T> {
   int param() const { return this->params[0]; }
   bool has_bias() const { return this->params.size() > 1; }
   int bias_param() const { return this->params[1]; }
-  MapC<T> bias(const Graph<T>& g) const { return MapC<T>(g.weight(bias_param()), 1, w_out(g)); }
   index_t w_in(const Graph<T>& g) const { return g.width(in()); }
   index_t w_out(const Graph<T>& g) const { return g.width(this->output); }
   MapC<T> W(const Graph<T>& g) const { return MapC<T>(g.weight(param()), w_in(g), w_out(g)); }

@@ -5,6 +5,7 @@
 
 #include "blockhess/activation.hpp"
 #include "blockhess/engine/graph.hpp"
+#include "blockhess/engine/rows/entries.hpp"
 #include "blockhess/engine/rows/pointwise.hpp"
 #include "blockhess/finite.hpp"
 

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "blockhess/engine/graph.hpp"
+#include "blockhess/engine/rows/entries.hpp"
 #include "blockhess/finite.hpp"
 
 namespace blockhess::engine {
@@ -18,14 +19,14 @@ class ResidualNode final : public Node<T> {
     const index_t size = g.tokens() * g.width(this->output);
     const T *a = g.value(this->inputs[0]), *b = g.value(this->inputs[1]);
     T* out = g.value_out(this->output);
-    for (index_t k = 0; k < size; ++k) out[k] = a[k] + b[k];
+    g.backend().run(rows::SumEntries<T>{a, b, out}, size);
     require_finite(out, size, stage_);
   }
 
   void vjp(Graph<T>& g) const override {
     const index_t size = g.tokens() * g.width(this->output);
     for (int v : this->inputs)
-      if (g.varies(v)) write_slot(g.cotangent_slot(v), g.cotangent(this->output), size);
+      if (g.varies(v)) write(g, g.cotangent_slot(v), g.cotangent(this->output), size);
   }
 
   void push(Graph<T>& g) const override {
@@ -41,19 +42,20 @@ class ResidualNode final : public Node<T> {
     if (!da && !db) return;
     const index_t size = g.tokens() * g.width(this->output);
     T* out = tg.out(this->output, size);
-    if (da && db)
-      for (index_t k = 0; k < size; ++k) out[k] = da[k] + db[k];
-    else
-      std::copy_n(da ? da : db, size, out);
+    if (da && db) g.backend().run(rows::SumEntries<T>{da, db, out}, size);
+    else write(g, Slot<T>{out, false}, da ? da : db, size);
   }
 
   void vjp_tangent(const Graph<T>& g, Tangent<T>& tg, bool) const override {
     const index_t size = g.tokens() * g.width(this->output);
     for (int v : this->inputs)
-      if (tg.in(v)) write_slot(tg.dcot_slot(v, size), tg.dcot[this->output].data(), size);
+      if (tg.in(v)) write(g, tg.dcot_slot(v, size), tg.dcot[this->output].data(), size);
   }
 
  private:
+  static void write(const Graph<T>& g, const Slot<T>& slot, const T* values, index_t size) {
+    g.backend().run(rows::WriteEntries<T>{values, slot.data, slot.add}, size);
+  }
   const char* stage_;
 };
 

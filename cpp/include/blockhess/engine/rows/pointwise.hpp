@@ -28,22 +28,6 @@ struct ActivationForward {
   }
 };
 
-// out = scale * x entry by entry, assigned or (add) added: a diagonal Jacobian and its transpose.
-template <class T>
-struct ScaleEntries {
-  const T* scale;
-  const T* x;
-  T* out;
-  bool add;
-  index_t cost() const { return 1; }
-  BLOCKHESS_HD void operator()(index_t begin, index_t end) const {
-    for (index_t k = begin; k < end; ++k) {
-      const T v = scale[k] * x[k];
-      out[k] = add ? out[k] + v : v;
-    }
-  }
-};
-
 // The tangent of the cotangent phi' g: phi' dg, plus (second not null) phi'' g dx; assigned or added.
 template <class T>
 struct ActivationCotangentTangent {
