@@ -35,7 +35,8 @@ def _load(path):
                        ctypes.c_long, ctypes.c_double, ctypes.c_int, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_long]
     lib.cublas_standin_last_stream.restype = ctypes.c_size_t
     for name in ("activation_forward", "scale_entries", "activation_cotangent_tangent", "sum_entries", "write_entries",
-                 "add_bias", "softmax_rows", "softmax_vjp_rows", "softmax_cotangent_tangent_rows"):
+                 "add_bias", "softmax_rows", "softmax_vjp_rows", "softmax_cotangent_tangent_rows",
+                 "normalize_rows", "scale_columns", "norm_tangent_rows"):
         for suffix in ("_f64", "_f32"):
             getattr(lib, name + suffix).restype = ctypes.c_int
     return lib
@@ -69,7 +70,8 @@ def run_rows(lib, name, dtype, *args, count=COUNT):
     message = ctypes.create_string_buffer(512)
     # Integers as 64-bit: past the sixth argument they go on the stack, where a 32-bit int's upper half
     # is undefined (an int parameter reads the lower half of either).
-    converted = [ptr(a) if a is None or isinstance(a, np.ndarray) else ctypes.c_long(a) for a in args]
+    converted = [ptr(a) if a is None or isinstance(a, np.ndarray)
+                 else ctypes.c_double(a) if isinstance(a, float) else ctypes.c_long(a) for a in args]
     assert fn(*converted, ctypes.c_long(count), message, ctypes.c_long(512)) == 0, message.value.decode()
 
 
@@ -226,6 +228,53 @@ def test_the_attention_softmax_rows_on_the_gpu_are_the_hosts(row_lib, dtype, cau
     ag = (a * g64).sum(axis=-1, keepdims=True)
     expected = da64 * (g64 - ag) + a * (dg64 - (da64 * g64).sum(axis=-1, keepdims=True) - (a * dg64).sum(axis=-1, keepdims=True))
     np.testing.assert_allclose(tangents[1], expected, rtol=tol * 10, atol=tol * 10)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("affine", [False, True])
+def test_the_norms_rows_and_their_tangents_on_the_gpu_are_the_hosts(row_lib, dtype, norm, affine):
+    """A norm node's rows, its scale by gamma and the tangent of its output (a Hessian-vector
+    product's forward pass): 90 tokens of width 11, so the scale's 990 entries outnumber 3 blocks'
+    768 threads and its grid-stride loop goes round."""
+    rng = np.random.default_rng(7)
+    tokens, d, eps, rms = 90, 11, 1e-5, int(norm == "rmsnorm")
+    u = (2 * rng.standard_normal((tokens, d)) + 0.5).astype(dtype)
+    gamma, dgamma, dbeta = (rng.standard_normal(d).astype(dtype) for _ in range(3))
+    du = rng.standard_normal((tokens, d)).astype(dtype)
+    results = []
+    for gpu in (0, 1):
+        n, scale = np.full(tokens * d + 5, np.nan, dtype), np.full(tokens + 5, np.nan, dtype)
+        run_rows(row_lib, "normalize_rows", dtype, gpu, u, n, scale, d, eps, rms, count=tokens)
+        assert np.isnan(n[-5:]).all() and np.isnan(scale[-5:]).all()
+        y = np.full(tokens * d, np.nan, dtype)
+        run_rows(row_lib, "scale_columns", dtype, gpu, n, gamma, y, d, count=tokens * d)
+        dn, dy = np.full(tokens * d, np.nan, dtype), np.full(tokens * d, np.nan, dtype)
+        run_rows(row_lib, "norm_tangent_rows", dtype, gpu, n, scale, du, gamma if affine else None,
+                 dgamma if affine else None, dbeta if affine else None, dn, dy if affine else dn, d, rms,
+                 count=tokens)
+        results.append([n[:-5].reshape(tokens, d), scale[:-5], y.reshape(tokens, d), dn.reshape(tokens, d),
+                        dy.reshape(tokens, d)])
+    for host, gpu in zip(*results):
+        np.testing.assert_array_equal(gpu, host)
+    # Against the definitions, float64.
+    u64, du64 = u.astype(np.float64), du.astype(np.float64)
+    if rms:
+        r = np.sqrt((u64**2).mean(axis=1, keepdims=True) + eps)
+        n_ref = u64 / r
+        dn_ref = (du64 - n_ref * (n_ref * du64).mean(axis=1, keepdims=True)) / r
+    else:
+        r = np.sqrt(u64.var(axis=1, keepdims=True) + eps)
+        n_ref = (u64 - u64.mean(axis=1, keepdims=True)) / r
+        dn_ref = (du64 - du64.mean(axis=1, keepdims=True) - n_ref * (n_ref * du64).mean(axis=1, keepdims=True)) / r
+    n, scale, y, dn, dy = results[1]
+    tol = 1e-13 if dtype == np.float64 else 1e-5
+    np.testing.assert_allclose(n, n_ref, rtol=tol, atol=tol)
+    np.testing.assert_allclose(scale, r[:, 0], rtol=tol)
+    np.testing.assert_allclose(y, n_ref * gamma, rtol=tol, atol=tol)
+    np.testing.assert_allclose(dn, dn_ref, rtol=tol * 10, atol=tol * 10)
+    if affine:
+        np.testing.assert_allclose(dy, gamma * dn_ref + n_ref * dgamma + dbeta, rtol=tol * 10, atol=tol * 10)
 
 
 # ---- products ---------------------------------------------------------------------------------------

@@ -95,6 +95,22 @@ namespace rows = blockhess::engine::rows;
       int gpu, const T* a, const T* g, T* gt, long L, long count, char* message, long message_size) {            \
     return run<T>(gpu, rows::SoftmaxVjpRows<T>{a, g, gt, L}, count, message, message_size);                       \
   }                                                                                                              \
+  extern "C" __attribute__((visibility("default"))) int normalize_rows##suffix(                                    \
+      int gpu, const T* u, T* n, T* scale, long d, double eps, int rms, long count, char* message,                 \
+      long message_size) {                                                                                       \
+    return run<T>(gpu, rows::NormalizeRows<T>{u, n, scale, d, static_cast<T>(eps), rms != 0}, count, message,     \
+                  message_size);                                                                                 \
+  }                                                                                                              \
+  extern "C" __attribute__((visibility("default"))) int scale_columns##suffix(                                     \
+      int gpu, const T* n, const T* gamma, T* y, long d, long count, char* message, long message_size) {         \
+    return run<T>(gpu, rows::ScaleColumns<T>{n, gamma, y, d}, count, message, message_size);                     \
+  }                                                                                                              \
+  extern "C" __attribute__((visibility("default"))) int norm_tangent_rows##suffix(                                 \
+      int gpu, const T* n, const T* scale, const T* du, const T* gamma, const T* dgamma, const T* dbeta, T* dn,   \
+      T* dy, long d, int rms, long count, char* message, long message_size) {                                     \
+    return run<T>(gpu, rows::NormTangentRows<T>{n, scale, du, gamma, dgamma, dbeta, dn, dy, d, rms != 0}, count,   \
+                  message, message_size);                                                                        \
+  }                                                                                                              \
   extern "C" __attribute__((visibility("default"))) int softmax_cotangent_tangent_rows##suffix(                    \
       int gpu, const T* a, const T* da, const T* g, const T* dg, T* dgt, long L, long count, char* message,        \
       long message_size) {                                                                                       \

@@ -10,32 +10,41 @@
 #include <string>
 
 #include "blockhess/config.hpp"
+#include "blockhess/math.hpp"
 #include "blockhess/parallel.hpp"
 
 namespace blockhess::rmsnorm {
 
 template <class T>
-T normalize_row(const T* u, index_t d, T eps, T* n) {
+BLOCKHESS_HD T normalize_row(const T* u, index_t d, T eps, T* n) {
   T top = 0;  // scaled by the largest entry, so that squaring neither over- nor underflows
-  for (index_t a = 0; a < d; ++a) top = std::max(top, std::abs(u[a]));
-  T r = std::sqrt(eps);
+  for (index_t a = 0; a < d; ++a) top = top < math::abs(u[a]) ? math::abs(u[a]) : top;
+  T r = math::sqrt(eps);
   if (top > T(0)) {
     T sum = 0;
     for (index_t a = 0; a < d; ++a) sum += (u[a] / top) * (u[a] / top);
-    r = top * std::sqrt(sum / static_cast<T>(d) + eps / top / top);
+    r = top * math::sqrt(sum / static_cast<T>(d) + eps / top / top);
   }
   for (index_t a = 0; a < d; ++a) n[a] = u[a] / r;
   return r;
 }
 
-// n (L, d) and r (L) of every row; a zero row with eps = 0 has no derivative: an error.
+namespace detail {
+// A zero row with eps = 0 has no derivative: an error naming the first.
 template <class T>
-void normalize(const T* u, index_t L, index_t d, T eps, T* n, T* r) {
-  blockhess::detail::parallel_for(L, d, [&](index_t i) { r[i] = normalize_row(u + i * d, d, eps, n + i * d); });
+void check_scales(const T* r, index_t L) {
   for (index_t i = 0; i < L; ++i)
     if (!(r[i] > T(0)) || !std::isfinite(r[i]))
       throw std::domain_error("rmsnorm: row " + std::to_string(i) + " is zero (or not finite); pass eps > 0 to make "
                               "RMSNorm differentiable there");
+}
+}  // namespace detail
+
+// n (L, d) and r (L) of every row.
+template <class T>
+void normalize(const T* u, index_t L, index_t d, T eps, T* n, T* r) {
+  blockhess::detail::parallel_for(L, d, [&](index_t i) { r[i] = normalize_row(u + i * d, d, eps, n + i * d); });
+  detail::check_scales(r, L);
 }
 
 // J = diag(gamma) J0 (gamma may be null).
@@ -67,7 +76,7 @@ void hessian_contract_row(const T* n, T r, const T* gamma, const T* g, index_t d
 
 // u = J0^T g = (g - n (n . g) / d) / r; J0 is symmetric, so also the jvp.
 template <class T>
-void vjp_row(const T* n, T r, const T* g, index_t d, T* u) {
+BLOCKHESS_HD void vjp_row(const T* n, T r, const T* g, index_t d, T* u) {
   T ng = 0;
   for (index_t a = 0; a < d; ++a) ng += n[a] * g[a];
   ng /= static_cast<T>(d);

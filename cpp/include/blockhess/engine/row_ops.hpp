@@ -23,6 +23,13 @@ template <class T>
 struct ActivationForward;
 template <class T>
 struct ActivationCotangentTangent;
+// the row norms' (rows/norm.hpp)
+template <class T>
+struct NormalizeRows;
+template <class T>
+struct ScaleColumns;
+template <class T>
+struct NormTangentRows;
 // the attention's row softmax (rows/softmax.hpp)
 template <class T>
 struct SoftmaxRows;
@@ -40,6 +47,9 @@ struct SoftmaxCotangentTangentRows;
   X(AddBias)                    \
   X(ActivationForward)          \
   X(ActivationCotangentTangent) \
+  X(NormalizeRows)              \
+  X(ScaleColumns)               \
+  X(NormTangentRows)            \
   X(SoftmaxRows)                \
   X(SoftmaxVjpRows)             \
   X(SoftmaxCotangentTangentRows)

@@ -3,5 +3,6 @@
 
 #include "blockhess/engine/row_ops.hpp"
 #include "blockhess/engine/rows/entries.hpp"
+#include "blockhess/engine/rows/norm.hpp"
 #include "blockhess/engine/rows/pointwise.hpp"
 #include "blockhess/engine/rows/softmax.hpp"

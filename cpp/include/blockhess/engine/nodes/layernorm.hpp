@@ -13,6 +13,8 @@
 
 #include "blockhess/eigen.hpp"
 #include "blockhess/engine/graph.hpp"
+#include "blockhess/engine/rows/entries.hpp"
+#include "blockhess/engine/rows/norm.hpp"
 #include "blockhess/finite.hpp"
 #include "blockhess/layernorm.hpp"
 #include "blockhess/parallel.hpp"
@@ -22,14 +24,16 @@ namespace blockhess::engine {
 
 // The row math of each norm, behind one interface (the per-row scale is sigma or r).
 struct LayerNormRows {
-  template <class... A> static void normalize(A... a) { layernorm::normalize(a...); }
+  static constexpr bool rms = false;  // the row operations' flag (engine/rows/norm.hpp)
+  template <class T> static void check(const T* sigma, index_t n) { layernorm::detail::check_sigmas(sigma, n); }
   template <class... A> static void jacobian_row(A... a) { layernorm::jacobian_row(a...); }
   template <class... A> static void hessian_contract_row(A... a) { layernorm::hessian_contract_row(a...); }
   template <class... A> static void vjp_row(A... a) { layernorm::vjp_row(a...); }
   template <class... A> static void vjp_tangent_row(A... a) { layernorm::vjp_tangent_row(a...); }
 };
 struct RmsNormRows {
-  template <class... A> static void normalize(A... a) { rmsnorm::normalize(a...); }
+  static constexpr bool rms = true;
+  template <class T> static void check(const T* r, index_t n) { rmsnorm::detail::check_scales(r, n); }
   template <class... A> static void jacobian_row(A... a) { rmsnorm::jacobian_row(a...); }
   template <class... A> static void hessian_contract_row(A... a) { rmsnorm::hessian_contract_row(a...); }
   template <class... A> static void vjp_row(A... a) { rmsnorm::vjp_row(a...); }
@@ -44,16 +48,15 @@ class NormNode final : public Node<T> {
   void forward(Graph<T>& g) override {
     const index_t n = g.tokens(), d = g.width(this->output);
     sigma_.resize(static_cast<size_t>(n));
-    if (!affine()) {
-      Rows::normalize(g.value(in()), n, d, eps_, g.value_out(this->output), sigma_.data());
-      return;
-    }
-    normalized_.resize(static_cast<size_t>(n * d));
-    Rows::normalize(g.value(in()), n, d, eps_, normalized_.data(), sigma_.data());
-    MapM<T> y(g.value_out(this->output), n, d);
-    y = MapC<T>(normalized_.data(), n, d) * gamma(g).asDiagonal();
-    if (has_beta()) y.rowwise() += MapC<T>(g.weight(beta_param()), 1, d).row(0);
-    require_finite(y.data(), n * d, "block: a LayerNorm's output gamma * n + beta");
+    T* y = g.value_out(this->output);
+    if (affine()) normalized_.resize(static_cast<size_t>(n * d));
+    g.backend().run(rows::NormalizeRows<T>{g.value(in()), affine() ? normalized_.data() : y, sigma_.data(), d, eps_, Rows::rms},
+                    n);
+    Rows::check(sigma_.data(), n);
+    if (!affine()) return;
+    g.backend().run(rows::ScaleColumns<T>{normalized_.data(), g.weight(gamma_param()), y, d}, n * d);
+    if (has_beta()) g.backend().run(rows::AddBias<T>{g.weight(beta_param()), y, d}, n * d);
+    require_finite(y, n * d, "block: a LayerNorm's output gamma * n + beta");
   }
 
   void vjp(Graph<T>& g) const override {
@@ -143,15 +146,9 @@ class NormNode final : public Node<T> {
     const index_t n = g.tokens(), d = width(g);
     T* dy = tg.out(this->output, n * d);
     T* dn = affine() && du ? tg.scratch(this->index, kNormalizedTangent, n * d).data() : dy;
-    blockhess::detail::parallel_for(n, 4 * d, [&](index_t t) {
-      T* row = dy + t * d;
-      if (du) Rows::vjp_row(n_t(g, t), sigma_[t], du + t * d, d, dn + t * d);  // J0 is symmetric
-      if (!affine()) return;
-      const T* gam = g.weight(gamma_param());
-      const T* nt = n_t(g, t);
-      for (index_t a = 0; a < d; ++a)
-        row[a] = (du ? gam[a] * dn[t * d + a] : T(0)) + (dgamma ? nt[a] * dgamma[a] : T(0)) + (dbeta ? dbeta[a] : T(0));
-    });
+    g.backend().run(rows::NormTangentRows<T>{n_t(g, 0), sigma_.data(), du, affine() ? g.weight(gamma_param()) : nullptr,
+                                             dgamma, dbeta, dn, dy, d, Rows::rms},
+                    n);
   }
 
   // With g^ = gamma * g the cotangent of n: d(J0^T g^) = J0^T dg^ + (curved) dJ0^T g^ (in O(d) a row,
