@@ -277,6 +277,28 @@ def test_the_norms_rows_and_their_tangents_on_the_gpu_are_the_hosts(row_lib, dty
         np.testing.assert_allclose(dy, gamma * dn_ref + n_ref * dgamma + dbeta, rtol=tol * 10, atol=tol * 10)
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_the_finiteness_check_on_the_gpu_finds_every_inf_and_nan(row_lib, dtype):
+    """The passes' checks: an Inf or NaN anywhere among 1000 values (the last one too, which a
+    3-block grid reaches only on its second round), never one just past the end."""
+    fn = getattr(row_lib, "all_finite" + ("_f64" if dtype == np.float64 else "_f32"))
+
+    def finite(gpu, values, count=COUNT):
+        flag = ctypes.c_int(-1)
+        assert fn(gpu, ptr(values), ctypes.c_long(count), ctypes.byref(flag)) == 0
+        return flag.value
+
+    values = np.random.default_rng(8).standard_normal(COUNT + 1).astype(dtype)
+    values[COUNT] = np.nan  # past the end: never read
+    assert finite(0, values) == finite(1, values) == 1
+    for where in (0, 500, COUNT - 1):
+        for bad in (np.inf, -np.inf, np.nan):
+            spoiled = values.copy()
+            spoiled[where] = bad
+            assert finite(0, spoiled) == finite(1, spoiled) == 0, (where, bad)
+    assert finite(1, values, count=0) == 1
+
+
 # ---- products ---------------------------------------------------------------------------------------
 
 

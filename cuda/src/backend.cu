@@ -43,6 +43,16 @@ __global__ void run_items(Op op, index_t count) {
   for (index_t i = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += step) op(i, i + 1);
 }
 
+// *flag |= 1 where an entry of values is Inf or NaN.
+template <class T>
+__global__ void flag_nonfinite_entries(const T* values, index_t n, unsigned* flag) {
+  const index_t step = static_cast<index_t>(blockDim.x) * gridDim.x;
+  bool bad = false;
+  for (index_t i = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step)
+    bad |= !(values[i] - values[i] == T(0));  // Inf - Inf and NaN - NaN are NaN
+  if (bad) atomicOr(flag, 1u);
+}
+
 void check_status(int status, const char* what) {
   if (status != 0)
     throw std::runtime_error(std::string("blockhess CUDA: cuBLAS ") + what + " failed with status " +
@@ -118,6 +128,19 @@ void CudaBackend<T>::gemm_batched(index_t count, MatrixView<T> C, index_t c_step
   }
 BLOCKHESS_ROW_OPS(BLOCKHESS_RUN_ON_GPU)
 #undef BLOCKHESS_RUN_ON_GPU
+
+template <class T>
+bool CudaBackend<T>::all_finite(const T* values, index_t n) const {
+  if (n <= 0) return true;
+  DeviceArray<unsigned> flag(1, stream_);
+  fill_zero(flag.data(), sizeof(unsigned), stream_);
+  flag_nonfinite_entries<T><<<detail::elementwise_blocks(n), detail::kMaxThreads, 0, detail::as_stream(stream_)>>>(
+      values, n, flag.data());
+  detail::check_launch("all_finite");
+  unsigned bad = 0;
+  copy_to_host(&bad, flag.data(), sizeof(unsigned), stream_);  // waits for the stream
+  return bad == 0;
+}
 
 template <class T>
 T* CudaBackend<T>::allocate(index_t n) const {

@@ -58,6 +58,17 @@ int run(int gpu, const Op& op, long count, char* message, long message_size) {
 
 namespace rows = blockhess::engine::rows;
 
+// *finite = whether the count values are all finite, by the host backend or the GPU backend.
+#define BLOCKHESS_FINITE_PROBE(suffix, T)                                                                  \
+  extern "C" __attribute__((visibility("default"))) int all_finite##suffix(int gpu, const T* values, long count, \
+                                                                         int* finite) {                     \
+    *finite = gpu ? blockhess::cuda::CudaBackend<T>(0).all_finite(values, count)                            \
+                  : blockhess::cpu_backend<T>().all_finite(values, count);                                  \
+    return 0;                                                                                               \
+  }
+BLOCKHESS_FINITE_PROBE(_f64, double)
+BLOCKHESS_FINITE_PROBE(_f32, float)
+
 #define BLOCKHESS_ROW_PROBES(suffix, T)                                                                            \
   extern "C" __attribute__((visibility("default"))) int activation_forward##suffix(                               \
       int gpu, int kind, const T* x, T* y, T* first, T* second, long count, char* message, long message_size) {  \

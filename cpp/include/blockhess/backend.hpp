@@ -47,6 +47,10 @@ class Backend {
   BLOCKHESS_ROW_OPS(BLOCKHESS_DECLARE_RUN)
 #undef BLOCKHESS_DECLARE_RUN
 
+  // Whether all n values (in the backend's memory) are finite: the passes' checks, read on the host
+  // (on a GPU this waits for the work queued before it).
+  virtual bool all_finite(const T* values, index_t n) const = 0;
+
   // Storage for n values in the backend's memory, uninitialised, and its return.
   virtual T* allocate(index_t n) const = 0;
   virtual void release(T* p, index_t n) const noexcept = 0;

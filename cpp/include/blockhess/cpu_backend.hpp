@@ -6,6 +6,7 @@
 
 #include "blockhess/backend.hpp"
 #include "blockhess/engine/rows.hpp"
+#include "blockhess/finite.hpp"
 #include "blockhess/memory_cache.hpp"
 #include "blockhess/parallel.hpp"
 #include "blockhess/parallel_product.hpp"
@@ -32,6 +33,8 @@ class CpuBackend final : public Backend<T> {
   }
   BLOCKHESS_ROW_OPS(BLOCKHESS_RUN_ON_HOST)
 #undef BLOCKHESS_RUN_ON_HOST
+
+  bool all_finite(const T* values, index_t n) const override { return blockhess::all_finite(values, n); }
 
   T* allocate(index_t n) const override { return static_cast<T*>(memory::allocate(static_cast<std::size_t>(n) * sizeof(T))); }
   void release(T* p, index_t n) const noexcept override { memory::deallocate(p, static_cast<std::size_t>(n) * sizeof(T)); }

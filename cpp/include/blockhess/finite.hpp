@@ -77,6 +77,12 @@ void require_finite(const T* values, index_t n, const std::string& stage) {
   if (!all_finite(values, n)) throw non_finite<T>(stage);
 }
 
+// The same for values in a backend's memory (backend.hpp), checked where they are.
+template <class T, class Backend>
+void require_finite(const Backend& backend, const T* values, index_t n, const std::string& stage) {
+  if (!backend.all_finite(values, n)) throw non_finite<T>(stage);
+}
+
 // Whether every value a (parallel) loop wrote is finite. Each iteration checks the piece it has
 // just written, while that piece is still in cache: a separate pass over a large result would read
 // all of it back from memory and cost as much as computing it. Writers take a FiniteRecord* that

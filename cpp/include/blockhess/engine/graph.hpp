@@ -332,7 +332,7 @@ class Graph {
     std::copy_n(g_output, tokens() * width(output_), seed.data);
     for (auto it = nodes_.rbegin(); it != nodes_.rend(); ++it)
       if (varies((*it)->output)) (*it)->vjp(*this);
-    for (const auto& [v, stage] : checked_) require_finite(cotangent(v), tokens() * width(v), stage);
+    for (const auto& [v, stage] : checked_) require_finite(backend(), cotangent(v), tokens() * width(v), stage);
   }
 
   // Where parameter p is a weight (or its bias) applied to every token (Node::linear_use), by its

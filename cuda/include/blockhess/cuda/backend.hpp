@@ -27,6 +27,7 @@ class CudaBackend final : public Backend<T> {
 #define BLOCKHESS_DECLARE_GPU_RUN(Op) void run(const engine::rows::Op<T>& op, index_t count) const override;
   BLOCKHESS_ROW_OPS(BLOCKHESS_DECLARE_GPU_RUN)
 #undef BLOCKHESS_DECLARE_GPU_RUN
+  bool all_finite(const T* values, index_t n) const override;
   T* allocate(index_t n) const override;
   void release(T* p, index_t n) const noexcept override;
   std::uintptr_t stream() const override { return stream_; }

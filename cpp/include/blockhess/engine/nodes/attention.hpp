@@ -68,9 +68,9 @@ class AttentionNode final : public Node<T> {
       g.backend().run(rows::AddBias<T>{g.weight(bk()), K_.data(), hk_}, n * hk_);
       g.backend().run(rows::AddBias<T>{g.weight(bv()), V_.data(), hv_}, n * hv_);
     }
-    require_finite(Q_.data(), n * hk_, "block: the queries X W_Q");
-    require_finite(K_.data(), n * hk_, "block: the keys X W_K");
-    require_finite(V_.data(), n * hv_, "block: the values X W_V");
+    require_finite(g.backend(), Q_.data(), n * hk_, "block: the queries X W_Q");
+    require_finite(g.backend(), K_.data(), n * hk_, "block: the keys X W_K");
+    require_finite(g.backend(), V_.data(), n * hv_, "block: the values X W_V");
     T* F = g.value_out(this->output);
     // The logits of every head (a batch a sample), their rows' softmax, the outputs.
     for (index_t b = 0; b < B; ++b)
@@ -80,8 +80,8 @@ class AttentionNode final : public Node<T> {
     for (index_t b = 0; b < B; ++b)
       batched_product(g.backend(), heads_, head_cols(F, b, 0, L), dv_, MapC<T>(weights(b, 0, L), L, L), L * L,
                       v(b, 0, L), dv_, T(1), false);
-    require_finite(A_.data(), B * heads_ * L * L, "block: the attention weights softmax(X W_Q W_K^T X^T / sqrt(d_k))");
-    require_finite(F, n * hv_, "block: the attention output A X W_V");
+    require_finite(g.backend(), A_.data(), B * heads_ * L * L, "block: the attention weights softmax(X W_Q W_K^T X^T / sqrt(d_k))");
+    require_finite(g.backend(), F, n * hv_, "block: the attention output A X W_V");
   }
 
   // forward: Q, K, V and every head's weights A; vjp: gA, gT, gQ, gK, gV; a product: dQ, dK, dV,
@@ -141,7 +141,7 @@ class AttentionNode final : public Node<T> {
       batched_product(g.backend(), heads_, head_of(gV_, b, 0, L, hv_, dv_), dv_, A.transpose(), LL,
                       head_cols(gF, b, 0, L), dv_, T(1), false);
     }
-    require_finite(gT_.data(), static_cast<index_t>(gT_.size()), "block: the reverse pass through the attention weights");
+    require_finite(g.backend(), gT_.data(), static_cast<index_t>(gT_.size()), "block: the reverse pass through the attention weights");
     const MapC<T> X(g.value(x()), n, d), gQ(gQ_.data(), n, hk_), gK(gK_.data(), n, hk_), gV(gV_.data(), n, hv_);
     if (T* o = g.gradient_out(wq())) product(g.backend(), MapM<T>(o, d, hk_), X.transpose(), gQ, T(1), false);
     if (T* o = g.gradient_out(wk())) product(g.backend(), MapM<T>(o, d, hk_), X.transpose(), gK, T(1), false);

@@ -56,7 +56,7 @@ class NormNode final : public Node<T> {
     if (!affine()) return;
     g.backend().run(rows::ScaleColumns<T>{normalized_.data(), g.weight(gamma_param()), y, d}, n * d);
     if (has_beta()) g.backend().run(rows::AddBias<T>{g.weight(beta_param()), y, d}, n * d);
-    require_finite(y, n * d, "block: a LayerNorm's output gamma * n + beta");
+    require_finite(g.backend(), y, n * d, "block: a LayerNorm's output gamma * n + beta");
   }
 
   void vjp(Graph<T>& g) const override {

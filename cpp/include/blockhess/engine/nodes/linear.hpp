@@ -26,7 +26,7 @@ class LinearNode final : public Node<T> {
     MapM<T> out(g.value_out(this->output), n, w_out(g));
     product(g.backend(), out, MapC<T>(g.value(in()), n, w_in(g)), W(g), T(1), false);
     if (has_bias()) g.backend().run(rows::AddBias<T>{g.weight(bias_param()), out.data(), w_out(g)}, n * w_out(g));
-    require_finite(g.value(this->output), n * w_out(g), stage_);
+    require_finite(g.backend(), g.value(this->output), n * w_out(g), stage_);
   }
 
   void vjp(Graph<T>& g) const override {

@@ -25,7 +25,7 @@ class PointwiseNode final : public Node<T> {
     else second_.resize(static_cast<size_t>(size));
     g.backend().run(rows::ActivationForward<T>{kind_, g.value(in()), y, first_.data(), second_.empty() ? nullptr : second_.data()},
                     size);
-    require_finite(y, size, "block: the activation of the FFN's hidden units");
+    require_finite(g.backend(), y, size, "block: the activation of the FFN's hidden units");
   }
 
   void vjp(Graph<T>& g) const override {

@@ -20,7 +20,7 @@ class ResidualNode final : public Node<T> {
     const T *a = g.value(this->inputs[0]), *b = g.value(this->inputs[1]);
     T* out = g.value_out(this->output);
     g.backend().run(rows::SumEntries<T>{a, b, out}, size);
-    require_finite(out, size, stage_);
+    require_finite(g.backend(), out, size, stage_);
   }
 
   void vjp(Graph<T>& g) const override {

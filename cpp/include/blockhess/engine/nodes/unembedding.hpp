@@ -27,7 +27,7 @@ class UnembeddingNode final : public Node<T> {
   void forward(Graph<T>& g) override {
     const index_t n = g.tokens();
     product(g.backend(), MapM<T>(g.value_out(this->output), n, vocab(g)), X(g), W(g).transpose(), T(1), false);
-    require_finite(g.value(this->output), n * vocab(g), "language model: the logits");
+    require_finite(g.backend(), g.value(this->output), n * vocab(g), "language model: the logits");
   }
 
   void vjp(Graph<T>& g) const override {
