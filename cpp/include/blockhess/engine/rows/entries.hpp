@@ -6,6 +6,17 @@
 
 namespace blockhess::engine::rows {
 
+// entry(k, j) for the entries k in [begin, end) of rows of `width` entries, j the column of k: a
+// division a row, not one an entry, and an inner loop over the columns the compiler vectorises.
+template <class Entry>
+BLOCKHESS_HD void for_columns(index_t begin, index_t end, index_t width, const Entry& entry) {
+  for (index_t k = begin; k < end;) {
+    const index_t j0 = k % width, stop = end - k < width - j0 ? end - k : width - j0;
+    for (index_t j = 0; j < stop; ++j) entry(k + j, j0 + j);
+    k += stop;
+  }
+}
+
 // out = scale * x, assigned or (add) added: a diagonal Jacobian and its transpose.
 template <class T>
 struct ScaleEntries {
@@ -57,7 +68,7 @@ struct AddBias {
   index_t width;
   index_t cost() const { return 1; }
   BLOCKHESS_HD void operator()(index_t begin, index_t end) const {
-    for (index_t k = begin; k < end; ++k) out[k] += bias[k % width];
+    for_columns(begin, end, width, [this](index_t k, index_t j) { out[k] += bias[j]; });
   }
 };
 

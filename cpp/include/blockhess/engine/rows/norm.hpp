@@ -3,6 +3,7 @@
 #pragma once
 
 #include "blockhess/config.hpp"
+#include "blockhess/engine/rows/entries.hpp"
 #include "blockhess/layernorm.hpp"
 #include "blockhess/rmsnorm.hpp"
 
@@ -35,7 +36,7 @@ struct ScaleColumns {
   index_t d;
   index_t cost() const { return 1; }
   BLOCKHESS_HD void operator()(index_t begin, index_t end) const {
-    for (index_t k = begin; k < end; ++k) y[k] = n[k] * gamma[k % d];
+    for_columns(begin, end, d, [this](index_t k, index_t j) { y[k] = n[k] * gamma[j]; });
   }
 };
 
