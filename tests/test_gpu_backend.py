@@ -36,7 +36,7 @@ def _load(path):
     lib.cublas_standin_last_stream.restype = ctypes.c_size_t
     for name in ("activation_forward", "scale_entries", "activation_cotangent_tangent", "sum_entries", "write_entries",
                  "add_bias", "softmax_rows", "softmax_vjp_rows", "softmax_cotangent_tangent_rows",
-                 "normalize_rows", "scale_columns", "norm_tangent_rows"):
+                 "normalize_rows", "scale_columns", "norm_tangent_rows", "scale_by", "cross_entropy_tangent_rows"):
         for suffix in ("_f64", "_f32"):
             getattr(lib, name + suffix).restype = ctypes.c_int
     return lib
@@ -275,6 +275,35 @@ def test_the_norms_rows_and_their_tangents_on_the_gpu_are_the_hosts(row_lib, dty
     np.testing.assert_allclose(dn, dn_ref, rtol=tol * 10, atol=tol * 10)
     if affine:
         np.testing.assert_allclose(dy, gamma * dn_ref + n_ref * dgamma + dbeta, rtol=tol * 10, atol=tol * 10)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_the_losses_second_derivatives_on_a_tangent_on_the_gpu_are_the_hosts(row_lib, dtype):
+    """The Hessian-vector product's seed: mse's 2/(B L d) dz, and cross-entropy's
+    1/(B L) (diag p - p p^T) dz per token (100 tokens of 10 logits: 1000 entries)."""
+    rng = np.random.default_rng(9)
+    tokens, d, scale = 100, 10, 1 / 100
+    dz = rng.standard_normal(tokens * d).astype(dtype)
+    logits = rng.standard_normal((tokens, d))
+    p = (np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)).astype(dtype)
+    scaled, tangents = [], []
+    for gpu in (0, 1):
+        out = np.full(tokens * d + 5, np.nan, dtype)
+        run_rows(row_lib, "scale_by", dtype, gpu, 0.25, dz, out, count=tokens * d)
+        assert np.isnan(out[-5:]).all()
+        scaled.append(out[:-5])
+        out = np.full(tokens * d + 5, np.nan, dtype)
+        run_rows(row_lib, "cross_entropy_tangent_rows", dtype, gpu, p, dz, out, d, scale, count=tokens)
+        assert np.isnan(out[-5:]).all()
+        tangents.append(out[:-5].reshape(tokens, d))
+    np.testing.assert_array_equal(scaled[1], scaled[0])
+    np.testing.assert_array_equal(scaled[1], (dtype(0.25) * dz))
+    np.testing.assert_array_equal(tangents[1], tangents[0])
+    p64, dz64 = p.astype(np.float64), dz.reshape(tokens, d).astype(np.float64)
+    expected = np.einsum("tab,tb->ta", scale * (np.einsum("ta,ab->tab", p64, np.eye(d)) - np.einsum("ta,tb->tab", p64, p64)),
+                         dz64)
+    tol = 1e-14 if dtype == np.float64 else 1e-6
+    np.testing.assert_allclose(tangents[1], expected, rtol=tol * 10, atol=tol)
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])

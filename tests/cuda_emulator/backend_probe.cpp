@@ -122,6 +122,16 @@ BLOCKHESS_FINITE_PROBE(_f32, float)
     return run<T>(gpu, rows::NormTangentRows<T>{n, scale, du, gamma, dgamma, dbeta, dn, dy, d, rms != 0}, count,   \
                   message, message_size);                                                                        \
   }                                                                                                              \
+  extern "C" __attribute__((visibility("default"))) int scale_by##suffix(                                          \
+      int gpu, double alpha, const T* x, T* out, long count, char* message, long message_size) {                 \
+    return run<T>(gpu, rows::ScaleBy<T>{static_cast<T>(alpha), x, out}, count, message, message_size);           \
+  }                                                                                                              \
+  extern "C" __attribute__((visibility("default"))) int cross_entropy_tangent_rows##suffix(                        \
+      int gpu, const T* p, const T* dz, T* out, long d, double scale, long count, char* message,                  \
+      long message_size) {                                                                                       \
+    return run<T>(gpu, rows::CrossEntropyTangentRows<T>{p, dz, out, d, static_cast<T>(scale)}, count, message,    \
+                  message_size);                                                                                 \
+  }                                                                                                              \
   extern "C" __attribute__((visibility("default"))) int softmax_cotangent_tangent_rows##suffix(                    \
       int gpu, const T* a, const T* da, const T* g, const T* dg, T* dgt, long L, long count, char* message,        \
       long message_size) {                                                                                       \

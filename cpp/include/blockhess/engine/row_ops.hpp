@@ -30,6 +30,11 @@ template <class T>
 struct ScaleColumns;
 template <class T>
 struct NormTangentRows;
+// the losses' (rows/heads.hpp)
+template <class T>
+struct ScaleBy;
+template <class T>
+struct CrossEntropyTangentRows;
 // the attention's row softmax (rows/softmax.hpp)
 template <class T>
 struct SoftmaxRows;
@@ -40,16 +45,18 @@ struct SoftmaxCotangentTangentRows;
 }  // namespace blockhess::engine::rows
 
 // X(op) for every row operation.
-#define BLOCKHESS_ROW_OPS(X)    \
-  X(ScaleEntries)               \
-  X(SumEntries)                 \
-  X(WriteEntries)               \
-  X(AddBias)                    \
-  X(ActivationForward)          \
-  X(ActivationCotangentTangent) \
-  X(NormalizeRows)              \
-  X(ScaleColumns)               \
-  X(NormTangentRows)            \
-  X(SoftmaxRows)                \
-  X(SoftmaxVjpRows)             \
-  X(SoftmaxCotangentTangentRows)
+#define BLOCKHESS_ROW_OPS(X)      \
+  X(ScaleEntries)                 \
+  X(SumEntries)                   \
+  X(WriteEntries)                 \
+  X(AddBias)                      \
+  X(ActivationForward)            \
+  X(ActivationCotangentTangent)   \
+  X(NormalizeRows)                \
+  X(ScaleColumns)                 \
+  X(NormTangentRows)              \
+  X(SoftmaxRows)                  \
+  X(SoftmaxVjpRows)               \
+  X(SoftmaxCotangentTangentRows)  \
+  X(ScaleBy)                      \
+  X(CrossEntropyTangentRows)

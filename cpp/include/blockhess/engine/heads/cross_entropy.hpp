@@ -15,6 +15,7 @@
 
 #include "blockhess/buffer.hpp"
 #include "blockhess/engine/head.hpp"
+#include "blockhess/engine/rows/heads.hpp"
 #include "blockhess/softmax.hpp"
 
 namespace blockhess::engine {
@@ -86,13 +87,7 @@ class CrossEntropyHead final : public Head<T> {
 
   // Per row: 1/(B L) (p * dz - p (p . dz)).
   void vjp_tangent(const Graph<T>& g, const T* dZ, T* dgZ) const override {
-    const index_t n = g.tokens(), d = g.width(g.output());
-    for (index_t t = 0; t < n; ++t) {
-      const T* p = p_.data() + t * d;
-      T pdz = 0;
-      for (index_t a = 0; a < d; ++a) pdz += p[a] * dZ[t * d + a];
-      for (index_t a = 0; a < d; ++a) dgZ[t * d + a] = scale_ * p[a] * (dZ[t * d + a] - pdz);
-    }
+    g.backend().run(rows::CrossEntropyTangentRows<T>{p_.data(), dZ, dgZ, g.width(g.output()), scale_}, g.tokens());
   }
 
  private:

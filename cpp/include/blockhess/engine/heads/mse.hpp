@@ -10,6 +10,7 @@
 
 #include "blockhess/buffer.hpp"
 #include "blockhess/engine/head.hpp"
+#include "blockhess/engine/rows/heads.hpp"
 
 namespace blockhess::engine {
 
@@ -54,9 +55,7 @@ class MseHead final : public Head<T> {
   }
 
   void vjp_tangent(const Graph<T>& g, const T* dZ, T* dgZ) const override {
-    const index_t n = g.tokens() * g.width(g.output());
-    const T twice = 2 * scale_;
-    for (index_t k = 0; k < n; ++k) dgZ[k] = twice * dZ[k];
+    g.backend().run(rows::ScaleBy<T>{2 * scale_, dZ, dgZ}, g.tokens() * g.width(g.output()));
   }
 
  private:
