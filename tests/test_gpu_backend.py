@@ -36,7 +36,8 @@ def _load(path):
     lib.cublas_standin_last_stream.restype = ctypes.c_size_t
     for name in ("activation_forward", "scale_entries", "activation_cotangent_tangent", "sum_entries", "write_entries",
                  "add_bias", "softmax_rows", "softmax_vjp_rows", "softmax_cotangent_tangent_rows",
-                 "normalize_rows", "scale_columns", "norm_tangent_rows", "scale_by", "cross_entropy_tangent_rows"):
+                 "normalize_rows", "scale_columns", "norm_tangent_rows", "scale_by", "cross_entropy_tangent_rows", "norm_vjp_rows",
+                 "norm_cotangent_tangent_rows"):
         for suffix in ("_f64", "_f32"):
             getattr(lib, name + suffix).restype = ctypes.c_int
     return lib
@@ -275,6 +276,67 @@ def test_the_norms_rows_and_their_tangents_on_the_gpu_are_the_hosts(row_lib, dty
     np.testing.assert_allclose(dn, dn_ref, rtol=tol * 10, atol=tol * 10)
     if affine:
         np.testing.assert_allclose(dy, gamma * dn_ref + n_ref * dgamma + dbeta, rtol=tol * 10, atol=tol * 10)
+
+
+def _norm_rows(u, rms, eps):
+    """(n, scale) of each row from the definition, float64."""
+    if rms:
+        r = np.sqrt((u**2).mean(axis=-1, keepdims=True) + eps)
+        return u / r, r
+    r = np.sqrt(u.var(axis=-1, keepdims=True) + eps)
+    return (u - u.mean(axis=-1, keepdims=True)) / r, r
+
+
+def _norm_vjp(u, g, rms, eps):
+    """J0(u)^T g of each row, from the definition (J0 symmetric)."""
+    n, r = _norm_rows(u, rms, eps)
+    if rms:
+        return (g - n * (n * g).mean(axis=-1, keepdims=True)) / r
+    return (g - g.mean(axis=-1, keepdims=True) - n * (n * g).mean(axis=-1, keepdims=True)) / r
+
+
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("affine", [False, True])
+@pytest.mark.parametrize("add", [False, True])
+@pytest.mark.parametrize("curved", [False, True])
+def test_the_norms_reverse_pass_and_its_tangent_on_the_gpu_are_the_hosts(row_lib, norm, affine, add, curved):
+    """A norm node's input cotangent J0^T (gamma gy), and in a Hessian-vector product its tangent
+    J0^T (gamma dgy + dgamma gy) + (curved) dJ0^T (gamma gy), each with five or two rows of scratch
+    (one a thread on the host, one an item on the GPU), assigned or added; the tangent checked
+    against central differences of the definition's vjp (float64, step 1e-5)."""
+    rng = np.random.default_rng(10)
+    tokens, d, eps, rms = 90, 11, 1e-5, int(norm == "rmsnorm")
+    u = 2 * rng.standard_normal((tokens, d)) + 0.5
+    gy, dgy, du = (rng.standard_normal((tokens, d)) for _ in range(3))
+    gamma, dgamma = (rng.standard_normal(d) for _ in range(2))
+    n, r = _norm_rows(u, rms, eps)
+    dn = _norm_vjp(u, du, rms, eps)  # J0 du (J0 symmetric)
+    start = rng.standard_normal((tokens, d))
+    vjps, tangents = [], []
+    for gpu in (0, 1):
+        out = start.copy()
+        run_rows(row_lib, "norm_vjp_rows", np.float64, gpu, n, r[:, 0].copy(), gy, gamma if affine else None, out,
+                 int(add), d, rms, count=tokens)
+        vjps.append(out)
+        out = start.copy()
+        run_rows(row_lib, "norm_cotangent_tangent_rows", np.float64, gpu, n, r[:, 0].copy(), gy, dgy,
+                 gamma if affine else None, dgamma if affine else None, du, dn, out, int(add), int(curved), d, rms,
+                 count=tokens)
+        tangents.append(out)
+    np.testing.assert_array_equal(vjps[1], vjps[0])
+    np.testing.assert_array_equal(tangents[1], tangents[0])
+    base = start if add else 0
+    g_hat = gamma * gy if affine else gy
+    np.testing.assert_allclose(vjps[1] - base, _norm_vjp(u, g_hat, rms, eps), rtol=1e-12, atol=1e-12)
+    if curved:
+        h = 1e-5
+        gam = (lambda s: gamma + s * dgamma) if affine else (lambda s: 1.0)
+        moved = [_norm_vjp(u + s * du, gam(s) * (gy + s * dgy), rms, eps) for s in (h, -h)]
+        expected = (moved[0] - moved[1]) / (2 * h)
+        np.testing.assert_allclose(tangents[1] - base, expected, rtol=1e-7, atol=1e-7)
+    else:
+        np.testing.assert_allclose(tangents[1] - base, _norm_vjp(u, gamma * dgy if affine else dgy, rms, eps),
+                                   rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])

@@ -36,11 +36,15 @@ Operand operand(const MatrixView<T>& v, const char* what) {
   return {v.row_major ? detail::kOpN : detail::kOpT, as_int(ld, what)};
 }
 
-// Items [0, count) of a row operation, a thread each, grid-stride beyond the grid's limit.
-template <class Op>
-__global__ void run_items(Op op, index_t count) {
+// Items [0, count) of a row operation, a thread each, grid-stride beyond the grid's limit; an op with
+// scratch gets its own piece of `per_item` entries an item.
+template <class Op, class T>
+__global__ void run_items(Op op, index_t count, T* scratch, index_t per_item) {
   const index_t step = static_cast<index_t>(blockDim.x) * gridDim.x;
-  for (index_t i = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += step) op(i, i + 1);
+  for (index_t i = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += step) {
+    if constexpr (engine::rows::kScratch<Op>) op(i, i + 1, scratch + i * per_item);
+    else op(i, i + 1);
+  }
 }
 
 // *flag |= 1 where an entry of values is Inf or NaN.
@@ -122,8 +126,11 @@ void CudaBackend<T>::gemm_batched(index_t count, MatrixView<T> C, index_t c_step
   void CudaBackend<T>::run(const engine::rows::Op<T>& op, index_t count) const {                            \
     if (count <= 0) return;                                                                                   \
     using RowOp = engine::rows::Op<T>;                                                                        \
-    run_items<RowOp><<<detail::elementwise_blocks(count), detail::kMaxThreads, 0, detail::as_stream(stream_)>>>(op, \
-                                                                                                         count); \
+    index_t per_item = 0;                                                                                     \
+    if constexpr (engine::rows::kScratch<RowOp>) per_item = op.scratch_size();                                \
+    DeviceArray<T> scratch(static_cast<std::size_t>(count * per_item), stream_);                              \
+    run_items<RowOp, T><<<detail::elementwise_blocks(count), detail::kMaxThreads, 0, detail::as_stream(stream_)>>>( \
+        op, count, scratch.data(), per_item);                                                                 \
     detail::check_launch("row operation " #Op);                                                               \
   }
 BLOCKHESS_ROW_OPS(BLOCKHESS_RUN_ON_GPU)

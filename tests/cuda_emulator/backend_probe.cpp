@@ -122,6 +122,20 @@ BLOCKHESS_FINITE_PROBE(_f32, float)
     return run<T>(gpu, rows::NormTangentRows<T>{n, scale, du, gamma, dgamma, dbeta, dn, dy, d, rms != 0}, count,   \
                   message, message_size);                                                                        \
   }                                                                                                              \
+  extern "C" __attribute__((visibility("default"))) int norm_vjp_rows##suffix(                                     \
+      int gpu, const T* n, const T* scale, const T* gy, const T* gamma, T* out, int add, long d, int rms, long count, \
+      char* message, long message_size) {                                                                        \
+    return run<T>(gpu, rows::NormVjpRows<T>{n, scale, gy, gamma, out, add != 0, d, rms != 0}, count, message,     \
+                  message_size);                                                                                 \
+  }                                                                                                              \
+  extern "C" __attribute__((visibility("default"))) int norm_cotangent_tangent_rows##suffix(                       \
+      int gpu, const T* n, const T* scale, const T* gy, const T* dgy, const T* gamma, const T* dgamma, const T* du, \
+      const T* dn, T* out, int add, int curved, long d, int rms, long count, char* message, long message_size) {  \
+    return run<T>(gpu,                                                                                           \
+                  rows::NormCotangentTangentRows<T>{n, scale, gy, dgy, gamma, dgamma, du, dn, out, add != 0,       \
+                                                    curved != 0, d, rms != 0},                                   \
+                  count, message, message_size);                                                                 \
+  }                                                                                                              \
   extern "C" __attribute__((visibility("default"))) int scale_by##suffix(                                          \
       int gpu, double alpha, const T* x, T* out, long count, char* message, long message_size) {                 \
     return run<T>(gpu, rows::ScaleBy<T>{static_cast<T>(alpha), x, out}, count, message, message_size);           \

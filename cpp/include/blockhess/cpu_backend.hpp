@@ -5,6 +5,7 @@
 #pragma once
 
 #include "blockhess/backend.hpp"
+#include "blockhess/buffer.hpp"
 #include "blockhess/engine/rows.hpp"
 #include "blockhess/finite.hpp"
 #include "blockhess/memory_cache.hpp"
@@ -27,10 +28,8 @@ class CpuBackend final : public Backend<T> {
       matrix_product<T>(C, A, B, alpha, accumulate);
   }
 
-#define BLOCKHESS_RUN_ON_HOST(Op)                                                  \
-  void run(const engine::rows::Op<T>& op, index_t count) const override {            \
-    blockhess::detail::parallel_ranges(count, op.cost(), [&op](index_t b, index_t e) { op(b, e); }); \
-  }
+#define BLOCKHESS_RUN_ON_HOST(Op) \
+  void run(const engine::rows::Op<T>& op, index_t count) const override { run_items(op, count); }
   BLOCKHESS_ROW_OPS(BLOCKHESS_RUN_ON_HOST)
 #undef BLOCKHESS_RUN_ON_HOST
 
@@ -40,6 +39,20 @@ class CpuBackend final : public Backend<T> {
   void release(T* p, index_t n) const noexcept override { memory::deallocate(p, static_cast<std::size_t>(n) * sizeof(T)); }
   std::uintptr_t stream() const override { return 0; }
   bool host_addressable() const override { return true; }
+ private:
+  // An op with scratch (engine::rows::kScratch) gets one item's worth per thread, reused item after item.
+  template <class Op>
+  static void run_items(const Op& op, index_t count) {
+    if constexpr (engine::rows::kScratch<Op>) {
+      const index_t size = op.scratch_size();
+      RawBuffer<T> scratch(static_cast<size_t>(size * parallel::num_threads()));
+      blockhess::detail::parallel_ranges(count, op.cost(), [&](index_t b, index_t e, int slot) {
+        op(b, e, scratch.data() + slot * size);
+      });
+    } else {
+      blockhess::detail::parallel_ranges(count, op.cost(), [&op](index_t b, index_t e, int) { op(b, e); });
+    }
+  }
 };
 
 // The host backend: stateless, so one shared instance serves every graph and thread.

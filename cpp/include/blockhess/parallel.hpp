@@ -49,17 +49,18 @@ void parallel_for(index_t n, index_t work_per_item, Body&& body) {
   run_items(body, 0, n, 0);
 }
 
-// body(begin, end) over ranges that cover [0, n): in chunks on the threads when the total work is
-// large enough, else [0, n) at once on the caller. Each item must write its own outputs.
+// body(begin, end, slot) over ranges that cover [0, n): in chunks on the threads when the total work
+// is large enough, else [0, n) at once on the caller (slot 0). slot < parallel::num_threads() names
+// the thread for the call (per-thread scratch). Each item must write its own outputs.
 template <class Body>
 void parallel_ranges(index_t n, index_t work_per_item, Body&& body) {
   if (n > 1 && n * work_per_item >= kParallelWorkThreshold) {
     const int threads = parallel::num_threads();
     parallel::for_chunks(n, chunk_size(n, work_per_item, threads), threads,
-                         [&body](index_t b, index_t e, int) { body(b, e); });
+                         [&body](index_t b, index_t e, int slot) { body(b, e, slot); });
     return;
   }
-  if (n > 0) body(0, n);
+  if (n > 0) body(0, n, 0);
 }
 
 // As parallel_for, but the caller decides whether to go parallel and how many items form a chunk,

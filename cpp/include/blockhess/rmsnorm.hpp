@@ -86,7 +86,8 @@ BLOCKHESS_HD void vjp_row(const T* n, T r, const T* g, index_t d, T* u) {
 // The tangent of vjp_row's u with g fixed while the row's input moves by du: C du with C as above
 // (gamma = 1), in O(d). (u and dn are unused; the signature is LayerNorm's.)
 template <class T>
-void vjp_tangent_row(const T* n, T r, const T* g, const T*, const T* du, const T*, index_t d, T* out) {
+BLOCKHESS_HD void vjp_tangent_row(const T* n, T r, const T* g, const T*, const T* du, const T*, index_t d,
+                                  T* out) {
   const T inv_d = T(1) / static_cast<T>(d), pref = inv_d / r / r;
   T gn = 0, ndu = 0, gdu = 0;
   for (index_t a = 0; a < d; ++a) gn += g[a] * n[a], ndu += n[a] * du[a], gdu += g[a] * du[a];

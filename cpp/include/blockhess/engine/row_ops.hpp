@@ -4,11 +4,25 @@
 // items split over the core's threads) and the GPU (cuda/src/backend.cu: one thread per item). Its
 // cost() is its work per item in multiply-adds (what decides whether the host splits it).
 //
+// An op whose items need working rows has scratch_size(), the entries an item needs, and takes
+// operator()(begin, end, scratch): the backend hands it that much scratch, which the op may reuse
+// item after item (on the host one piece a thread, on the GPU one an item).
+//
 // A backend runs each op through Backend::run (backend.hpp), one virtual overload per op: the list
 // below is the one place an op is named, and each backend instantiates it for every op there.
 #pragma once
 
+#include <type_traits>
+#include <utility>
+
 namespace blockhess::engine::rows {
+
+// Whether Op has scratch_size() (and takes scratch).
+template <class Op, class = void>
+inline constexpr bool kScratch = false;
+template <class Op>
+inline constexpr bool kScratch<Op, std::void_t<decltype(std::declval<const Op&>().scratch_size())>> = true;
+
 // entry by entry (rows/entries.hpp)
 template <class T>
 struct ScaleEntries;
@@ -30,6 +44,10 @@ template <class T>
 struct ScaleColumns;
 template <class T>
 struct NormTangentRows;
+template <class T>
+struct NormVjpRows;
+template <class T>
+struct NormCotangentTangentRows;
 // the losses' (rows/heads.hpp)
 template <class T>
 struct ScaleBy;
@@ -55,6 +73,8 @@ struct SoftmaxCotangentTangentRows;
   X(NormalizeRows)                \
   X(ScaleColumns)                 \
   X(NormTangentRows)              \
+  X(NormVjpRows)                  \
+  X(NormCotangentTangentRows)     \
   X(SoftmaxRows)                  \
   X(SoftmaxVjpRows)               \
   X(SoftmaxCotangentTangentRows)  \

@@ -28,16 +28,12 @@ struct LayerNormRows {
   template <class T> static void check(const T* sigma, index_t n) { layernorm::detail::check_sigmas(sigma, n); }
   template <class... A> static void jacobian_row(A... a) { layernorm::jacobian_row(a...); }
   template <class... A> static void hessian_contract_row(A... a) { layernorm::hessian_contract_row(a...); }
-  template <class... A> static void vjp_row(A... a) { layernorm::vjp_row(a...); }
-  template <class... A> static void vjp_tangent_row(A... a) { layernorm::vjp_tangent_row(a...); }
 };
 struct RmsNormRows {
   static constexpr bool rms = true;
   template <class T> static void check(const T* r, index_t n) { rmsnorm::detail::check_scales(r, n); }
   template <class... A> static void jacobian_row(A... a) { rmsnorm::jacobian_row(a...); }
   template <class... A> static void hessian_contract_row(A... a) { rmsnorm::hessian_contract_row(a...); }
-  template <class... A> static void vjp_row(A... a) { rmsnorm::vjp_row(a...); }
-  template <class... A> static void vjp_tangent_row(A... a) { rmsnorm::vjp_tangent_row(a...); }
 };
 
 template <class T, class Rows>
@@ -64,16 +60,8 @@ class NormNode final : public Node<T> {
     const T* gy = g.cotangent(this->output);
     if (g.varies(in())) {
       const Slot<T> slot = g.cotangent_slot(in());
-      // One scratch row pair per thread (not one allocation per token).
-      std::vector<Buffer<T>> rows(static_cast<size_t>(parallel::num_threads()), Buffer<T>(static_cast<size_t>(2 * d)));
-      blockhess::detail::parallel_for(n, 4 * d, [&](index_t t, int thread) {
-        Buffer<T>& row = rows[static_cast<size_t>(thread)];
-        const T* g_t = scaled_cotangent(g, gy + t * d, row.data() + d);
-        T* u = slot.add ? row.data() : slot.data + t * d;
-        Rows::vjp_row(n_t(g, t), sigma_[t], g_t, d, u);
-        if (slot.add)
-          for (index_t a = 0; a < d; ++a) slot.data[t * d + a] += u[a];
-      });
+      g.backend().run(rows::NormVjpRows<T>{n_t(g, 0), sigma_.data(), gy, gamma_or_null(g), slot.data, slot.add, d, Rows::rms},
+                      n);
     }
     if (!affine()) return;
     const MapC<T> G(gy, n, d), N(normalized_.data(), n, d);
@@ -146,8 +134,8 @@ class NormNode final : public Node<T> {
     const index_t n = g.tokens(), d = width(g);
     T* dy = tg.out(this->output, n * d);
     T* dn = affine() && du ? tg.scratch(this->index, kNormalizedTangent, n * d).data() : dy;
-    g.backend().run(rows::NormTangentRows<T>{n_t(g, 0), sigma_.data(), du, affine() ? g.weight(gamma_param()) : nullptr,
-                                             dgamma, dbeta, dn, dy, d, Rows::rms},
+    g.backend().run(rows::NormTangentRows<T>{n_t(g, 0), sigma_.data(), du, gamma_or_null(g), dgamma, dbeta, dn, dy, d,
+                                             Rows::rms},
                     n);
   }
 
@@ -160,30 +148,10 @@ class NormNode final : public Node<T> {
     const T *du = tg.in(in()), *dgamma = affine() ? tg.dW[gamma_param()] : nullptr;
     const T* dn = !du ? nullptr : affine() ? tg.scratch(this->index, kNormalizedTangent, n * d).data() : tg.in(this->output);
     if (du) {
-      // Five rows of scratch per thread (slot).
-      const int threads = parallel::num_threads();
-      RawBuffer<T>& rows = tg.scratch(this->index, kRows, 5 * d * threads);
       const Slot<T> slot = tg.dcot_slot(in(), n * d);
-      const index_t work = 12 * d;  // multiply-adds per token
-      blockhess::detail::parallel_for_slots(n, n * work >= blockhess::detail::kParallelWorkThreshold,
-                                            blockhess::detail::chunk_size(n, work, threads), threads, [&](index_t t, int thread) {
-        T* own = rows.data() + 5 * d * thread;
-        T *g_hat = own, *dg_hat = own + d, *u = own + 2 * d, *term = own + 3 * d, *du_t = own + 4 * d;
-        const T* gh = scaled_cotangent(g, gy + t * d, g_hat);
-        const T* dgh = scaled_cotangent(g, dgy + t * d, dg_hat);
-        if (curved && dgamma) {
-          if (dgh != dg_hat) std::copy_n(dgh, d, dg_hat), dgh = dg_hat;
-          for (index_t a = 0; a < d; ++a) dg_hat[a] += dgamma[a] * gy[t * d + a];
-        }
-        Rows::vjp_row(n_t(g, t), sigma_[t], dgh, d, term);
-        if (curved) {
-          Rows::vjp_row(n_t(g, t), sigma_[t], gh, d, u);  // this node's own J0^T g^
-          Rows::vjp_tangent_row(n_t(g, t), sigma_[t], gh, u, du + t * d, dn + t * d, d, du_t);
-          for (index_t a = 0; a < d; ++a) term[a] += du_t[a];
-        }
-        T* o = slot.data + t * d;
-        for (index_t a = 0; a < d; ++a) o[a] = slot.add ? o[a] + term[a] : term[a];
-      });
+      g.backend().run(rows::NormCotangentTangentRows<T>{n_t(g, 0), sigma_.data(), gy, dgy, gamma_or_null(g), dgamma, du, dn,
+                                                        slot.data, slot.add, curved, d, Rows::rms},
+                      n);
     }
     if (!affine()) return;
     const MapC<T> G(gy, n, d), dG(dgy, n, d), N(normalized_.data(), n, d);
@@ -196,7 +164,7 @@ class NormNode final : public Node<T> {
   }
 
  private:
-  enum : int { kNormalizedTangent, kRows };
+  enum : int { kNormalizedTangent };
 
   bool affine() const { return !this->params.empty(); }  // gamma, and beta unless RMSNorm
   bool has_beta() const { return this->params.size() == 2; }
@@ -204,20 +172,11 @@ class NormNode final : public Node<T> {
   int gamma_param() const { return this->params[0]; }
   int beta_param() const { return this->params[1]; }
   index_t width(const Graph<T>& g) const { return g.width(this->output); }
-  auto gamma(const Graph<T>& g) const {
-    return Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, 1>>(g.weight(gamma_param()), width(g));
-  }
   // The normalized row n_t (the output itself without affine parameters).
   const T* n_t(const Graph<T>& g, index_t t) const {
     return (affine() ? normalized_.data() : g.value(this->output)) + t * width(g);
   }
-  // gamma * g_t (written into scratch), or g_t itself without affine parameters.
-  const T* scaled_cotangent(const Graph<T>& g, const T* g_t, T* scratch) const {
-    if (!affine()) return g_t;
-    const T* gam = g.weight(gamma_param());
-    for (index_t a = 0, d = width(g); a < d; ++a) scratch[a] = gam[a] * g_t[a];
-    return scratch;
-  }
+  const T* gamma_or_null(const Graph<T>& g) const { return affine() ? g.weight(gamma_param()) : nullptr; }
   // J_t = diag(gamma) J0_t (with_gamma), or J0_t.
   Mat<T> jacobian(const Graph<T>& g, index_t t, bool with_gamma) const {
     const index_t d = width(g);

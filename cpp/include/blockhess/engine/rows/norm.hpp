@@ -71,4 +71,92 @@ struct NormTangentRows {
   }
 };
 
+namespace detail {
+// The norm's J0^T g of one row (LayerNorm's or RMSNorm's row function).
+template <class T>
+BLOCKHESS_HD void norm_vjp_row(bool rms, const T* n, T scale, const T* g, index_t d, T* u) {
+  if (rms) rmsnorm::vjp_row(n, scale, g, d, u);
+  else layernorm::vjp_row(n, scale, g, d, u);
+}
+// gamma * g into row, or g itself without gamma.
+template <class T>
+BLOCKHESS_HD const T* scaled_by(const T* gamma, const T* g, index_t d, T* row) {
+  if (!gamma) return g;
+  for (index_t a = 0; a < d; ++a) row[a] = gamma[a] * g[a];
+  return row;
+}
+}  // namespace detail
+
+// The cotangent of a norm's input, J0^T (gamma * gy) a row, assigned or (add) added to out.
+// Scratch: the row of gamma * gy and the row of J0^T before it is added.
+template <class T>
+struct NormVjpRows {
+  const T* n;
+  const T* scale;
+  const T* gy;
+  const T* gamma;
+  T* out;
+  bool add;
+  index_t d;
+  bool rms;
+  index_t cost() const { return 4 * d; }
+  index_t scratch_size() const { return 2 * d; }
+  BLOCKHESS_HD void operator()(index_t begin, index_t end, T* scratch) const {
+    for (index_t t = begin; t < end; ++t) {
+      const T* g_t = detail::scaled_by(gamma, gy + t * d, d, scratch + d);
+      T* u = add ? scratch : out + t * d;
+      detail::norm_vjp_row(rms, n + t * d, scale[t], g_t, d, u);
+      if (add)
+        for (index_t a = 0; a < d; ++a) out[t * d + a] += u[a];
+    }
+  }
+};
+
+// The tangent of a norm's input cotangent in a Hessian-vector product (the node's vjp_tangent):
+// with g^ = gamma * gy the cotangent of n, J0^T dg^ + (curved) dJ0^T g^, dg^ = gamma * dgy +
+// (curved) dgamma * gy; du the input's tangent and dn the normalised rows' (n's tangent), both
+// present; assigned or (add) added to out. Scratch: five rows.
+template <class T>
+struct NormCotangentTangentRows {
+  const T* n;
+  const T* scale;
+  const T* gy;
+  const T* dgy;
+  const T* gamma;
+  const T* dgamma;
+  const T* du;
+  const T* dn;
+  T* out;
+  bool add;
+  bool curved;
+  index_t d;
+  bool rms;
+  index_t cost() const { return 12 * d; }
+  index_t scratch_size() const { return 5 * d; }
+  BLOCKHESS_HD void operator()(index_t begin, index_t end, T* scratch) const {
+    T *g_hat = scratch, *dg_hat = scratch + d, *u = scratch + 2 * d, *term = scratch + 3 * d, *du_t = scratch + 4 * d;
+    for (index_t t = begin; t < end; ++t) {
+      const T* n_t = n + t * d;
+      const T* gh = detail::scaled_by(gamma, gy + t * d, d, g_hat);
+      const T* dgh = detail::scaled_by(gamma, dgy + t * d, d, dg_hat);
+      if (curved && dgamma) {
+        if (dgh != dg_hat) {
+          for (index_t a = 0; a < d; ++a) dg_hat[a] = dgh[a];
+          dgh = dg_hat;
+        }
+        for (index_t a = 0; a < d; ++a) dg_hat[a] += dgamma[a] * gy[t * d + a];
+      }
+      detail::norm_vjp_row(rms, n_t, scale[t], dgh, d, term);
+      if (curved) {
+        detail::norm_vjp_row(rms, n_t, scale[t], gh, d, u);  // this node's own J0^T g^
+        if (rms) rmsnorm::vjp_tangent_row(n_t, scale[t], gh, u, du + t * d, dn + t * d, d, du_t);
+        else layernorm::vjp_tangent_row(n_t, scale[t], gh, u, du + t * d, dn + t * d, d, du_t);
+        for (index_t a = 0; a < d; ++a) term[a] += du_t[a];
+      }
+      T* o = out + t * d;
+      for (index_t a = 0; a < d; ++a) o[a] = add ? o[a] + term[a] : term[a];
+    }
+  }
+};
+
 }  // namespace blockhess::engine::rows
