@@ -37,7 +37,7 @@ def _load(path):
     for name in ("activation_forward", "scale_entries", "activation_cotangent_tangent", "sum_entries", "write_entries",
                  "add_bias", "softmax_rows", "softmax_vjp_rows", "softmax_cotangent_tangent_rows",
                  "normalize_rows", "scale_columns", "norm_tangent_rows", "scale_by", "cross_entropy_tangent_rows", "norm_vjp_rows",
-                 "norm_cotangent_tangent_rows"):
+                 "norm_cotangent_tangent_rows", "column_sums"):
         for suffix in ("_f64", "_f32"):
             getattr(lib, name + suffix).restype = ctypes.c_int
     return lib
@@ -168,6 +168,26 @@ def test_a_bias_on_the_gpu_is_the_hosts(row_lib):
         run_rows(row_lib, "add_bias", np.float64, gpu, bias, out, width, count=tokens * width)
         np.testing.assert_array_equal(out[:-5], (start[:-5].reshape(tokens, width) + bias).ravel())
         np.testing.assert_array_equal(out[-5:], start[-5:])
+
+
+@pytest.mark.parametrize("times", [False, True])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_sums_over_tokens_on_the_gpu_are_the_hosts(row_lib, times, accumulate):
+    """A bias's gradient (the column sums of a cotangent) and gamma's (of its product with the
+    normalised rows): 40 tokens of 1000 columns, a thread a column."""
+    rng = np.random.default_rng(11)
+    rows_, cols = 40, COUNT
+    a, b = rng.standard_normal((rows_, cols)), rng.standard_normal((rows_, cols))
+    start = rng.standard_normal(cols + 5)
+    sums = []
+    for gpu in (0, 1):
+        out = start.copy()
+        run_rows(row_lib, "column_sums", np.float64, gpu, a, b if times else None, out, rows_, cols, int(accumulate))
+        np.testing.assert_array_equal(out[cols:], start[cols:])
+        sums.append(out[:cols])
+    np.testing.assert_array_equal(sums[1], sums[0])
+    expected = (a * b if times else a).sum(axis=0) + (start[:cols] if accumulate else 0)
+    np.testing.assert_allclose(sums[1], expected, rtol=1e-12, atol=1e-12)
 
 
 def _softmax(logits, causal):

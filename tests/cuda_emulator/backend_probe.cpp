@@ -136,6 +136,11 @@ BLOCKHESS_FINITE_PROBE(_f32, float)
                                                     curved != 0, d, rms != 0},                                   \
                   count, message, message_size);                                                                 \
   }                                                                                                              \
+  extern "C" __attribute__((visibility("default"))) int column_sums##suffix(                                       \
+      int gpu, const T* a, const T* b, T* out, long rows, long cols, int accumulate, long count, char* message,    \
+      long message_size) {                                                                                       \
+    return run<T>(gpu, rows::ColumnSums<T>{a, b, out, rows, cols, accumulate != 0}, count, message, message_size); \
+  }                                                                                                              \
   extern "C" __attribute__((visibility("default"))) int scale_by##suffix(                                          \
       int gpu, double alpha, const T* x, T* out, long count, char* message, long message_size) {                 \
     return run<T>(gpu, rows::ScaleBy<T>{static_cast<T>(alpha), x, out}, count, message, message_size);           \

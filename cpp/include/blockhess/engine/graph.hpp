@@ -30,6 +30,7 @@
 #include "blockhess/buffer.hpp"
 #include "blockhess/config.hpp"
 #include "blockhess/cpu_backend.hpp"
+#include "blockhess/engine/rows/entries.hpp"
 #include "blockhess/engine/factor.hpp"
 #include "blockhess/engine/terms.hpp"
 #include "blockhess/finite.hpp"
@@ -596,6 +597,13 @@ index_t Node<T>::entering_factor(const Graph<T>& g, int p) const {
 }
 
 // Writes the values of a node's share of a cotangent (or any accumulated quantity) into a slot.
+// out = the sums over g's tokens of a (tokens, cols), or of a * times entry by entry, assigned or
+// (accumulate) added, on g's backend: a bias's or gamma's gradient.
+template <class T>
+void token_sums(const Graph<T>& g, const T* a, index_t cols, T* out, const T* times = nullptr, bool accumulate = false) {
+  g.backend().run(rows::ColumnSums<T>{a, times, out, g.tokens(), cols, accumulate}, cols);
+}
+
 template <class T>
 void write_slot(const Slot<T>& slot, const T* values, index_t n) {
   if (slot.add)

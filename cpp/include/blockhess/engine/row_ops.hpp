@@ -32,6 +32,8 @@ template <class T>
 struct WriteEntries;
 template <class T>
 struct AddBias;
+template <class T>
+struct ColumnSums;
 // the pointwise activation's (rows/pointwise.hpp)
 template <class T>
 struct ActivationForward;
@@ -68,6 +70,7 @@ struct SoftmaxCotangentTangentRows;
   X(SumEntries)                   \
   X(WriteEntries)                 \
   X(AddBias)                      \
+  X(ColumnSums)                   \
   X(ActivationForward)            \
   X(ActivationCotangentTangent)   \
   X(NormalizeRows)                \

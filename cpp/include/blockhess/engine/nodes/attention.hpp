@@ -147,9 +147,9 @@ class AttentionNode final : public Node<T> {
     if (T* o = g.gradient_out(wk())) product(g.backend(), MapM<T>(o, d, hk_), X.transpose(), gK, T(1), false);
     if (T* o = g.gradient_out(wv())) product(g.backend(), MapM<T>(o, d, hv_), X.transpose(), gV, T(1), false);
     if (biased()) {
-      if (T* o = g.gradient_out(bq())) column_sums(gQ, o);
+      if (T* o = g.gradient_out(bq())) token_sums(g, gQ_.data(), hk_, o);
       if (T* o = g.gradient_out(bk())) MapM<T>(o, 1, hk_).setZero();  // exactly: the rows of gT sum to 0
-      if (T* o = g.gradient_out(bv())) column_sums(gV, o);
+      if (T* o = g.gradient_out(bv())) token_sums(g, gV_.data(), hv_, o);
     }
     if (!g.varies(x())) return;
     const Slot<T> slot = g.cotangent_slot(x());
@@ -475,9 +475,9 @@ class AttentionNode final : public Node<T> {
     weight_tangent(tg.dgrad[wk()], hk_, dgKm, gK);
     weight_tangent(tg.dgrad[wv()], hv_, dgVm, gV);
     if (biased()) {
-      if (T* o = tg.dgrad[bq()]) column_sums(dgQm, o);
+      if (T* o = tg.dgrad[bq()]) token_sums(g, dgQ.data(), hk_, o);
       if (T* o = tg.dgrad[bk()]) MapM<T>(o, 1, hk_).setZero();  // b_K moves nothing: its rows of H v are exactly 0
-      if (T* o = tg.dgrad[bv()]) column_sums(dgVm, o);
+      if (T* o = tg.dgrad[bv()]) token_sums(g, dgV.data(), hv_, o);
     }
     if (!dX) return;
     // d(gQ W_Q^T + ...) = dgQ W_Q^T + (curved) gQ dW_Q^T + ...

@@ -64,10 +64,9 @@ class NormNode final : public Node<T> {
                       n);
     }
     if (!affine()) return;
-    const MapC<T> G(gy, n, d), N(normalized_.data(), n, d);
-    if (T* grad = g.gradient_out(gamma_param())) column_sums(G.cwiseProduct(N), grad);
+    if (T* grad = g.gradient_out(gamma_param())) token_sums(g, gy, d, grad, normalized_.data());
     if (has_beta())
-      if (T* grad = g.gradient_out(beta_param())) column_sums(G, grad);
+      if (T* grad = g.gradient_out(beta_param())) token_sums(g, gy, d, grad);
   }
 
   void push(Graph<T>& g) const override {
@@ -154,13 +153,12 @@ class NormNode final : public Node<T> {
                       n);
     }
     if (!affine()) return;
-    const MapC<T> G(gy, n, d), dG(dgy, n, d), N(normalized_.data(), n, d);
     if (T* out = tg.dgrad[gamma_param()]) {
-      column_sums(dG.cwiseProduct(N), out);
-      if (curved && dn) column_sums(G.cwiseProduct(MapC<T>(dn, n, d)), out, true);
+      token_sums(g, dgy, d, out, normalized_.data());
+      if (curved && dn) token_sums(g, gy, d, out, dn, true);
     }
     if (has_beta())
-      if (T* out = tg.dgrad[beta_param()]) column_sums(dG, out);
+      if (T* out = tg.dgrad[beta_param()]) token_sums(g, dgy, d, out);
   }
 
  private:

@@ -39,7 +39,7 @@ class LinearNode final : public Node<T> {
     if (T* grad = g.gradient_out(param()))
       product(g.backend(), MapM<T>(grad, w_in(g), w_out(g)), MapC<T>(g.value(in()), n, w_in(g)).transpose(), gout, T(1), false);
     if (has_bias())
-      if (T* grad = g.gradient_out(bias_param())) column_sums(gout, grad);
+      if (T* grad = g.gradient_out(bias_param())) token_sums(g, gout.data(), w_out(g), grad);
   }
 
   LinearUse<T> linear_use(const Graph<T>& g, int p) const override {
@@ -122,7 +122,7 @@ class LinearNode final : public Node<T> {
       if (curved && din) product(g.backend(), o, MapC<T>(din, n, w_in(g)).transpose(), gout, T(1), true);
     }
     if (has_bias())
-      if (T* out = tg.dgrad[static_cast<size_t>(bias_param())]) column_sums(dgout, out);
+      if (T* out = tg.dgrad[static_cast<size_t>(bias_param())]) token_sums(g, dgout.data(), w_out(g), out);
   }
 
  private:

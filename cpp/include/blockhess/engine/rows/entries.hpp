@@ -72,4 +72,22 @@ struct AddBias {
   }
 };
 
+// out = the column sums of a (rows, cols), or of a * b entry by entry (b not null), assigned or
+// (accumulate) added; an item is a column, summed row after row: a bias's or gamma's gradient.
+template <class T>
+struct ColumnSums {
+  const T* a;
+  const T* b;
+  T* out;
+  index_t rows, cols;
+  bool accumulate;
+  index_t cost() const { return rows; }
+  BLOCKHESS_HD void operator()(index_t begin, index_t end) const {
+    for (index_t c = begin; c < end; ++c) {
+      if (!accumulate) out[c] = T(0);
+      for (index_t r = 0; r < rows; ++r) out[c] += b ? a[r * cols + c] * b[r * cols + c] : a[r * cols + c];
+    }
+  }
+};
+
 }  // namespace blockhess::engine::rows
