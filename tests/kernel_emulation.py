@@ -118,6 +118,10 @@ def _build(name: str, cuda_dir: Path, cuda_files: list[Path], cpp_files: list[Pa
     return library
 
 
+# The launchers' grid limit lowered to 3 blocks, so that grid-stride loops go round at test sizes.
+SMALL_GRID = {"kMaxGridX = 1u << 20;": "kMaxGridX = 3u;"}
+
+
 def build(max_grid_x: int | None = None) -> Path:
     """The emulated ``_cuda`` extension module: cuda/src with the real bindings (src/cuda_module.cpp).
 
@@ -127,7 +131,7 @@ def build(max_grid_x: int | None = None) -> Path:
     import pybind11
 
     cuda_dir = ROOT / "cuda" / "src"
-    edits = {"kMaxGridX = 1u << 20;": f"kMaxGridX = {int(max_grid_x)}u;"} if max_grid_x else None
+    edits = {next(iter(SMALL_GRID)): f"kMaxGridX = {int(max_grid_x)}u;"} if max_grid_x else None
     return _build("_cuda" + sysconfig.get_config_var("EXT_SUFFIX"), cuda_dir, _kernel_sources(),
                   [ROOT / "src" / "cuda_module.cpp", ROOT / "src" / "cuda_block.cpp", SHIM / "cublas.cpp"],
                   [ROOT / "src", Path(pybind11.get_include()), Path(sysconfig.get_paths()["include"]), eigen_include()],
@@ -168,6 +172,7 @@ def build_all() -> None:
     build(max_grid_x=3)
     build_selftest()
     build_backend_probe()
+    build_backend_probe(edits=SMALL_GRID)
 
 
 # The mark of a test that loads the emulator: its build starts with the session (tests/conftest.py).

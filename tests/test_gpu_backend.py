@@ -53,7 +53,7 @@ def lib():
 def row_lib(request, lib):
     if request.param == "full grid":
         return lib
-    return _load(kernel_emulation.build_backend_probe(edits={"kMaxGridX = 1u << 20;": "kMaxGridX = 3u;"}))
+    return _load(kernel_emulation.build_backend_probe(edits=kernel_emulation.SMALL_GRID))
 
 
 def ptr(a: np.ndarray | None) -> P:

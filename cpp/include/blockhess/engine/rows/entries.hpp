@@ -83,10 +83,12 @@ struct ColumnSums {
   bool accumulate;
   index_t cost() const { return rows; }
   BLOCKHESS_HD void operator()(index_t begin, index_t end) const {
-    for (index_t c = begin; c < end; ++c) {
-      if (!accumulate) out[c] = T(0);
-      for (index_t r = 0; r < rows; ++r) out[c] += b ? a[r * cols + c] * b[r * cols + c] : a[r * cols + c];
-    }
+    if (!accumulate)
+      for (index_t c = begin; c < end; ++c) out[c] = T(0);
+    // Row by row over the range's columns: each column still sums its rows in order, and the
+    // host streams through memory instead of striding down a column.
+    for (index_t r = 0; r < rows; ++r)
+      for (index_t c = begin; c < end; ++c) out[c] += b ? a[r * cols + c] * b[r * cols + c] : a[r * cols + c];
   }
 };
 
