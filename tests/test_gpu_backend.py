@@ -410,6 +410,14 @@ def test_the_finiteness_check_on_the_gpu_finds_every_inf_and_nan(row_lib, dtype)
     assert finite(1, values, count=0) == 1
 
 
+def test_an_engine_graph_refuses_the_gpu_backend_while_its_per_token_work_runs_on_the_host(lib):
+    """Not every node's per-token work is a row operation yet (docs/backends.md): a graph on a
+    backend whose memory the host cannot address would read device memory from host loops."""
+    message = ctypes.create_string_buffer(512)
+    assert lib.graph_refuses_gpu_backend(message, ctypes.c_long(512)) == 1
+    assert "per-token work runs on the host" in message.value.decode()
+
+
 # ---- products ---------------------------------------------------------------------------------------
 
 

@@ -7,6 +7,7 @@
 
 #include "blockhess/cpu_backend.hpp"
 #include "blockhess/cuda/backend.hpp"
+#include "blockhess/engine/graph.hpp"
 #include "blockhess/engine/rows.hpp"
 
 namespace {
@@ -68,6 +69,20 @@ namespace rows = blockhess::engine::rows;
   }
 BLOCKHESS_FINITE_PROBE(_f64, double)
 BLOCKHESS_FINITE_PROBE(_f32, float)
+
+// 1 with the message when an engine graph refuses the GPU backend (its per-token work still runs on
+// the host), 0 when it accepts it.
+extern "C" __attribute__((visibility("default"))) int graph_refuses_gpu_backend(char* message, long message_size) {
+  const blockhess::cuda::CudaBackend<double> gpu(0);
+  try {
+    blockhess::engine::Graph<double> graph(1, 1, gpu);
+    return 0;
+  } catch (const std::invalid_argument& e) {
+    std::strncpy(message, e.what(), static_cast<size_t>(message_size - 1));
+    message[message_size - 1] = '\0';
+    return 1;
+  }
+}
 
 #define BLOCKHESS_ROW_PROBES(suffix, T)                                                                            \
   extern "C" __attribute__((visibility("default"))) int activation_forward##suffix(                               \
