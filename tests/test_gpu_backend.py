@@ -34,7 +34,7 @@ def _load(path):
                        ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.c_long, P, ctypes.c_long, ctypes.c_int,
                        ctypes.c_long, ctypes.c_double, ctypes.c_int, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_long]
     lib.cublas_standin_last_stream.restype = ctypes.c_size_t
-    for name in ("activation_forward", "scale_entries", "activation_cotangent_tangent", "sum_entries", "write_entries",
+    for name in ("zero", "activation_forward", "scale_entries", "activation_cotangent_tangent", "sum_entries", "write_entries",
                  "add_bias", "softmax_rows", "softmax_vjp_rows", "softmax_cotangent_tangent_rows",
                  "normalize_rows", "scale_columns", "norm_tangent_rows", "scale_by", "cross_entropy_tangent_rows", "norm_vjp_rows",
                  "norm_cotangent_tangent_rows", "column_sums"):
@@ -146,7 +146,7 @@ def test_the_activations_cotangent_tangent_on_the_gpu_is_the_hosts(row_lib, curv
 
 
 @pytest.mark.parametrize("add", [False, True])
-def test_entry_sums_and_writes_on_the_gpu_are_the_hosts(row_lib, add):
+def test_entry_sums_writes_and_zeros_on_the_gpu_are_the_hosts(row_lib, add):
     rng = np.random.default_rng(4)
     a, b, start = (rng.standard_normal(COUNT + 5) for _ in range(3))
     for gpu in (0, 1):
@@ -157,6 +157,9 @@ def test_entry_sums_and_writes_on_the_gpu_are_the_hosts(row_lib, add):
         run_rows(row_lib, "write_entries", np.float64, gpu, a, out, int(add))
         np.testing.assert_array_equal(out[:COUNT], start[:COUNT] + a[:COUNT] if add else a[:COUNT])
         np.testing.assert_array_equal(out[COUNT:], start[COUNT:])
+        out = start.copy()
+        run_rows(row_lib, "zero", np.float64, gpu, out)
+        np.testing.assert_array_equal(out, np.concatenate([np.zeros(COUNT), start[COUNT:]]))
 
 
 def test_a_bias_on_the_gpu_is_the_hosts(row_lib):

@@ -101,6 +101,10 @@ extern "C" __attribute__((visibility("default"))) int graph_refuses_gpu_backend(
     return run<T>(gpu, rows::ActivationCotangentTangent<T>{first, second, dg, g, dx, out, add != 0}, count,       \
                   message, message_size);                                                                        \
   }                                                                                                              \
+  extern "C" __attribute__((visibility("default"))) int zero##suffix(int gpu, T* out, long count, char* message,      \
+                                                                     long message_size) {                        \
+    return run<T>(gpu, rows::Zero<T>{out}, count, message, message_size);                                        \
+  }                                                                                                              \
   extern "C" __attribute__((visibility("default"))) int sum_entries##suffix(                                       \
       int gpu, const T* a, const T* b, T* out, long count, char* message, long message_size) {                   \
     return run<T>(gpu, rows::SumEntries<T>{a, b, out}, count, message, message_size);                            \

@@ -27,6 +27,8 @@ inline constexpr bool kScratch<Op, std::void_t<decltype(std::declval<const Op&>(
 template <class T>
 struct ScaleEntries;
 template <class T>
+struct Zero;
+template <class T>
 struct SumEntries;
 template <class T>
 struct WriteEntries;
@@ -67,6 +69,7 @@ struct SoftmaxCotangentTangentRows;
 // X(op) for every row operation.
 #define BLOCKHESS_ROW_OPS(X)      \
   X(ScaleEntries)                 \
+  X(Zero)                         \
   X(SumEntries)                   \
   X(WriteEntries)                 \
   X(AddBias)                      \

@@ -148,7 +148,7 @@ class AttentionNode final : public Node<T> {
     if (T* o = g.gradient_out(wv())) product(g.backend(), MapM<T>(o, d, hv_), X.transpose(), gV, T(1), false);
     if (biased()) {
       if (T* o = g.gradient_out(bq())) token_sums(g, gQ_.data(), hk_, o);
-      if (T* o = g.gradient_out(bk())) MapM<T>(o, 1, hk_).setZero();  // exactly: the rows of gT sum to 0
+      if (T* o = g.gradient_out(bk())) g.backend().run(rows::Zero<T>{o}, hk_);  // exactly: the rows of gT sum to 0
       if (T* o = g.gradient_out(bv())) token_sums(g, gV_.data(), hv_, o);
     }
     if (!g.varies(x())) return;
@@ -399,7 +399,7 @@ class AttentionNode final : public Node<T> {
       MapM<T> o(out.data(), n, cols);
       if (dW) product(g.backend(), o, X, MapC<T>(dW, d, cols), T(1), false);
       if (dX) product(g.backend(), o, MapC<T>(dX, n, d), W(g, weight), T(1), dW != nullptr);
-      if (!dW && !dX) o.setZero();
+      if (!dW && !dX) g.backend().run(rows::Zero<T>{o.data()}, n * cols);
       if (db) g.backend().run(rows::AddBias<T>{db, o.data(), cols}, n * cols);
       return out;
     };
@@ -476,7 +476,7 @@ class AttentionNode final : public Node<T> {
     weight_tangent(tg.dgrad[wv()], hv_, dgVm, gV);
     if (biased()) {
       if (T* o = tg.dgrad[bq()]) token_sums(g, dgQ.data(), hk_, o);
-      if (T* o = tg.dgrad[bk()]) MapM<T>(o, 1, hk_).setZero();  // b_K moves nothing: its rows of H v are exactly 0
+      if (T* o = tg.dgrad[bk()]) g.backend().run(rows::Zero<T>{o}, hk_);  // b_K moves nothing: its rows of H v are exactly 0
       if (T* o = tg.dgrad[bv()]) token_sums(g, dgV.data(), hv_, o);
     }
     if (!dX) return;

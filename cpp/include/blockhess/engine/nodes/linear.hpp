@@ -100,7 +100,7 @@ class LinearNode final : public Node<T> {
     MapM<T> dout(tg.out(this->output, n * w_out(g)), n, w_out(g));
     if (din) product(g.backend(), dout, MapC<T>(din, n, w_in(g)), W(g), T(1), false);
     if (dW) product(g.backend(), dout, MapC<T>(g.value(in()), n, w_in(g)), MapC<T>(dW, w_in(g), w_out(g)), T(1), din != nullptr);
-    if (!din && !dW) dout.setZero();
+    if (!din && !dW) g.backend().run(rows::Zero<T>{dout.data()}, n * w_out(g));
     if (db) g.backend().run(rows::AddBias<T>{db, dout.data(), w_out(g)}, n * w_out(g));
   }
 

@@ -33,6 +33,16 @@ struct ScaleEntries {
   }
 };
 
+// out = 0: a tangent nothing moves, a gradient that is exactly zero.
+template <class T>
+struct Zero {
+  T* out;
+  index_t cost() const { return 1; }
+  BLOCKHESS_HD void operator()(index_t begin, index_t end) const {
+    for (index_t k = begin; k < end; ++k) out[k] = T(0);
+  }
+};
+
 // out = a + b: a residual connection and its tangent.
 template <class T>
 struct SumEntries {
