@@ -596,7 +596,6 @@ index_t Node<T>::entering_factor(const Graph<T>& g, int p) const {
   return g.tokens() * (g.parameter(p).rows + g.parameter(p).cols);
 }
 
-// Writes the values of a node's share of a cotangent (or any accumulated quantity) into a slot.
 // out = the sums over g's tokens of a (tokens, cols), or of a * times entry by entry, assigned or
 // (accumulate) added, on g's backend: a bias's or gamma's gradient.
 template <class T>
@@ -604,12 +603,11 @@ void token_sums(const Graph<T>& g, const T* a, index_t cols, T* out, const T* ti
   g.backend().run(rows::ColumnSums<T>{a, times, out, g.tokens(), cols, accumulate}, cols);
 }
 
+// Writes the values of a node's share of a cotangent (or any accumulated quantity) into a slot, on
+// g's backend.
 template <class T>
-void write_slot(const Slot<T>& slot, const T* values, index_t n) {
-  if (slot.add)
-    for (index_t k = 0; k < n; ++k) slot.data[k] += values[k];
-  else
-    std::copy_n(values, n, slot.data);
+void write_slot(const Graph<T>& g, const Slot<T>& slot, const T* values, index_t n) {
+  g.backend().run(rows::WriteEntries<T>{values, slot.data, slot.add}, n);
 }
 
 }  // namespace blockhess::engine

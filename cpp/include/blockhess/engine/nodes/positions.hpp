@@ -34,7 +34,7 @@ class PositionsNode final : public Node<T> {
   void vjp(Graph<T>& g) const override {
     const index_t size = g.tokens() * width(g);
     const T* gout = g.cotangent(this->output);
-    if (g.varies(this->inputs[0])) write_slot(g.cotangent_slot(this->inputs[0]), gout, size);
+    if (g.varies(this->inputs[0])) write_slot(g, g.cotangent_slot(this->inputs[0]), gout, size);
     scatter(g, g.gradient_out(param()), gout);
   }
 
@@ -68,7 +68,7 @@ class PositionsNode final : public Node<T> {
   void vjp_tangent(const Graph<T>& g, Tangent<T>& tg, bool) const override {
     const index_t size = g.tokens() * width(g);
     const T* dgout = tg.dcot[static_cast<size_t>(this->output)].data();
-    if (tg.in(this->inputs[0])) write_slot(tg.dcot_slot(this->inputs[0], size), dgout, size);
+    if (tg.in(this->inputs[0])) write_slot(g, tg.dcot_slot(this->inputs[0], size), dgout, size);
     scatter(g, tg.dgrad[static_cast<size_t>(param())], dgout);
   }
 

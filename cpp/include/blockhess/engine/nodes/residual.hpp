@@ -26,7 +26,7 @@ class ResidualNode final : public Node<T> {
   void vjp(Graph<T>& g) const override {
     const index_t size = g.tokens() * g.width(this->output);
     for (int v : this->inputs)
-      if (g.varies(v)) write(g, g.cotangent_slot(v), g.cotangent(this->output), size);
+      if (g.varies(v)) write_slot(g, g.cotangent_slot(v), g.cotangent(this->output), size);
   }
 
   void push(Graph<T>& g) const override {
@@ -43,19 +43,16 @@ class ResidualNode final : public Node<T> {
     const index_t size = g.tokens() * g.width(this->output);
     T* out = tg.out(this->output, size);
     if (da && db) g.backend().run(rows::SumEntries<T>{da, db, out}, size);
-    else write(g, Slot<T>{out, false}, da ? da : db, size);
+    else write_slot(g, Slot<T>{out, false}, da ? da : db, size);
   }
 
   void vjp_tangent(const Graph<T>& g, Tangent<T>& tg, bool) const override {
     const index_t size = g.tokens() * g.width(this->output);
     for (int v : this->inputs)
-      if (tg.in(v)) write(g, tg.dcot_slot(v, size), tg.dcot[this->output].data(), size);
+      if (tg.in(v)) write_slot(g, tg.dcot_slot(v, size), tg.dcot[this->output].data(), size);
   }
 
  private:
-  static void write(const Graph<T>& g, const Slot<T>& slot, const T* values, index_t size) {
-    g.backend().run(rows::WriteEntries<T>{values, slot.data, slot.add}, size);
-  }
   const char* stage_;
 };
 
