@@ -159,6 +159,16 @@ void CudaBackend<T>::release(T* p, index_t) const noexcept {
   if (p) cuda::release(p, stream_);
 }
 
+template <class T>
+void CudaBackend<T>::upload(void* data, const void* host, std::size_t bytes) const {
+  if (bytes) copy_to_device(data, host, bytes, stream_);
+}
+
+template <class T>
+void CudaBackend<T>::download(void* host, const void* data, std::size_t bytes) const {
+  if (bytes) copy_to_host(host, data, bytes, stream_);
+}
+
 template class CudaBackend<float>;
 template class CudaBackend<double>;
 

@@ -7,6 +7,7 @@
 // a virtual call costs nothing next to it.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "blockhess/config.hpp"
@@ -55,12 +56,16 @@ class Backend {
   virtual T* allocate(index_t n) const = 0;
   virtual void release(T* p, index_t n) const noexcept = 0;
 
+  // Copies of `bytes` bytes between the host's memory and the backend's: upload after the work
+  // queued before it, download returning when the bytes are on the host.
+  virtual void upload(void* data, const void* host, std::size_t bytes) const = 0;
+  virtual void download(void* host, const void* data, std::size_t bytes) const = 0;
+
   // The stream the work is queued on, in call order (0: the host's, each call done on return).
   virtual std::uintptr_t stream() const = 0;
 
-  // Whether the host reads and writes the backend's memory directly. The engine's per-token work
-  // runs on the host; a backend whose memory the host cannot address serves the operations above
-  // only (docs/backends.md).
+  // Whether the host reads and writes the backend's memory directly. What of the engine still runs
+  // on the host (its curvature, docs/backends.md) refuses a backend whose memory it cannot address.
   virtual bool host_addressable() const = 0;
 };
 

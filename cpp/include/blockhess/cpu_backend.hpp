@@ -4,6 +4,8 @@
 // for bit.
 #pragma once
 
+#include <cstring>
+
 #include "blockhess/backend.hpp"
 #include "blockhess/buffer.hpp"
 #include "blockhess/engine/rows.hpp"
@@ -37,6 +39,12 @@ class CpuBackend final : public Backend<T> {
 
   T* allocate(index_t n) const override { return static_cast<T*>(memory::allocate(static_cast<std::size_t>(n) * sizeof(T))); }
   void release(T* p, index_t n) const noexcept override { memory::deallocate(p, static_cast<std::size_t>(n) * sizeof(T)); }
+  void upload(void* data, const void* host, std::size_t bytes) const override {
+    if (bytes) std::memcpy(data, host, bytes);
+  }
+  void download(void* host, const void* data, std::size_t bytes) const override {
+    if (bytes) std::memcpy(host, data, bytes);
+  }
   std::uintptr_t stream() const override { return 0; }
   bool host_addressable() const override { return true; }
  private:

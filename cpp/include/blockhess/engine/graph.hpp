@@ -27,6 +27,7 @@
 #include <utility>
 #include <vector>
 
+#include "blockhess/backend_buffer.hpp"
 #include "blockhess/buffer.hpp"
 #include "blockhess/config.hpp"
 #include "blockhess/cpu_backend.hpp"
@@ -69,31 +70,33 @@ Slot<T> claim_slot(T* data, char& written) {
   return {data, add};
 }
 
-// The tangents of one Hessian-vector product in flight. Kept and reused between products (the
-// buffers keep their size), one per product running at once. Raw (uninitialised) storage: each
-// node writes a tangent (or the first share of a slot) before anything reads it.
+// The tangents of one Hessian-vector product in flight, in the graph's backend's memory. Kept and
+// reused between products (the buffers keep their size), one per product running at once.
+// Uninitialised storage: each node writes a tangent (or the first share of a slot) before anything
+// reads it.
 template <class T>
 struct Tangent {
-  std::vector<RawBuffer<T>> d;      // per value: its forward tangent (where has_d)
-  std::vector<RawBuffer<T>> dcot;   // per value: the tangent of its cotangent
+  const Backend<T>* backend = nullptr;   // the graph's (Graph::start)
+  std::vector<BackendBuffer<T>> d;       // per value: its forward tangent (where has_d)
+  std::vector<BackendBuffer<T>> dcot;    // per value: the tangent of its cotangent
   std::vector<char> has_d, dcot_written;
   std::vector<const T*> dW;      // per parameter: its tangent (inside v), null when not selected
   std::vector<T*> dgrad;         // per parameter: its rows of H v, null when not selected
   std::vector<char> dgrad_written;  // per parameter: a node has written its share (Graph::gradient_slot)
-  std::vector<std::deque<RawBuffer<T>>> node_scratch;  // a deque: growing it keeps references valid
+  std::vector<std::deque<BackendBuffer<T>>> node_scratch;  // a deque: growing it keeps references valid
 
   // Node scratch k, of `size` values, uninitialised: the node writes it before reading it.
-  RawBuffer<T>& scratch(int node, int k, index_t size) {
+  BackendBuffer<T>& scratch(int node, int k, index_t size) {
     auto& list = node_scratch[static_cast<size_t>(node)];
     if (static_cast<int>(list.size()) <= k) list.resize(static_cast<size_t>(k + 1));
-    RawBuffer<T>& b = list[static_cast<size_t>(k)];
-    b.resize(static_cast<size_t>(size));
+    BackendBuffer<T>& b = list[static_cast<size_t>(k)];
+    b.resize(*backend, size);
     return b;
   }
   // The tangent of value v, sized for writing (marks it present).
   T* out(int v, index_t size) {
     has_d[static_cast<size_t>(v)] = 1;
-    d[static_cast<size_t>(v)].resize(static_cast<size_t>(size));
+    d[static_cast<size_t>(v)].resize(*backend, size);
     return d[static_cast<size_t>(v)].data();
   }
   const T* in(int v) const { return has_d[static_cast<size_t>(v)] ? d[static_cast<size_t>(v)].data() : nullptr; }
@@ -101,8 +104,8 @@ struct Tangent {
   // rest add. Null data where it is not selected.
   Slot<T> dgrad_slot(int p) { return claim_slot(dgrad[static_cast<size_t>(p)], dgrad_written[static_cast<size_t>(p)]); }
   Slot<T> dcot_slot(int v, index_t size) {
-    RawBuffer<T>& b = dcot[static_cast<size_t>(v)];
-    b.resize(static_cast<size_t>(size));
+    BackendBuffer<T>& b = dcot[static_cast<size_t>(v)];
+    b.resize(*backend, size);
     return claim_slot(b.data(), dcot_written[static_cast<size_t>(v)]);
   }
 };
@@ -177,25 +180,27 @@ class Graph {
   struct Param {
     std::string name;
     index_t rows = 0, cols = 0;
-    Buffer<T> data;              // an aligned copy (buffer.hpp), unless borrowed
+    BackendBuffer<T> data;        // a copy, unless borrowed
     const T* borrowed = nullptr;  // the caller's array, read in place
     index_t size() const { return rows * cols; }
     const T* values() const { return borrowed ? borrowed : data.data(); }
   };
 
-  // A graph of B samples of L tokens whose products run on `backend` (backend.hpp), which must
-  // outlive it. The nodes' per-token work runs on the host, in the backend's memory: a backend the
-  // host cannot address (the GPU's, so far) is refused (docs/backends.md).
+  // A graph of B samples of L tokens whose work runs on `backend` (backend.hpp), which must outlive
+  // it, in its memory: the input, the parameters and every value, cotangent and tangent.
   explicit Graph(index_t B, index_t L, const Backend<T>& backend = cpu_backend<T>())
-      : B_(B), L_(L), backend_(&backend) {
-    if (!backend.host_addressable())
-      throw std::invalid_argument("engine: the nodes' per-token work runs on the host, and this backend's memory is "
-                                  "not the host's (docs/backends.md)");
-  }
+      : B_(B), L_(L), backend_(&backend) {}
   Graph(const Graph&) = delete;
   Graph& operator=(const Graph&) = delete;
 
   const Backend<T>& backend() const { return *backend_; }
+  // Refuses (std::invalid_argument) a backend whose memory the host cannot address for `what`, a
+  // part of the engine that still runs on the host (docs/backends.md).
+  void require_host(const char* what) const {
+    if (!backend_->host_addressable())
+      throw std::invalid_argument(std::string("engine: ") + what + " runs on the host so far; on this backend the "
+                                  "loss, its gradient and Hessian-vector products run (docs/backends.md)");
+  }
   index_t samples() const { return B_; }
   index_t tokens_per_sample() const { return L_; }
   index_t tokens() const { return B_ * L_; }
@@ -205,7 +210,7 @@ class Graph {
   // whose passes never run.
   int input(const T* X, index_t width) {
     const int v = new_value(width, -1, false);
-    if (X) values_[static_cast<size_t>(v)] = std::make_shared<Buffer<T>>(X, X + tokens() * width);
+    if (X) copy(X, value_out(v), tokens() * width);
     return v;
   }
   int param(std::string name, index_t rows, index_t cols, const T* data, Storage storage = Storage::copy) {
@@ -213,8 +218,12 @@ class Graph {
     // the same order (buffer.hpp), and a 720,896-parameter block skips copying 2.9 MB per call.
     constexpr std::uintptr_t copy_alignment = EIGEN_DEFAULT_ALIGN_BYTES > 0 ? EIGEN_DEFAULT_ALIGN_BYTES : 1;
     const bool in_place = storage == Storage::borrow && reinterpret_cast<std::uintptr_t>(data) % copy_alignment == 0;
-    if (in_place) params_.push_back(Param{std::move(name), rows, cols, Buffer<T>(), data});
-    else params_.push_back(Param{std::move(name), rows, cols, Buffer<T>(data, data + rows * cols)});
+    if (in_place) {
+      params_.push_back(Param{std::move(name), rows, cols, BackendBuffer<T>(), data});
+    } else {
+      params_.push_back(Param{std::move(name), rows, cols, BackendBuffer<T>(*backend_, rows * cols)});
+      copy(data, params_.back().data.data(), rows * cols);
+    }
     const int p = static_cast<int>(params_.size()) - 1;
     uses_.push_back(0);
     pieces_of_.push_back({static_cast<int>(pieces_.size())});
@@ -278,18 +287,22 @@ class Graph {
     const int n = producer_[static_cast<size_t>(v)];
     return n < 0 ? nullptr : nodes_[static_cast<size_t>(n)].get();
   }
-  const T* value(int v) const { return values_[static_cast<size_t>(v)]->data(); }
-  std::shared_ptr<const Buffer<T>> value_buffer(int v) const { return values_[static_cast<size_t>(v)]; }
-  T* value_out(int v) {  // sized for the node that writes it
-    auto& b = values_[static_cast<size_t>(v)];
-    if (!b) b = std::make_shared<Buffer<T>>();
-    b->resize(static_cast<size_t>(tokens() * width(v)));
-    return b->data();
+  const T* value(int v) const { return values_[static_cast<size_t>(v)].data(); }
+  // A host copy of value v: the vectors of a factor that enters at it (factor.hpp).
+  std::shared_ptr<const Buffer<T>> value_copy(int v) const {
+    require_host("a parameter's tangent factors");
+    const T* x = value(v);
+    return std::make_shared<const Buffer<T>>(x, x + tokens() * width(v));
+  }
+  T* value_out(int v) {  // sized for the node that writes it, uninitialised
+    BackendBuffer<T>& b = values_[static_cast<size_t>(v)];
+    b.resize(*backend_, tokens() * width(v));
+    return b.data();
   }
   const T* cotangent(int v) const { return cot_[static_cast<size_t>(v)].data(); }
   Slot<T> cotangent_slot(int v) {
-    RawBuffer<T>& b = cot_[static_cast<size_t>(v)];
-    b.resize(static_cast<size_t>(tokens() * width(v)));
+    BackendBuffer<T>& b = cot_[static_cast<size_t>(v)];
+    b.resize(*backend_, tokens() * width(v));
     return claim_slot(b.data(), cot_written_[static_cast<size_t>(v)]);
   }
   // Where a node writes (assigns) the gradient of a parameter it alone uses; null where not wanted.
@@ -330,7 +343,7 @@ class Graph {
     grad_written_.assign(params_.size(), 0);
     std::fill(cot_written_.begin(), cot_written_.end(), 0);
     Slot<T> seed = cotangent_slot(output_);
-    std::copy_n(g_output, tokens() * width(output_), seed.data);
+    copy(g_output, seed.data, tokens() * width(output_));
     for (auto it = nodes_.rbegin(); it != nodes_.rend(); ++it)
       if (varies((*it)->output)) (*it)->vjp(*this);
     for (const auto& [v, stage] : checked_) require_finite(backend(), cotangent(v), tokens() * width(v), stage);
@@ -340,6 +353,7 @@ class Graph {
   // owner; a shared parameter's use as a matrix applied to its inputs where it has one such use
   // and other uses by lookup (a tied embedding's use as the LM head's weight), else none.
   LinearUse<T> linear_use(int p) const {
+    require_host("a weight's two sides (linear_use)");
     std::vector<LinearUse<T>> uses;
     for (const auto& node : nodes_)
       for (int q : node->params)
@@ -389,6 +403,7 @@ class Graph {
   // The tangent factors of the selected parameters at every value, up to the output's producer's
   // input (to_output: at the output too; sites at the output are pulled back instead).
   void push_factors(bool to_output) {
+    require_host("a parameter's tangent factors");
     fresh_factors();
     push_nodes(0, to_output);
   }
@@ -443,6 +458,7 @@ class Graph {
   // push_factors(false) in two parts around a cut: through the nodes up to `last` from no factors
   // (nothing above it moves), then through the nodes after it onto the factors already there.
   void push_factors_through(int last) {
+    require_host("a parameter's tangent factors");
     fresh_factors();
     for (int k = 0; k <= last; ++k) nodes_[static_cast<size_t>(k)]->push(*this);
   }
@@ -467,6 +483,7 @@ class Graph {
   // (a lower block's LayerNorm sites, say, when the selection is a higher block's).
   // Up to node `last` only, where given (the nodes after a cut bring their sites there instead).
   Terms<T> curvature(int last = std::numeric_limits<int>::max()) const {
+    require_host("the nodes' curvature terms");
     Terms<T> terms;
     std::vector<char> moved(width_.size(), 0);
     for (auto& node : nodes_) {
@@ -483,6 +500,7 @@ class Graph {
   // The curvature of the nodes after `last` (with nothing selected: their sites, which diagonal.hpp
   // settles at a cut).
   Terms<T> curvature_after(int last) const {
+    require_host("the nodes' curvature terms");
     Terms<T> terms;
     for (const auto& node : nodes_)
       if (node->index > last && varies(node->output)) node->curvature(*this, terms);
@@ -501,7 +519,7 @@ class Graph {
     const index_t n_out = tokens() * width(output_);
     if (!tg.in(output_)) return;  // nothing selected reaches the output
     Slot<T> s = tg.dcot_slot(output_, n_out);
-    if (!seed(tg.in(output_), s.data)) std::fill_n(s.data, n_out, T(0));
+    if (!seed(tg.in(output_), s.data)) backend_->run(rows::Zero<T>{s.data}, n_out);
     for (auto it = nodes_.rbegin(); it != nodes_.rend(); ++it)
       if (tg.in((*it)->output)) (*it)->vjp_tangent(*this, tg, curved);
   }
@@ -509,6 +527,7 @@ class Graph {
   // The forward tangent of every value for the tangent dW of parameter p alone: returns the output's
   // tangent, or null where p does not reach it.
   const T* jvp_parameter(Tangent<T>& tg, int p, const T* dW) const {
+    require_host("a Jacobian by forward tangents");
     start(tg);
     tg.dW.at(static_cast<size_t>(p)) = dW;
     for (auto& node : nodes_) node->jvp(*this, tg);
@@ -518,9 +537,10 @@ class Graph {
   // The forward tangent of every value for the tangent dX of the input value x, no parameter
   // moving (the forward half of hvp): returns the output's tangent, or null where x does not reach it.
   const T* jvp_input(Tangent<T>& tg, int x, const T* dX) const {
+    require_host("a Jacobian with respect to the input");
     start(tg);
     const index_t n = tokens() * width(x);
-    std::copy_n(dX, n, tg.out(x, n));
+    copy(dX, tg.out(x, n), n);
     for (auto& node : nodes_) node->jvp(*this, tg);
     return tg.in(output_);
   }
@@ -546,10 +566,14 @@ class Graph {
   // A Tangent with no value moving yet and no parameter selected.
   void start(Tangent<T>& tg) const {
     const size_t nv = width_.size(), np = params_.size();
+    tg.backend = backend_;
     tg.d.resize(nv), tg.dcot.resize(nv), tg.node_scratch.resize(nodes_.size());
     tg.has_d.assign(nv, 0), tg.dcot_written.assign(nv, 0);
     tg.dW.assign(np, nullptr), tg.dgrad.assign(np, nullptr), tg.dgrad_written.assign(np, 0);
   }
+
+  // to = from, n values in the backend's memory.
+  void copy(const T* from, T* to, index_t n) const { backend_->run(rows::WriteEntries<T>{from, to, false}, n); }
 
   int new_value(index_t width, int producer, bool varies) {
     width_.push_back(width);
@@ -571,8 +595,8 @@ class Graph {
   std::vector<index_t> width_;
   std::vector<int> producer_;
   std::vector<bool> varies_;
-  std::vector<std::shared_ptr<Buffer<T>>> values_;
-  std::vector<RawBuffer<T>> cot_;  // written by the first share of each slot
+  std::vector<BackendBuffer<T>> values_;
+  std::vector<BackendBuffer<T>> cot_;  // written by the first share of each slot
   std::vector<char> cot_written_;
   std::vector<T*> grad_out_;
   std::vector<char> grad_written_;  // per parameter: a node has written its share (gradient_slot)

@@ -16,8 +16,10 @@
 #include <stdexcept>
 #include <string>
 
+#include "blockhess/backend_buffer.hpp"
 #include "blockhess/config.hpp"
 #include "blockhess/engine/graph.hpp"
+#include "blockhess/engine/rows/entries.hpp"
 #include "blockhess/engine/terms.hpp"
 
 namespace blockhess::engine {
@@ -47,6 +49,24 @@ class Head {
   // Its working memory in elements (engine/working_memory.hpp): what forward keeps beside dl/dZ,
   // and with `site` its curvature's Omegas.
   virtual index_t footprint(const Graph<T>& g, bool site) const = 0;
+
+ protected:
+  // Storage for the loss of each of n rows (a head's row operation writes them), in g's backend.
+  T* row_losses(const Graph<T>& g, index_t n) {
+    row_losses_.resize(g.backend(), n + 1);
+    return row_losses_.data();
+  }
+  // Their sum, row after row, read back on the host: the loss.
+  T total_loss(const Graph<T>& g, index_t n) {
+    T* total = row_losses_.data() + n;
+    g.backend().run(rows::ColumnSums<T>{row_losses_.data(), nullptr, total, n, 1, false}, 1);
+    T value;
+    g.backend().download(&value, total, sizeof(T));
+    return value;
+  }
+
+ private:
+  BackendBuffer<T> row_losses_;  // n row losses and their sum
 };
 
 // A cross-entropy head's class index k, checked against its number of classes.

@@ -39,11 +39,11 @@ namespace blockhess::engine {
 template <class T>
 T reverse_loss(Graph<T>& g, Head<T>& head, T* grad = nullptr) {
   const index_t n = g.tokens() * g.width(g.output());
-  Buffer<T> gZ(static_cast<size_t>(n));
+  BackendBuffer<T> gZ(g.backend(), n);
   const T value = head.forward(g, gZ.data());
   // A target far outside Z's range can overflow the loss and its gradient.
   require_finite(&value, 1, "block: the loss value");
-  require_finite(gZ.data(), n, "block: the loss gradient with respect to Z");
+  require_finite(g.backend(), gZ.data(), n, "block: the loss gradient with respect to Z");
   const std::vector<bool> all(static_cast<size_t>(g.num_params()), true);
   index_t P = 0;
   const std::vector<index_t> off = g.offsets(all, &P);
@@ -51,7 +51,7 @@ T reverse_loss(Graph<T>& g, Head<T>& head, T* grad = nullptr) {
   if (grad)
     for (size_t p = 0; p < off.size(); ++p) gradient[p] = grad + off[p];
   g.reverse(gZ.data(), std::move(gradient));
-  if (grad) require_finite(grad, P, "block: the loss gradient");
+  if (grad) require_finite(g.backend(), grad, P, "block: the loss gradient");
   return value;
 }
 
@@ -59,7 +59,9 @@ T reverse_loss(Graph<T>& g, Head<T>& head, T* grad = nullptr) {
 template <class T>
 Terms<T> outer_terms(const Graph<T>& g, const Head<T>& head, Part part) {
   Terms<T> terms;
-  if (part != Part::functional) head.curvature(g, terms);
+  if (part == Part::functional) return terms;
+  g.require_host("the loss's curvature");
+  head.curvature(g, terms);
   return terms;
 }
 
@@ -111,9 +113,9 @@ class Products {
       if (seeded) head_.vjp_tangent(g_, dZ, dgZ);
       return seeded;
     };
-    std::fill_n(out, size_, T(0));  // a selected parameter that reaches nothing has zero rows
+    g_.backend().run(rows::Zero<T>{out}, size_);  // a selected parameter that reaches nothing has zero rows
     g_.hvp(lease.scratch, offset_, v, seed, curved, out);
-    require_finite(out, size_, "block: the Hessian-vector product H v (a vector of smaller magnitude may fit)");
+    require_finite(g_.backend(), out, size_, "block: the Hessian-vector product H v (a vector of smaller magnitude may fit)");
   }
 
   // out = H V for V of shape (size(), k), both row-major. Columns are independent products, run in
@@ -121,6 +123,7 @@ class Products {
   void apply_columns(const T* V, index_t k, T* out) const {
     const index_t P = size_;
     if (k == 1) return apply(V, out);
+    g_.require_host("a product with several vectors at once");
     blockhess::detail::parallel_for(k, cost(), [&](index_t j) {
       Buffer<T> column(P), result(P);
       for (index_t i = 0; i < P; ++i) column[i] = V[i * k + j];
@@ -141,6 +144,7 @@ class Products {
   template <class Take>
   void unit_columns(const std::vector<index_t>& which, Take&& take) const {
     const index_t P = size_;
+    g_.require_host("products with columns of the identity");
     blockhess::detail::parallel_for(static_cast<index_t>(which.size()), cost(), [&](index_t k) {
       const index_t j = which[static_cast<size_t>(k)];
       Buffer<T> unit(P), column(P);  // zeroed

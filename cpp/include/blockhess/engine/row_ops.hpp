@@ -54,6 +54,10 @@ template <class T>
 struct NormCotangentTangentRows;
 // the losses' (rows/heads.hpp)
 template <class T>
+struct MseRows;
+template <class T>
+struct CrossEntropyRows;
+template <class T>
 struct ScaleBy;
 template <class T>
 struct CrossEntropyTangentRows;
@@ -84,5 +88,7 @@ struct SoftmaxCotangentTangentRows;
   X(SoftmaxRows)                  \
   X(SoftmaxVjpRows)               \
   X(SoftmaxCotangentTangentRows)  \
+  X(MseRows)                      \
+  X(CrossEntropyRows)             \
   X(ScaleBy)                      \
   X(CrossEntropyTangentRows)

@@ -30,6 +30,8 @@ class CudaBackend final : public Backend<T> {
   bool all_finite(const T* values, index_t n) const override;
   T* allocate(index_t n) const override;
   void release(T* p, index_t n) const noexcept override;
+  void upload(void* data, const void* host, std::size_t bytes) const override;
+  void download(void* host, const void* data, std::size_t bytes) const override;
   std::uintptr_t stream() const override { return stream_; }
   bool host_addressable() const override { return false; }
 

@@ -26,34 +26,30 @@ inline constexpr std::int64_t kIgnoredClass = -100;
 template <class T>
 class CrossEntropyHead final : public Head<T> {
  public:
-  // classes: one per token, read while the head lives. ignoring: kIgnoredClass drops a token.
+  // classes: one per token in the graph's backend's memory, read while the head lives. ignoring: kIgnoredClass drops a token.
   explicit CrossEntropyHead(const std::int64_t* classes, bool ignoring = false)
       : classes_(classes), ignoring_(ignoring) {
     if (!classes_) throw std::invalid_argument("loss: cross_entropy needs integer class targets");
   }
 
+  // An ignored token counts for nothing: no loss, no gradient, no curvature (p_t = 0).
   T forward(const Graph<T>& g, T* gZ) override {
     const index_t n = g.tokens(), d = g.width(g.output());
-    const T* Z = g.value(g.output());
-    index_t counted = n;
-    if (ignoring_) counted -= std::count(classes_, classes_ + n, kIgnoredClass);
+    const HostView<std::int64_t, T> classes(g.backend(), classes_, n);
+    index_t counted = 0;
+    for (index_t t = 0; t < n; ++t) {
+      const std::int64_t k = classes.data()[t];
+      if (ignoring_ && k == kIgnoredClass) continue;
+      require_class(k, d);
+      ++counted;
+    }
     if (counted == 0) throw std::invalid_argument("loss: every token's label is ignored (-100): the mean is over none");
     scale_ = T(1) / static_cast<T>(counted);
-    p_.resize(static_cast<size_t>(n * d));
-    T value = 0;
-    for (index_t t = 0; t < n; ++t) {
-      const std::int64_t k = classes_[t];
-      if (ignoring_ && k == kIgnoredClass) {  // no loss, no gradient, no curvature (p_t = 0)
-        std::fill_n(p_.data() + t * d, d, T(0));
-        std::fill_n(gZ + t * d, d, T(0));
-        continue;
-      }
-      require_class(k, d);
-      T* p = p_.data() + t * d;
-      value += scale_ * softmax::cross_entropy_row(Z + t * d, d, k, p);
-      for (index_t a = 0; a < d; ++a) gZ[t * d + a] = scale_ * (p[a] - (a == k ? T(1) : T(0)));
-    }
-    return value;
+    p_.resize(g.backend(), n * d);
+    g.backend().run(rows::CrossEntropyRows<T>{g.value(g.output()), classes_, p_.data(), gZ, this->row_losses(g, n), d,
+                                              scale_, ignoring_, kIgnoredClass},
+                    n);
+    return this->total_loss(g, n);
   }
 
   // p; a (d, d) Omega a token.
@@ -94,7 +90,7 @@ class CrossEntropyHead final : public Head<T> {
   const std::int64_t* classes_;
   bool ignoring_;
   T scale_ = 0;  // 1 / (B L), or 1 / the tokens counted
-  Buffer<T> p_;  // softmax(Z_t), (tokens, d)
+  BackendBuffer<T> p_;  // softmax(Z_t), (tokens, d)
 };
 
 }  // namespace blockhess::engine

@@ -17,22 +17,16 @@ namespace blockhess::engine {
 template <class T>
 class MseHead final : public Head<T> {
  public:
-  // target: (tokens, width) row-major, read while the head lives.
+  // target: (tokens, width) row-major in the graph's backend's memory, read while the head lives.
   explicit MseHead(const T* target) : target_(target) {
     if (!target_) throw std::invalid_argument("loss: mse needs a float target");
   }
 
   T forward(const Graph<T>& g, T* gZ) override {
-    const index_t n = g.tokens() * g.width(g.output());
-    const T* Z = g.value(g.output());
-    scale_ = T(1) / static_cast<T>(n);
-    T value = 0;
-    for (index_t k = 0; k < n; ++k) {
-      const T r = Z[k] - target_[k];
-      value += scale_ * r * r;
-      gZ[k] = 2 * scale_ * r;
-    }
-    return value;
+    const index_t n = g.tokens(), d = g.width(g.output());
+    scale_ = T(1) / static_cast<T>(n * d);
+    g.backend().run(rows::MseRows<T>{g.value(g.output()), target_, gZ, this->row_losses(g, n), d, scale_}, n);
+    return this->total_loss(g, n);
   }
 
   // Its site's diagonal.

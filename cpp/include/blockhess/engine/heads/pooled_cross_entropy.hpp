@@ -42,6 +42,7 @@ class PooledCrossEntropyHead final : public Head<T> {
   // The loss, its gradient (the same row 1/(B L) W_C (p_b - e_class) for every token of sample b)
   // and the per-sample blocks of its second derivative (B d^2 numbers: the HVP's seed needs them too).
   T forward(const Graph<T>& g, T* gZ) override {
+    g.require_host("the pooled cross-entropy");
     const index_t B = g.samples(), L = g.tokens_per_sample(), d = g.width(g.output());
     const T* Z = g.value(g.output());
     if (!W_ && d != C_) throw std::logic_error("loss: pooled logits of width " + std::to_string(d) + " for " +

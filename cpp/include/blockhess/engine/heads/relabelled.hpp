@@ -17,6 +17,7 @@ template <class T>
 class RelabelledCrossEntropy : public Head<T> {
  public:
   T forward(const Graph<T>& g, T* gZ) override {
+    g.require_host("a relabelled cross-entropy (next-token, class-token)");
     classes_.assign(static_cast<size_t>(g.tokens()), kIgnoredClass);
     relabel(g, classes_.data());
     per_token_ = std::make_unique<CrossEntropyHead<T>>(classes_.data(), /*ignoring=*/true);

@@ -58,7 +58,8 @@ class AttentionNode final : public Node<T> {
       for (int p : {wq(), wk(), wv()}) g.split_columns(p, heads_);
     if (heads_ > 1 && biased())
       for (int p : {bq(), bk(), bv()}) g.split_columns(p, heads_);
-    Q_.resize(n * hk_), K_.resize(n * hk_), V_.resize(n * hv_), A_.resize(B * heads_ * L * L);
+    Q_.resize(g.backend(), n * hk_), K_.resize(g.backend(), n * hk_), V_.resize(g.backend(), n * hv_);
+    A_.resize(g.backend(), B * heads_ * L * L);
     const MapC<T> X(g.value(x()), n, d);
     product(g.backend(), MapM<T>(Q_.data(), n, hk_), X, W(g, wq()), T(1), false);
     product(g.backend(), MapM<T>(K_.data(), n, hk_), X, W(g, wk()), T(1), false);
@@ -126,8 +127,8 @@ class AttentionNode final : public Node<T> {
   void vjp(Graph<T>& g) const override {
     const index_t B = g.samples(), L = g.tokens_per_sample(), n = g.tokens(), d = g.width(x());
     const T* gF = g.cotangent(this->output);
-    gA_.resize(A_.size()), gT_.resize(A_.size());
-    gQ_.resize(Q_.size()), gK_.resize(K_.size()), gV_.resize(V_.size());
+    gA_.resize(g.backend(), A_.size()), gT_.resize(g.backend(), A_.size());
+    gQ_.resize(g.backend(), Q_.size()), gK_.resize(g.backend(), K_.size()), gV_.resize(g.backend(), V_.size());
     const index_t LL = L * L;
     for (index_t b = 0; b < B; ++b)  // a batch of heads a sample
       batched_product(g.backend(), heads_, MapM<T>(gA_.data() + b * heads_ * LL, L, L), LL, head_cols(gF, b, 0, L),
@@ -163,6 +164,7 @@ class AttentionNode final : public Node<T> {
     const index_t B = g.samples(), L = g.tokens_per_sample(), n = g.tokens(), d = g.width(x());
     const T* F = g.value(this->output);
     auto ones = std::make_shared<const Buffer<T>>(n, T(1));
+    std::shared_ptr<const Buffer<T>> x_rows;
     for (index_t i = 0; i < heads_; ++i) {
       const bool query_side = g.selected(wq()) || (biased() && g.selected(bq()));
       const bool keys = g.selected(wk()), values = g.selected(wv()) || (biased() && g.selected(bv()));
@@ -209,7 +211,8 @@ class AttentionNode final : public Node<T> {
           if (g.selected(wq())) {
             const int piece = g.pieces_of(wq())[i];
             at_Q.split = g.split_of(piece, true);
-            at_Q.vec = g.value_buffer(x());
+            if (!x_rows) x_rows = g.value_copy(x());  // one copy, every head's W_Q
+            at_Q.vec = x_rows;
             g.set_factor(this->output, piece, at_Q);
           }
           if (biased() && g.selected(bq())) {  // the same U_t, with vec [1]
@@ -394,8 +397,8 @@ class AttentionNode final : public Node<T> {
     const index_t B = g.samples(), L = g.tokens_per_sample(), n = g.tokens(), d = g.width(x());
     const MapC<T> X(g.value(x()), n, d);
     // dX W + X dW + 1 db, zero where nothing moves.
-    auto tangent_of = [&](int slot, int weight, const T* dW, const T* db, index_t cols) -> const RawBuffer<T>& {
-      RawBuffer<T>& out = tg.scratch(this->index, slot, n * cols);
+    auto tangent_of = [&](int slot, int weight, const T* dW, const T* db, index_t cols) -> const BackendBuffer<T>& {
+      BackendBuffer<T>& out = tg.scratch(this->index, slot, n * cols);
       MapM<T> o(out.data(), n, cols);
       if (dW) product(g.backend(), o, X, MapC<T>(dW, d, cols), T(1), false);
       if (dX) product(g.backend(), o, MapC<T>(dX, n, d), W(g, weight), T(1), dW != nullptr);
@@ -403,9 +406,9 @@ class AttentionNode final : public Node<T> {
       if (db) g.backend().run(rows::AddBias<T>{db, o.data(), cols}, n * cols);
       return out;
     };
-    const RawBuffer<T>&dQ = tangent_of(kDQ, wq(), dWQ, dbQ, hk_), &dK = tangent_of(kDK, wk(), dWK, dbK, hk_);
-    const RawBuffer<T>& dV = tangent_of(kDV, wv(), dWV, dbV, hv_);
-    RawBuffer<T>& dA = tg.scratch(this->index, kDA, static_cast<index_t>(A_.size()));
+    const BackendBuffer<T>&dQ = tangent_of(kDQ, wq(), dWQ, dbQ, hk_), &dK = tangent_of(kDK, wk(), dWK, dbK, hk_);
+    const BackendBuffer<T>& dV = tangent_of(kDV, wv(), dWV, dbV, hv_);
+    BackendBuffer<T>& dA = tg.scratch(this->index, kDA, static_cast<index_t>(A_.size()));
     MapM<T> dT(tg.scratch(this->index, kRows, L * L).data(), L, L);
     T* dF = tg.out(this->output, n * hv_);
     for (index_t b = 0; b < B; ++b)
@@ -433,11 +436,11 @@ class AttentionNode final : public Node<T> {
     const bool moves_k = dX || tg.dW[wk()] || (biased() && tg.dW[bk()]);
     const bool moves_v = dX || tg.dW[wv()] || (biased() && tg.dW[bv()]);
     const index_t nA = static_cast<index_t>(A_.size());
-    const RawBuffer<T>&dQ = tg.scratch(this->index, kDQ, n * hk_), &dK = tg.scratch(this->index, kDK, n * hk_);
-    const RawBuffer<T>&dV = tg.scratch(this->index, kDV, n * hv_), &dA = tg.scratch(this->index, kDA, nA);
-    RawBuffer<T>& dgQ = tg.scratch(this->index, kDgQ, n * hk_);
-    RawBuffer<T>& dgK = tg.scratch(this->index, kDgK, n * hk_);
-    RawBuffer<T>& dgV = tg.scratch(this->index, kDgV, n * hv_);
+    const BackendBuffer<T>&dQ = tg.scratch(this->index, kDQ, n * hk_), &dK = tg.scratch(this->index, kDK, n * hk_);
+    const BackendBuffer<T>&dV = tg.scratch(this->index, kDV, n * hv_), &dA = tg.scratch(this->index, kDA, nA);
+    BackendBuffer<T>& dgQ = tg.scratch(this->index, kDgQ, n * hk_);
+    BackendBuffer<T>& dgK = tg.scratch(this->index, kDgK, n * hk_);
+    BackendBuffer<T>& dgV = tg.scratch(this->index, kDgV, n * hv_);
     const MapM<T> dgA(tg.scratch(this->index, kRows, L * L).data(), L, L);
     MapM<T> dgT(tg.scratch(this->index, kDgT, L * L).data(), L, L);
     for (index_t b = 0; b < B; ++b)
@@ -656,7 +659,7 @@ class AttentionNode final : public Node<T> {
       // <gQ, dX dW_Q>, <gK, dX dW_K>, <gV, dX dW_V> on head i's columns: Gamma_t = M_t^T.
       const T* M = mv.M.data();
       auto input_matrix = [M, d, rv](index_t t, T* out) { MapM<T>(out, rv, d) = MapC<T>(M + t * d * rv, d, rv).transpose(); };
-      auto head_copy = [&](const Buffer<T>& full, index_t width, index_t cols) {
+      auto head_copy = [&](const BackendBuffer<T>& full, index_t width, index_t cols) {
         Buffer<T> out(n * cols);
         for (index_t t = 0; t < n; ++t) std::copy_n(full.data() + t * width + i * cols, cols, out.data() + t * cols);
         return terms.kept(std::move(out));
@@ -713,9 +716,9 @@ class AttentionNode final : public Node<T> {
   index_t heads_;
   index_t hk_ = 0, hv_ = 0, dk_ = 0, dv_ = 0;
   T s_ = 0;
-  Buffer<T> Q_, K_, V_, A_;     // A: (B, heads, L, L)
-  mutable Buffer<T> gA_, gT_;         // the reverse pass's (vjp), read by curvature and vjp_tangent
-  mutable Buffer<T> gQ_, gK_, gV_;    // the cotangents of Q, K, V
+  BackendBuffer<T> Q_, K_, V_, A_;          // A: (B, heads, L, L)
+  mutable BackendBuffer<T> gA_, gT_;        // the reverse pass's (vjp), read by curvature and vjp_tangent
+  mutable BackendBuffer<T> gQ_, gK_, gV_;   // the cotangents of Q, K, V
   mutable std::vector<Mixed> mixed_;  // the parameters that move the input (push), read by curvature
 };
 

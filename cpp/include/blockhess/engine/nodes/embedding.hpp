@@ -39,6 +39,7 @@ class EmbeddingNode final : public Node<T> {
   Footprint footprint(const Graph<T>& g) const override { return {g.tokens(), 0, 0, 0}; }
 
   void forward(Graph<T>& g) override {
+    g.require_host("an embedding lookup");
     const index_t n = g.tokens(), d = g.width(this->output);
     const T* E = g.weight(param());
     T* out = g.value_out(this->output);

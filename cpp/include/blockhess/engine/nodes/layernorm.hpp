@@ -43,12 +43,12 @@ class NormNode final : public Node<T> {
 
   void forward(Graph<T>& g) override {
     const index_t n = g.tokens(), d = g.width(this->output);
-    sigma_.resize(static_cast<size_t>(n));
+    sigma_.resize(g.backend(), n);
     T* y = g.value_out(this->output);
-    if (affine()) normalized_.resize(static_cast<size_t>(n * d));
+    if (affine()) normalized_.resize(g.backend(), n * d);
     g.backend().run(rows::NormalizeRows<T>{g.value(in()), affine() ? normalized_.data() : y, sigma_.data(), d, eps_, Rows::rms},
                     n);
-    Rows::check(sigma_.data(), n);
+    Rows::check(HostView<T, T>(g.backend(), sigma_.data(), n).data(), n);
     if (!affine()) return;
     g.backend().run(rows::ScaleColumns<T>{normalized_.data(), g.weight(gamma_param()), y, d}, n * d);
     if (has_beta()) g.backend().run(rows::AddBias<T>{g.weight(beta_param()), y, d}, n * d);
@@ -76,7 +76,7 @@ class NormNode final : public Node<T> {
     auto ones = std::make_shared<const Buffer<T>>(n, T(1));
     if (g.selected(gamma_param())) {
       const Factor<T> entered = entering<T>(kron::Split{1, d, true}, ones, d);
-      g.set_factor(this->output, g.whole(gamma_param()), moved(entered, Form::diagonal, d, Buffer<T>(normalized_)));
+      g.set_factor(this->output, g.whole(gamma_param()), moved(entered, Form::diagonal, d, Buffer<T>(normalized_.data(), normalized_.data() + normalized_.size())));
     }
     if (has_beta() && g.selected(beta_param()))
       g.set_factor(this->output, g.whole(beta_param()), entering<T>(kron::Split{1, d, true}, ones, d));
@@ -185,8 +185,8 @@ class NormNode final : public Node<T> {
   }
 
   T eps_;
-  Buffer<T> sigma_;
-  Buffer<T> normalized_;  // n (only with affine parameters; otherwise the output is n)
+  BackendBuffer<T> sigma_;
+  BackendBuffer<T> normalized_;  // n (only with affine parameters; otherwise the output is n)
 };
 
 template <class T>

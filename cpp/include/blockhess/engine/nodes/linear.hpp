@@ -53,7 +53,7 @@ class LinearNode final : public Node<T> {
     g.set_factors(this->output, left_multiply_weight(g.backend(), g.factors(in()), n, g.weight(param()), w_in(g), w_out(g)));
     if (g.selected(param()))
       g.set_factor(this->output, g.whole(param()),
-                   entering<T>(kron::Split{w_in(g), w_out(g), true}, g.value_buffer(in()), w_out(g)));
+                   entering<T>(kron::Split{w_in(g), w_out(g), true}, g.value_copy(in()), w_out(g)));
     if (has_bias() && g.selected(bias_param()))
       g.set_factor(this->output, g.whole(bias_param()),
                    entering<T>(kron::Split{1, w_out(g), true}, std::make_shared<const Buffer<T>>(n, T(1)), w_out(g)));

@@ -19,10 +19,10 @@ class PointwiseNode final : public Node<T> {
   void forward(Graph<T>& g) override {
     const index_t n = g.tokens(), w = g.width(this->output), size = n * w;
     T* y = g.value_out(this->output);
-    first_.resize(static_cast<size_t>(size));
+    first_.resize(g.backend(), size);
     // phi'' = 0 for relu: second_ stays empty (only a smooth phi reads it).
     if (activation::is_piecewise_linear(kind_)) second_.clear();
-    else second_.resize(static_cast<size_t>(size));
+    else second_.resize(g.backend(), size);
     g.backend().run(rows::ActivationForward<T>{kind_, g.value(in()), y, first_.data(), second_.empty() ? nullptr : second_.data()},
                     size);
     require_finite(g.backend(), y, size, "block: the activation of the FFN's hidden units");
@@ -89,7 +89,7 @@ class PointwiseNode final : public Node<T> {
   }
 
   activation::Kind kind_;
-  RawBuffer<T> first_, second_;  // phi'(in), phi''(in) (written whole by forward; second_ empty for relu)
+  BackendBuffer<T> first_, second_;  // phi'(in), phi''(in) (written whole by forward; second_ empty for relu)
 };
 
 }  // namespace blockhess::engine

@@ -22,6 +22,7 @@ template <class T>
 class PositionsNode final : public Node<T> {
  public:
   void forward(Graph<T>& g) override {
+    g.require_host("learned positions");
     const index_t n = g.tokens(), d = width(g), L = g.tokens_per_sample();
     positions_.resize(static_cast<size_t>(n));
     for (index_t t = 0; t < n; ++t) positions_[static_cast<size_t>(t)] = t % L;
