@@ -37,7 +37,7 @@ def _load(path):
     for name in ("zero", "activation_forward", "scale_entries", "activation_cotangent_tangent", "sum_entries", "write_entries",
                  "add_bias", "softmax_rows", "softmax_vjp_rows", "softmax_cotangent_tangent_rows",
                  "normalize_rows", "scale_columns", "norm_tangent_rows", "scale_by", "cross_entropy_tangent_rows", "norm_vjp_rows",
-                 "norm_cotangent_tangent_rows", "column_sums"):
+                 "norm_cotangent_tangent_rows", "column_sums", "mse_rows", "cross_entropy_rows"):
         for suffix in ("_f64", "_f32"):
             getattr(lib, name + suffix).restype = ctypes.c_int
     return lib
@@ -392,6 +392,43 @@ def test_the_losses_second_derivatives_on_a_tangent_on_the_gpu_are_the_hosts(row
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_the_losses_rows_on_the_gpu_are_the_hosts(row_lib, dtype):
+    """The losses and their gradients, a token a thread (the loss is their row sums, summed in
+    order afterwards): mse against a target; cross-entropy against classes, with a token ignored
+    (-100: no loss, no gradient, p = 0)."""
+    rng = np.random.default_rng(14)
+    tokens, d, scale = 333, 4, 0.125
+    z, target = (rng.standard_normal(tokens * d + 5).astype(dtype) for _ in range(2))
+    classes = rng.integers(0, d, size=tokens + 5).astype(np.int64)
+    classes[7] = -100
+    mse, ce = [], []
+    for gpu in (0, 1):
+        gz, rows_ = np.full(tokens * d + 5, np.nan, dtype), np.full(tokens + 5, np.nan, dtype)
+        run_rows(row_lib, "mse_rows", dtype, gpu, z, target, gz, rows_, d, scale, count=tokens)
+        assert np.isnan(gz[-5:]).all() and np.isnan(rows_[-5:]).all()
+        mse.append((gz[:-5], rows_[:-5]))
+        p, gz, rows_ = (np.full(n + 5, np.nan, dtype) for n in (tokens * d, tokens * d, tokens))
+        run_rows(row_lib, "cross_entropy_rows", dtype, gpu, z, classes, p, gz, rows_, d, scale, 1, count=tokens)
+        assert np.isnan(p[-5:]).all() and np.isnan(gz[-5:]).all() and np.isnan(rows_[-5:]).all()
+        ce.append((p[:-5], gz[:-5], rows_[:-5]))
+    for host, gpu in zip(mse[0] + ce[0], mse[1] + ce[1]):
+        np.testing.assert_array_equal(gpu, host)
+    tol = 1e-14 if dtype == np.float64 else 1e-6
+    r = (z[:-5] - target[:-5]).astype(np.float64).reshape(tokens, d)
+    np.testing.assert_allclose(mse[1][0], (2 * scale * r).ravel(), rtol=tol, atol=tol)
+    np.testing.assert_allclose(mse[1][1], scale * (r * r).sum(axis=1), rtol=10 * tol, atol=tol)
+    logits, k = z[:-5].astype(np.float64).reshape(tokens, d), np.maximum(classes[:tokens], 0)
+    top = logits.max(axis=1, keepdims=True)
+    p = np.exp(logits - top) / np.exp(logits - top).sum(axis=1, keepdims=True)
+    loss = scale * (np.log(np.exp(logits - top).sum(axis=1)) + top[:, 0] - logits[np.arange(tokens), k])
+    grad = scale * (p - np.eye(d)[k])
+    p[7], grad[7], loss[7] = 0, 0, 0  # the ignored token (its class read as 0 above)
+    np.testing.assert_allclose(ce[1][0], p.ravel(), rtol=10 * tol, atol=tol)
+    np.testing.assert_allclose(ce[1][1], grad.ravel(), rtol=10 * tol, atol=tol)
+    np.testing.assert_allclose(ce[1][2], loss, rtol=10 * tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_the_finiteness_check_on_the_gpu_finds_every_inf_and_nan(row_lib, dtype):
     """The passes' checks: an Inf or NaN anywhere among 1000 values (the last one too, which a
     3-block grid reaches only on its second round), never one just past the end."""
@@ -411,14 +448,6 @@ def test_the_finiteness_check_on_the_gpu_finds_every_inf_and_nan(row_lib, dtype)
             spoiled[where] = bad
             assert finite(0, spoiled) == finite(1, spoiled) == 0, (where, bad)
     assert finite(1, values, count=0) == 1
-
-
-def test_an_engine_graph_refuses_the_gpu_backend_while_its_per_token_work_runs_on_the_host(lib):
-    """Not every node's per-token work is a row operation yet (docs/backends.md): a graph on a
-    backend whose memory the host cannot address would read device memory from host loops."""
-    message = ctypes.create_string_buffer(512)
-    assert lib.graph_refuses_gpu_backend(message, ctypes.c_long(512)) == 1
-    assert "per-token work runs on the host" in message.value.decode()
 
 
 # ---- products ---------------------------------------------------------------------------------------

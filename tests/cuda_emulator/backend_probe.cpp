@@ -4,10 +4,16 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <memory>
+#include <vector>
 
+#include "blockhess/blocks/family.hpp"
 #include "blockhess/cpu_backend.hpp"
 #include "blockhess/cuda/backend.hpp"
 #include "blockhess/engine/graph.hpp"
+#include "blockhess/engine/heads/cross_entropy.hpp"
+#include "blockhess/engine/heads/mse.hpp"
+#include "blockhess/engine/loss.hpp"
 #include "blockhess/engine/rows.hpp"
 
 namespace {
@@ -69,20 +75,6 @@ namespace rows = blockhess::engine::rows;
   }
 BLOCKHESS_FINITE_PROBE(_f64, double)
 BLOCKHESS_FINITE_PROBE(_f32, float)
-
-// 1 with the message when an engine graph refuses the GPU backend (its per-token work still runs on
-// the host), 0 when it accepts it.
-extern "C" __attribute__((visibility("default"))) int graph_refuses_gpu_backend(char* message, long message_size) {
-  const blockhess::cuda::CudaBackend<double> gpu(0);
-  try {
-    blockhess::engine::Graph<double> graph(1, 1, gpu);
-    return 0;
-  } catch (const std::invalid_argument& e) {
-    std::strncpy(message, e.what(), static_cast<size_t>(message_size - 1));
-    message[message_size - 1] = '\0';
-    return 1;
-  }
-}
 
 #define BLOCKHESS_ROW_PROBES(suffix, T)                                                                            \
   extern "C" __attribute__((visibility("default"))) int activation_forward##suffix(                               \
@@ -170,6 +162,19 @@ extern "C" __attribute__((visibility("default"))) int graph_refuses_gpu_backend(
     return run<T>(gpu, rows::CrossEntropyTangentRows<T>{p, dz, out, d, static_cast<T>(scale)}, count, message,    \
                   message_size);                                                                                 \
   }                                                                                                              \
+  extern "C" __attribute__((visibility("default"))) int mse_rows##suffix(                                          \
+      int gpu, const T* z, const T* target, T* gz, T* row_loss, long d, double scale, long count, char* message,   \
+      long message_size) {                                                                                       \
+    return run<T>(gpu, rows::MseRows<T>{z, target, gz, row_loss, d, static_cast<T>(scale)}, count, message,        \
+                  message_size);                                                                                 \
+  }                                                                                                              \
+  extern "C" __attribute__((visibility("default"))) int cross_entropy_rows##suffix(                                \
+      int gpu, const T* z, const std::int64_t* classes, T* p, T* gz, T* row_loss, long d, double scale, int ignoring, \
+      long count, char* message, long message_size) {                                                            \
+    return run<T>(gpu, rows::CrossEntropyRows<T>{z, classes, p, gz, row_loss, d, static_cast<T>(scale), ignoring != 0, \
+                                                 blockhess::engine::kIgnoredClass},                              \
+                  count, message, message_size);                                                                 \
+  }                                                                                                              \
   extern "C" __attribute__((visibility("default"))) int softmax_cotangent_tangent_rows##suffix(                    \
       int gpu, const T* a, const T* da, const T* g, const T* dg, T* dgt, long L, long count, char* message,        \
       long message_size) {                                                                                       \
@@ -188,3 +193,84 @@ BLOCKHESS_ROW_PROBES(_f32, float)
   }
 BLOCKHESS_PROBE(product_f64, double)
 BLOCKHESS_PROBE(product_f32, float)
+
+// ---- the engine on a backend ----------------------------------------------------------------------
+
+namespace {
+
+// A block of the family on the host backend (gpu = 0) or the GPU backend (gpu = 1), every array in
+// that backend's memory: the loss (mse against target, or cross-entropy against classes where
+// target is null) into *value, its gradient into grad and, for the Hessian's part (0 full, 1 outer,
+// 2 functional) over every parameter, H v into hv. spec: the 9 codes of spec.py's BlockSpec._core();
+// weights: one per parameter, in the core's order.
+template <class T>
+int block_loss_hvp(int gpu, const long* spec, long B, long L, long d, long dk, long dv, long dff, double eps,
+                   const T* X, const T* const* weights, long n_weights, const T* target, const std::int64_t* classes,
+                   int part, const T* v, T* value, T* grad, T* hv, char* message, long message_size) {
+  namespace block = blockhess::block;
+  namespace engine = blockhess::engine;
+  try {
+    block::Spec s;
+    s.norm_position = static_cast<block::NormPosition>(spec[0]);
+    s.norm = static_cast<block::Norm>(spec[1]);
+    s.norm_affine = spec[2] != 0, s.bias = spec[3] != 0, s.heads = spec[4], s.out_proj = spec[5] != 0;
+    s.activation = blockhess::activation::from_code(static_cast<int>(spec[6]));
+    s.causal = spec[7] != 0, s.attention_only = spec[8] != 0;
+    const block::Dims D{L, d, dk, dff, dv};
+    std::unique_ptr<blockhess::cuda::CudaBackend<T>> device;
+    if (gpu) device = std::make_unique<blockhess::cuda::CudaBackend<T>>(0);
+    const blockhess::Backend<T>& backend = gpu ? *device : blockhess::cpu_backend<T>();
+    engine::Graph<T> g(B, L, backend);
+    blockhess::blocks::wire(g, s, D, X, std::vector<const T*>(weights, weights + n_weights), static_cast<T>(eps));
+    g.forward();
+    std::unique_ptr<engine::Head<T>> head;
+    if (target) head = std::make_unique<engine::MseHead<T>>(target);
+    else head = std::make_unique<engine::CrossEntropyHead<T>>(classes);
+    *value = engine::reverse_loss(g, *head, grad);
+    const std::vector<bool> every(static_cast<size_t>(g.num_params()), true);
+    engine::selected_products(g, *head, static_cast<engine::Part>(part), every).apply(v, hv);
+    return 0;
+  } catch (const std::exception& e) {
+    std::strncpy(message, e.what(), static_cast<size_t>(message_size - 1));
+    message[message_size - 1] = '\0';
+    return 1;
+  }
+}
+
+}  // namespace
+
+#define BLOCKHESS_ENGINE_PROBE(suffix, T)                                                                          \
+  extern "C" __attribute__((visibility("default"))) int block_loss_hvp##suffix(                                    \
+      int gpu, const long* spec, long B, long L, long d, long dk, long dv, long dff, double eps, const T* X,        \
+      const T* const* weights, long n_weights, const T* target, const std::int64_t* classes, int part, const T* v, \
+      T* value, T* grad, T* hv, char* message, long message_size) {                                                \
+    return block_loss_hvp<T>(gpu, spec, B, L, d, dk, dv, dff, eps, X, weights, n_weights, target, classes, part, v, \
+                             value, grad, hv, message, message_size);                                             \
+  }
+BLOCKHESS_ENGINE_PROBE(_f64, double)
+BLOCKHESS_ENGINE_PROBE(_f32, float)
+
+// 1 with the message where a part of the engine that still runs on the host (the curvature's
+// factors) refuses a graph on the GPU backend, 0 where it does not.
+extern "C" __attribute__((visibility("default"))) int gpu_graph_refuses_factors(char* message, long message_size) {
+  const blockhess::cuda::CudaBackend<double> gpu(0);
+  blockhess::engine::Graph<double> graph(1, 1, gpu);
+  try {
+    graph.push_factors(false);
+    return 0;
+  } catch (const std::invalid_argument& e) {
+    std::strncpy(message, e.what(), static_cast<size_t>(message_size - 1));
+    message[message_size - 1] = '\0';
+    return 1;
+  }
+}
+
+// Writes one value of the GPU backend's memory from the host: on the emulator this must fault
+// (its device memory is closed to the host outside device work), or the engine tests above could
+// not catch a node that touches device memory on the host.
+extern "C" __attribute__((visibility("default"))) void host_writes_gpu_memory() {
+  const blockhess::cuda::CudaBackend<double> gpu(0);
+  double* p = gpu.allocate(1);
+  *static_cast<volatile double*>(p) = 1.0;
+  gpu.release(p, 1);
+}

@@ -7,6 +7,8 @@
 // C = alpha op(A) op(B) + beta C in plain loops, C never read where beta is 0 (as cuBLAS), so a
 // wrong operand order, operation, leading dimension or batch stride in the backend gives a wrong
 // result or a failed status. It remembers the stream set on each handle (last_stream()).
+#include <cuda_runtime.h>  // the emulator's (cuda_runtime.h here)
+
 #include <algorithm>
 #include <cstdint>
 
@@ -50,6 +52,7 @@ int gemm_strided_batched(void* handle, int op_a, int op_b, int m, int n, int k, 
   if (lda < std::max(1, op_a == 0 ? m : k) || ldb < std::max(1, op_b == 0 ? k : n) || ldc < std::max(1, m))
     return kInvalidValue;
   g_last_stream = reinterpret_cast<std::uintptr_t>(static_cast<Handle*>(handle)->stream);
+  const blockhess_emu::DeviceWork work;  // device memory open while the products run
   for (int b = 0; b < count; ++b) {
     const T* a = A + b * stride_a;
     const T* bb = B + b * stride_b;

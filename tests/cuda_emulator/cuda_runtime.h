@@ -21,7 +21,9 @@
 #pragma once
 
 #include <setjmp.h>
+#include <sys/mman.h>
 #include <ucontext.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -31,7 +33,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -249,7 +253,58 @@ inline bool valid_configuration(dim3 grid, dim3 block, std::size_t smem) {
   return false;
 }
 
+// Device memory (cudaMallocAsync) is pages of its own that the host cannot touch: they open only
+// while emulated device work runs (a launch, a copy, a memset, the cuBLAS stand-in's products), so
+// host code that reads or writes device memory faults here, as it would crash or read garbage on a
+// GPU, instead of passing silently. Memory the tests hand in as device memory (NumPy's) stays open.
+struct DeviceMemory {
+  std::mutex mutex;
+  std::map<void*, std::size_t> live;  // start -> bytes, whole pages
+  int open = 0;                       // device work in progress (nested)
+  void protect(int access) {
+    for (const auto& [p, bytes] : live) mprotect(p, bytes, access);
+  }
+};
+inline DeviceMemory& device_memory() {
+  static DeviceMemory memory;
+  return memory;
+}
+// Device memory open for the device work done while it lives.
+struct DeviceWork {
+  DeviceWork() {
+    DeviceMemory& m = device_memory();
+    const std::lock_guard<std::mutex> lock(m.mutex);
+    if (m.open++ == 0) m.protect(PROT_READ | PROT_WRITE);
+  }
+  ~DeviceWork() {
+    DeviceMemory& m = device_memory();
+    const std::lock_guard<std::mutex> lock(m.mutex);
+    if (--m.open == 0) m.protect(PROT_NONE);
+  }
+  DeviceWork(const DeviceWork&) = delete;
+  DeviceWork& operator=(const DeviceWork&) = delete;
+};
+inline void* allocate_device(std::size_t bytes) {
+  const std::size_t page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
+  const std::size_t size = (std::max<std::size_t>(bytes, 1) + page - 1) / page * page;
+  DeviceMemory& m = device_memory();
+  const std::lock_guard<std::mutex> lock(m.mutex);
+  void* p = mmap(nullptr, size, m.open ? PROT_READ | PROT_WRITE : PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) return nullptr;
+  m.live[p] = size;
+  return p;
+}
+inline void free_device(void* p) {
+  DeviceMemory& m = device_memory();
+  const std::lock_guard<std::mutex> lock(m.mutex);
+  const auto at = m.live.find(p);
+  if (at == m.live.end()) return;
+  munmap(at->first, at->second);
+  m.live.erase(at);
+}
+
 inline void execute(dim3 grid, dim3 block, std::size_t smem, const std::function<void()>& body) {
+  const DeviceWork work;
   Schedule schedule;
   if (!valid_configuration(grid, block, smem) || !schedule_from_environment(schedule)) return;
   const bool reverse = schedule != Schedule::lockstep;
@@ -337,30 +392,34 @@ inline cudaError_t cudaGetDeviceCount(int* count) {
 }
 inline cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
 inline cudaError_t cudaMemsetAsync(void* p, int value, std::size_t bytes, cudaStream_t) {
+  const ::blockhess_emu::DeviceWork work;
   std::memset(p, value, bytes);
   return cudaSuccess;
 }
 inline cudaError_t cudaMemset2DAsync(void* p, std::size_t pitch, int value, std::size_t width, std::size_t height,
                                      cudaStream_t) {
+  const ::blockhess_emu::DeviceWork work;
   for (std::size_t r = 0; r < height; ++r) std::memset(static_cast<char*>(p) + r * pitch, value, width);
   return cudaSuccess;
 }
-// Host memory stands in for device memory, and the emulated stream runs each launch to the end
-// before it returns, so copies are plain memcpy in call order.
+// Host pages stand in for device memory (DeviceMemory), and the emulated stream runs each launch to
+// the end before it returns, so copies are plain memcpy in call order.
 inline cudaError_t cudaMallocAsync(void** p, std::size_t bytes, cudaStream_t) {
-  *p = std::malloc(bytes ? bytes : 1);
+  *p = ::blockhess_emu::allocate_device(bytes);
   return *p ? cudaSuccess : cudaErrorMemoryAllocation;
 }
 inline cudaError_t cudaFreeAsync(void* p, cudaStream_t) {
-  std::free(p);
+  ::blockhess_emu::free_device(p);
   return cudaSuccess;
 }
 inline cudaError_t cudaMemcpyAsync(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind, cudaStream_t) {
+  const ::blockhess_emu::DeviceWork work;
   std::memcpy(dst, src, bytes);
   return cudaSuccess;
 }
 inline cudaError_t cudaMemcpy2DAsync(void* dst, std::size_t dpitch, const void* src, std::size_t spitch,
                                      std::size_t width, std::size_t height, cudaMemcpyKind, cudaStream_t) {
+  const ::blockhess_emu::DeviceWork work;
   for (std::size_t r = 0; r < height; ++r)
     std::memcpy(static_cast<char*>(dst) + r * dpitch, static_cast<const char*>(src) + r * spitch, width);
   return cudaSuccess;

@@ -1,0 +1,104 @@
+"""Runs the engine on the GPU backend, on the CPU kernel emulator, in a process of its own:
+tests/test_gpu_engine.py starts it, since a node that touches the GPU's memory from the host faults
+there (cuda_runtime.h's DeviceMemory) and takes the process with it.
+
+    python engine_cases.py LIBRARY OUT.npz
+
+For every case of CASES: the loss, its gradient and one Hessian-vector product of a block of the
+family, each part, through backend_probe.cpp's block_loss_hvp on the host backend and on the GPU
+backend, and the same through blockhess's public functions (their host engine), into OUT.npz.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+
+import numpy as np
+
+import blockhess
+from blockhess import BlockParams, BlockSpec
+from blockhess.hvp import _problem
+
+SPECS = {
+    "paper": BlockSpec(),
+    "gpt2": BlockSpec(norm_position="pre", norm_affine=True, bias=True, heads=2, out_proj=True,
+                      activation="gelu_tanh", causal=True, eps=1e-5),
+    "rmsnorm": BlockSpec(norm_position="post", norm="rmsnorm", norm_affine=True, activation="silu", heads=3,
+                         out_proj=True, eps=1e-5),
+    "attention_only": BlockSpec(attention_only=True, heads=2, out_proj=True, bias=True),
+}
+LOSSES = ("mse", "cross_entropy")
+PARTS = ("full", "outer", "functional")
+DTYPES = {"f64": np.float64, "f32": np.float32}
+CASES = [(spec, loss, part, dtype) for spec in SPECS for loss in LOSSES for part in PARTS for dtype in DTYPES]
+B, L, D = 2, 5, 6
+
+
+def name(spec: str, loss: str, part: str, dtype: str) -> str:
+    return f"{spec}-{loss}-{part}-{dtype}"
+
+
+def problem(spec: str, loss: str, dtype: str):
+    """The block's parameters, X, the loss's target and a direction v, in dtype."""
+    dt = DTYPES[dtype]
+    params = BlockParams.random(SPECS[spec], d=D, d_k=4, d_ff=7, seed=3, dtype=dt)
+    rng = np.random.default_rng(2)
+    X = rng.standard_normal((B, L, D)).astype(dt)
+    target = (rng.standard_normal((B, L, D)).astype(dt) if loss == "mse"
+              else rng.integers(0, D, size=(B, L)).astype(np.int64))
+    v = rng.standard_normal(params.size).astype(dt)
+    return params, X, target, v
+
+
+def run(lib, spec: str, loss: str, part: str, dtype: str, gpu: int):
+    params, X, target, v = problem(spec, loss, dtype)
+    dt = DTYPES[dtype]
+    core = _problem(X, target, params, loss, part, SPECS[spec].eps, None, 1).core_args
+    weights = [np.ascontiguousarray(w, dtype=dt) for w in core[2]]
+    codes = np.array([int(c) for c in SPECS[spec]._core()[:9]], dtype=np.int64)
+    shapes = dict(zip(params.names, params.shapes))
+    heads = SPECS[spec].heads
+    d_k, d_v = shapes["W_Q"][1] // heads, shapes["W_V"][1] // heads
+    d_ff = shapes["W_1"][1] if "W_1" in shapes else 0
+    value, grad, hv = np.zeros(1, dt), np.full(params.size, np.nan, dt), np.full(params.size, np.nan, dt)
+    message = ctypes.create_string_buffer(512)
+    P = ctypes.c_void_p
+    table = (P * len(weights))(*[w.ctypes.data for w in weights])
+    fn = getattr(lib, "block_loss_hvp_" + dtype)
+    fn.restype = ctypes.c_int
+    mse = loss == "mse"
+    status = fn(ctypes.c_int(gpu), codes.ctypes.data_as(P), ctypes.c_long(B), ctypes.c_long(L), ctypes.c_long(D),
+                ctypes.c_long(d_k), ctypes.c_long(d_v), ctypes.c_long(d_ff), ctypes.c_double(SPECS[spec].eps),
+                X.ctypes.data_as(P), table, ctypes.c_long(len(weights)),
+                target.ctypes.data_as(P) if mse else P(None), P(None) if mse else target.ctypes.data_as(P),
+                ctypes.c_int(PARTS.index(part)), v.ctypes.data_as(P), value.ctypes.data_as(P),
+                grad.ctypes.data_as(P), hv.ctypes.data_as(P), message, ctypes.c_long(512))
+    if status != 0:
+        raise RuntimeError(f"{name(spec, loss, part, dtype)} on {'the GPU' if gpu else 'the host'}: "
+                           f"{message.value.decode()}")
+    return value, grad, hv
+
+
+def public(spec: str, loss: str, part: str, dtype: str):
+    """The same through blockhess's public functions."""
+    params, X, target, v = problem(spec, loss, dtype)
+    op = blockhess.hessian_operator(X, target, params, loss=loss, part=part)
+    return (np.array([op.loss_value]), blockhess.loss_gradient(X, target, params, loss=loss),
+            blockhess.loss_hvp(X, target, params, v, loss=loss, part=part))
+
+
+def main(library: str, out: str) -> None:
+    lib = ctypes.CDLL(library)
+    results = {}
+    for case in CASES:
+        for where, gpu in (("host", 0), ("gpu", 1)):
+            for what, array in zip(("value", "grad", "hv"), run(lib, *case, gpu)):
+                results[f"{name(*case)}/{where}/{what}"] = array
+        for what, array in zip(("value", "grad", "hv"), public(*case)):
+            results[f"{name(*case)}/public/{what}"] = np.asarray(array)
+    np.savez(out, **results)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
