@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "binding.hpp"
@@ -51,6 +52,7 @@ struct Problem {
   const T* X = nullptr;               // (B, L, d), or
   const std::int64_t* ids = nullptr;  // a language model's token ids (B, L)
   std::vector<const T*> weights;
+  const Backend<T>* backend = &cpu_backend<T>();  // where the arrays live and the model runs
 
   // The model at its input, for one call: the input and weights are the caller's arrays, alive
   // until it returns.
@@ -64,48 +66,53 @@ struct Problem {
  private:
   block::Model<T> make(T eps, engine::Storage storage) const {
     if (ids) return block::Model<T>::language_model(spec, dims, stack, B, ids, weights, eps, storage);
-    return block::Model<T>::stack(spec, dims, stack, B, X, weights, eps, storage);
+    return block::Model<T>::stack(spec, dims, stack, B, X, weights, eps, storage, *backend);
   }
 };
 
-// The sizes from X and the weights (d_k from W_Q, d_v from W_V, d_ff from W_1; 0 for an
-// attention-only block, which has none), then every shape checked against the registry.
+// An array the Python layer validated: its shape and data, from a host array or a device array
+// (which _cuda's bindings take as its pointer and shape).
+template <class Data>
+struct ArrayShape {
+  std::vector<index_t> shape;
+  const Data* data = nullptr;
+};
+template <class T>
+ArrayShape<T> shape_of(const carray<T>& a) {
+  return {std::vector<index_t>(a.shape(), a.shape() + a.ndim()), a.data()};
+}
+
 // The sizes from X (or the token ids) and the weights (d from W_Q's rows, d_k from its columns, d_v
 // from W_V, d_ff from W_1; 0 for an attention-only block, which has none), then every shape
-// checked against the registry. X: the weights' dtype, C-contiguous (B, L, d); a language model's,
-// int64 (B, L).
+// checked against the registry. X (B, L, d) of the weights' dtype, or a language model's ids (B, L).
 template <class T>
-Problem<T> problem(const py::array& X, const SpecTuple& spec, const std::vector<carray<T>>& weights) {
+Problem<T> problem_of(const std::vector<index_t>& X_shape, const T* X, const std::int64_t* ids, const SpecTuple& spec,
+                      const std::vector<ArrayShape<T>>& weights) {
   Problem<T> p;
   p.spec = spec_of(spec);
   p.stack = stack_of(spec);
-  if (p.stack.reads_tokens()) {
-    if (!py::isinstance<carray<std::int64_t>>(X)) throw py::type_error("model: X must be C-contiguous int64 token ids");
-    if (X.ndim() != 2) throw std::invalid_argument("model: X must be token ids (B, L)");
-    p.ids = static_cast<const std::int64_t*>(X.data());
-  } else {
-    if (!py::isinstance<carray<T>>(X)) throw py::type_error("block: X must be C-contiguous, of the weights' dtype");
-    if (X.ndim() != 3) throw std::invalid_argument("block: X must be (B, L, d)");
-    p.X = static_cast<const T*>(X.data());
-  }
-  p.B = X.shape(0);
-  p.dims.L = X.shape(1);
+  p.X = X;
+  p.ids = ids;
+  if (X_shape.size() != (ids ? 2u : 3u))
+    throw std::invalid_argument(ids ? "model: X must be token ids (B, L)" : "block: X must be (B, L, d)");
+  p.B = X_shape[0];
+  p.dims.L = X_shape[1];
   const auto names = block::parameters(p.spec, block::Dims{1, 1, 1, 1, 1}, p.stack);
   if (weights.size() != names.size())
     throw std::invalid_argument("block: " + std::to_string(names.size()) + " parameters expected, got " +
                                 std::to_string(weights.size()));
-  auto shape_of = [&](const char* own_name, int axis) {  // the first layer's
+  auto size_of = [&](const char* own_name, int axis) {  // the first layer's
     const std::string name = block::layer_prefix(p.stack.layers, 0) + own_name;
     for (size_t k = 0; k < names.size(); ++k)
       if (names[k].name == name) {
-        if (weights[k].ndim() != 2) throw std::invalid_argument("block: " + name + " must be 2-D");
-        return static_cast<index_t>(weights[k].shape(axis));
+        if (weights[k].shape.size() != 2) throw std::invalid_argument("block: " + name + " must be 2-D");
+        return weights[k].shape[static_cast<size_t>(axis)];
       }
     throw std::logic_error("block: no parameter named " + name);
   };
-  auto cols_of = [&](const char* own_name) { return shape_of(own_name, 1); };
-  p.dims.d = p.ids || p.stack.reads_patches() ? shape_of("W_Q", 0) : static_cast<index_t>(X.shape(2));
-  if (p.stack.reads_patches() && X.shape(2) != p.stack.patch_dim)
+  auto cols_of = [&](const char* own_name) { return size_of(own_name, 1); };
+  p.dims.d = p.ids || p.stack.reads_patches() ? size_of("W_Q", 0) : X_shape[2];
+  if (p.stack.reads_patches() && X_shape[2] != p.stack.patch_dim)
     throw std::invalid_argument("model: X must be patches (B, L, " + std::to_string(p.stack.patch_dim) + ")");
   if (p.spec.heads < 1) throw std::invalid_argument("block: heads must be >= 1");
   p.dims.dk = cols_of("W_Q") / p.spec.heads;
@@ -115,11 +122,24 @@ Problem<T> problem(const py::array& X, const SpecTuple& spec, const std::vector<
   const auto shapes = p.shapes();
   for (size_t k = 0; k < shapes.size(); ++k) {
     const auto& s = shapes[k];
-    if (s.vector) require_shape(weights[k], {s.cols}, s.name.c_str());
-    else require_shape(weights[k], {s.rows, s.cols}, s.name.c_str());
-    p.weights.push_back(weights[k].data());
+    const std::vector<index_t> expected = s.vector ? std::vector<index_t>{s.cols} : std::vector<index_t>{s.rows, s.cols};
+    if (weights[k].shape != expected)
+      throw std::invalid_argument(std::string("blockhess._core: array '") + s.name + "' has the wrong shape");
+    p.weights.push_back(weights[k].data);
   }
   return p;
+}
+
+// The same from host arrays: X C-contiguous of the weights' dtype, or a language model's int64 ids.
+template <class T>
+Problem<T> problem(const py::array& X, const SpecTuple& spec, const std::vector<carray<T>>& weights) {
+  const bool ids = stack_of(spec).reads_tokens();
+  if (ids && !py::isinstance<carray<std::int64_t>>(X)) throw py::type_error("model: X must be C-contiguous int64 token ids");
+  if (!ids && !py::isinstance<carray<T>>(X)) throw py::type_error("block: X must be C-contiguous, of the weights' dtype");
+  std::vector<ArrayShape<T>> shapes;
+  for (const carray<T>& w : weights) shapes.push_back(shape_of(w));
+  return problem_of<T>(std::vector<index_t>(X.shape(), X.shape() + X.ndim()), ids ? nullptr : static_cast<const T*>(X.data()),
+                       ids ? static_cast<const std::int64_t*>(X.data()) : nullptr, spec, shapes);
 }
 
 // block_output_hessian's problem: one sample, and i, j naming parameters of the spec.
@@ -194,19 +214,26 @@ struct CurvatureCall {
   block::Part part = block::Part::full;
 };
 
+// The call on a problem: its selection, their size P and the part (the target left to the caller).
 template <class T>
-CurvatureCall<T> curvature_call(const py::array& X, const SpecTuple& spec, const std::vector<carray<T>>& W, int kind,
-                                const optional_carray<T>& values, const optional_carray<std::int64_t>& classes,
-                                int part, const std::vector<bool>& wrt, const optional_carray<T>& head_weight,
-                                const optional_carray<T>& head_bias) {
+CurvatureCall<T> curvature_call_of(Problem<T> problem, const std::vector<bool>& wrt, int part) {
   CurvatureCall<T> c;
-  c.problem = problem(X, spec, W);
+  c.problem = std::move(problem);
   const auto shapes = c.problem.shapes();
   c.wrt = selection(wrt, shapes.size());
   for (size_t k = 0; k < shapes.size(); ++k)
     if (c.wrt[k]) c.P += shapes[k].size();
   if (part < 0 || part > 2) throw std::invalid_argument("block: bad part");
   c.part = static_cast<block::Part>(part);
+  return c;
+}
+
+template <class T>
+CurvatureCall<T> curvature_call(const py::array& X, const SpecTuple& spec, const std::vector<carray<T>>& W, int kind,
+                                const optional_carray<T>& values, const optional_carray<std::int64_t>& classes,
+                                int part, const std::vector<bool>& wrt, const optional_carray<T>& head_weight,
+                                const optional_carray<T>& head_bias) {
+  CurvatureCall<T> c = curvature_call_of(problem(X, spec, W), wrt, part);
   c.target = target<T>(c.problem, kind, values, classes, head_weight, head_bias);
   return c;
 }

@@ -1,8 +1,15 @@
-// The block family's curvature on the GPU, bound into _cuda: the engine evaluates the block and
-// its factors on the host (the inputs are small: Python passes host copies of X, the weights and
-// the target), and writes the (P, P) Hessian into device memory through cuda::DeviceHessian. The
-// same checks as _core's bindings (block_problem.hpp), the same engine, another assembly target.
+// The block family's curvature on the GPU, bound into _cuda, with the same checks as _core's
+// bindings (block_problem.hpp) and the same engine:
+//   - the loss, its gradient and Hessian-vector products (and the Hessian as an operator) of a
+//     stack of blocks on the GPU backend (cuda::CudaBackend), on the caller's device arrays, which
+//     Python passes as (pointer, shape);
+//   - dense Hessians, whose factors still run on the host (docs/backends.md): the engine evaluates
+//     the block from host copies of the (small) inputs and writes the (P, P) Hessian into device
+//     memory through cuda::DeviceHessian.
 #include <cstdint>
+#include <memory>
+#include <optional>
+#include <utility>
 #include <vector>
 
 #include "binding.hpp"
@@ -11,6 +18,7 @@
 #include "blockhess/block_model.hpp"
 #include "blockhess/engine/derivatives.hpp"
 #include "blockhess/engine/loss.hpp"
+#include "blockhess/cuda/backend.hpp"
 #include "blockhess/cuda/device_hessian.hpp"
 #include "blockhess/cuda/runtime.hpp"
 #include "non_finite_error.hpp"
@@ -18,11 +26,135 @@
 namespace blockhess::bind {
 namespace {
 
+using ptr = std::uintptr_t;
+// A device array as Python passes it: its pointer and shape (C-contiguous, of the call's dtype).
+using DeviceArg = std::pair<ptr, std::vector<index_t>>;
+
+template <class U>
+ArrayShape<U> on_device(const DeviceArg& a) {
+  return {a.second, reinterpret_cast<const U*>(a.first)};
+}
+
+// A loss call on device arrays: the call (a stack of blocks, which the GPU backend runs whole; its
+// target mse's values or cross-entropy's classes, whose range the head checks) and the backend on
+// the caller's stream (and device), which its problem runs on.
+template <class T>
+struct DeviceCall {
+  std::unique_ptr<cuda::CudaBackend<T>> backend;
+  CurvatureCall<T> call;
+};
+
+template <class T>
+DeviceCall<T> device_call(const DeviceArg& X, const SpecTuple& spec, const std::vector<DeviceArg>& W, int kind,
+                          const std::optional<DeviceArg>& values, const std::optional<DeviceArg>& classes, int part,
+                          const std::vector<bool>& wrt, ptr stream) {
+  const block::Stack stack = stack_of(spec);
+  if (stack.reads_tokens() || stack.reads_patches() || stack.class_token || stack.positions > 0 || stack.classes > 0)
+    throw std::invalid_argument("blockhess._cuda: on the GPU the engine runs stacks of blocks so far (no embedding, "
+                                "positions, class token or classifier: docs/backends.md)");
+  if (kind != 0 && kind != 1) throw std::invalid_argument("blockhess._cuda: on the GPU the losses are mse and cross_entropy so far");
+  std::vector<ArrayShape<T>> weights;
+  for (const DeviceArg& w : W) weights.push_back(on_device<T>(w));
+  CurvatureCall<T> c = curvature_call_of(problem_of<T>(X.second, on_device<T>(X).data, nullptr, spec, weights), wrt, part);
+  if ((kind == 0) != static_cast<bool>(values) || (kind == 1) != static_cast<bool>(classes))
+    throw std::invalid_argument("block: mse needs values, cross_entropy needs classes");
+  const index_t B = c.problem.B, L = c.problem.dims.L;
+  if (values && values->second != std::vector<index_t>{B, L, c.problem.output_width()})
+    throw std::invalid_argument("blockhess._cuda: array 'target' has the wrong shape");
+  if (classes && classes->second != std::vector<index_t>{B, L})
+    throw std::invalid_argument("blockhess._cuda: array 'target' has the wrong shape");
+  c.target.loss = kind;
+  c.target.values = values ? on_device<T>(*values).data : nullptr;
+  c.target.classes = classes ? on_device<std::int64_t>(*classes).data : nullptr;
+  auto backend = std::make_unique<cuda::CudaBackend<T>>(stream);
+  c.problem.backend = backend.get();
+  return {std::move(backend), std::move(c)};
+}
+
+// The loss Hessian (or its part) as an operator on the GPU: its backend, and the engine's operator
+// over a model whose forward and reverse passes ran at construction, on the backend's stream.
+template <class T>
+class DeviceOperator {
+ public:
+  // storage: copies of X and the weights kept (an operator), or the caller's read in place (one call).
+  DeviceOperator(DeviceCall<T>&& c, T eps, engine::Storage storage = engine::Storage::copy)
+      : backend_(std::move(c.backend)),
+        op_(storage == engine::Storage::copy ? c.call.problem.evaluate_kept(eps) : c.call.problem.evaluate(eps),
+            c.call.target, c.call.part, c.call.wrt) {}
+  index_t size() const { return op_.size(); }
+  T loss_value() const { return op_.loss_value(); }
+  std::uintptr_t stream() const { return backend_->stream(); }
+  // Row j of out (k, P) = H row j of V (k, P): the k products one after another on the stream.
+  void apply(const T* V, index_t k, T* out) const {
+    for (index_t j = 0; j < k; ++j) op_.apply(V + j * size(), out + j * size());
+  }
+
+ private:
+  std::unique_ptr<cuda::CudaBackend<T>> backend_;  // before op_: it outlives the model
+  block::LossHessianOperator<T> op_;
+};
+
 template <class T>
 void bind_for(py::module_& m, const char* suffix) {
   using A = const carray<T>&;
   using Weights = const std::vector<carray<T>>&;
-  using ptr = std::uintptr_t;
+  using OptionalDevice = const std::optional<DeviceArg>&;
+
+  // The loss on device arrays, and its gradient (every parameter, P entries) into the device array
+  // at grad; queued on `stream`, done when it returns (the loss is read back).
+  m.def(
+      (std::string("loss_gradient") + suffix).c_str(),
+      [](const DeviceArg& X, const SpecTuple& spec, const std::vector<DeviceArg>& W, T eps, int kind,
+         OptionalDevice values, OptionalDevice classes, ptr grad, ptr stream) {
+        const std::vector<bool> every(block::parameters(spec_of(spec), block::Dims{1, 1, 1, 1, 1}, stack_of(spec)).size(),
+                                      true);
+        py::gil_scoped_release release;
+        const DeviceCall<T> d = device_call<T>(X, spec, W, kind, values, classes, 0, every, stream);
+        if (grad == 0) throw std::invalid_argument("blockhess._cuda: grad is null");
+        return d.call.problem.evaluate(eps).loss_gradient(d.call.target, reinterpret_cast<T*>(grad));
+      },
+      py::arg("X"), py::arg("spec"), py::arg("weights"), py::arg("eps"), py::arg("kind"), py::arg("values").none(true),
+      py::arg("classes").none(true), py::arg("grad"), py::arg("stream"));
+
+  // H V on device arrays, V and out (k, P) row-major (a product a row), the weights read in place.
+  m.def(
+      (std::string("loss_hvp") + suffix).c_str(),
+      [](const DeviceArg& X, const SpecTuple& spec, const std::vector<DeviceArg>& W, T eps, int kind,
+         OptionalDevice values, OptionalDevice classes, int part, const std::vector<bool>& wrt, ptr V, index_t k,
+         ptr out, ptr stream) {
+        py::gil_scoped_release release;
+        if (V == 0 || out == 0) throw std::invalid_argument("blockhess._cuda: V or out is null");
+        DeviceOperator<T>(device_call<T>(X, spec, W, kind, values, classes, part, wrt, stream), eps, engine::Storage::borrow)
+            .apply(reinterpret_cast<const T*>(V), k, reinterpret_cast<T*>(out));
+      },
+      py::arg("X"), py::arg("spec"), py::arg("weights"), py::arg("eps"), py::arg("kind"), py::arg("values").none(true),
+      py::arg("classes").none(true), py::arg("part"), py::arg("wrt"), py::arg("V"), py::arg("k"), py::arg("out"),
+      py::arg("stream"));
+
+  // The operator: its forward and reverse passes at construction (copies of X and the weights kept
+  // in device memory); apply(V, k, out) writes H V for V, out (k, P) on the GPU, on its stream.
+  using Operator = DeviceOperator<T>;
+  py::class_<Operator>(m, (std::string("HessianOperator") + suffix).c_str())
+      .def(py::init([](const DeviceArg& X, const SpecTuple& spec, const std::vector<DeviceArg>& W, T eps, int kind,
+                       OptionalDevice values, OptionalDevice classes, int part, const std::vector<bool>& wrt,
+                       ptr stream) {
+             py::gil_scoped_release release;
+             return new Operator(device_call<T>(X, spec, W, kind, values, classes, part, wrt, stream), eps);
+           }),
+           py::arg("X"), py::arg("spec"), py::arg("weights"), py::arg("eps"), py::arg("kind"),
+           py::arg("values").none(true), py::arg("classes").none(true), py::arg("part"), py::arg("wrt"),
+           py::arg("stream"))
+      .def_property_readonly("size", &Operator::size)
+      .def_property_readonly("loss_value", &Operator::loss_value)
+      .def_property_readonly("stream", &Operator::stream)
+      .def(
+          "apply",
+          [](const Operator& op, ptr V, index_t k, ptr out) {
+            if (V == 0 || out == 0) throw std::invalid_argument("blockhess._cuda: V or out is null");
+            py::gil_scoped_release release;
+            op.apply(reinterpret_cast<const T*>(V), k, reinterpret_cast<T*>(out));
+          },
+          py::arg("V"), py::arg("k"), py::arg("out"));
 
   // out: device pointer to (P, P) of T, C-contiguous; stream: the CuPy stream to queue on. Returns
   // the loss value. The Hessian is complete when the call returns (its finiteness was read back).

@@ -213,29 +213,39 @@ def test_bad_flag_and_sizes_are_refused():
         BlockParams.random(BlockSpec(attention_only=True), d=4, d_k=2, d_v=3)
 
 
-def test_the_gpu_path_runs_it_through_the_engine(monkeypatch, rng):
-    """Device arrays (the CuPy stand-in of tests/cupy_emulation.py): the forward pass, gradient,
-    Jacobian, Hessian-vector products and the operator's diagonal are the engine's (on host copies),
-    equal to the CPU's and returned on the device."""
+@kernel_emulation.needs_emulator
+def test_the_gpu_path_runs_it_through_the_engine(monkeypatch, rng, cpu_kernels):
+    """Device arrays (the CuPy stand-in of tests/cupy_emulation.py, the kernels and bindings on the
+    CPU emulator): the gradient and Hessian-vector products run the engine on the GPU backend, equal
+    to the CPU's to rounding (cuBLAS's sums in another order); the forward pass, Jacobian and the
+    operator's diagonal on host copies, equal bit for bit; all returned on the device."""
     import cupy_emulation
 
+    from blockhess import _backend
+
+    monkeypatch.setattr(_backend, "_cuda", cpu_kernels)
+    hooks = kernel_emulation.install(monkeypatch, cpu_kernels)
     cupy_emulation.install(monkeypatch)
     X, target, params = _case(rng, SPECS["plain"], None, "mse")
     on_device = BlockParams.from_arrays(params.spec, {n: cupy_emulation.to_device(a)
                                                       for n, a in zip(params.names, params.arrays)})
     Xd, Td = cupy_emulation.to_device(X), cupy_emulation.to_device(target)
-    for got, want in ((blockhess.block_forward(Xd, on_device), blockhess.block_forward(X, params)),
-                      (blockhess.loss_gradient(Xd, Td, on_device), blockhess.loss_gradient(X, target, params)),
-                      (blockhess.block_jacobian(Xd, on_device, "W_Q"), blockhess.block_jacobian(X, params, "W_Q"))):
-        assert isinstance(got, cupy_emulation.DevArray)
-        np.testing.assert_array_equal(np.asarray(got), want)
     op, op_host = blockhess.hessian_operator(Xd, Td, on_device), blockhess.hessian_operator(X, target, params)
     v = rng.standard_normal(op.shape[0])
-    for got, want in ((op @ cupy_emulation.to_device(v), op_host @ v), (op.diagonal(), op_host.diagonal()),
-                      (blockhess.loss_hvp(Xd, Td, on_device, cupy_emulation.to_device(v)),
-                       blockhess.loss_hvp(X, target, params, v))):
+    on_host_copies = ((blockhess.block_forward(Xd, on_device), blockhess.block_forward(X, params)),
+                      (blockhess.block_jacobian(Xd, on_device, "W_Q"), blockhess.block_jacobian(X, params, "W_Q")),
+                      (op.diagonal(), op_host.diagonal()))
+    hooks.calls.clear()
+    on_gpu = ((blockhess.loss_gradient(Xd, Td, on_device), blockhess.loss_gradient(X, target, params)),
+              (op @ cupy_emulation.to_device(v), op_host @ v),
+              (blockhess.loss_hvp(Xd, Td, on_device, cupy_emulation.to_device(v)), blockhess.loss_hvp(X, target, params, v)))
+    assert hooks.calls == ["loss_gradient", "loss_hvp"], hooks.calls  # the operator's product: its own apply
+    for got, want in on_host_copies:
         assert isinstance(got, cupy_emulation.DevArray)
         np.testing.assert_array_equal(np.asarray(got), want)
+    for got, want in on_gpu:
+        assert isinstance(got, cupy_emulation.DevArray)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-12, atol=1e-12 * np.abs(want).max())
     with pytest.raises(TypeError, match="same side as X"):
         blockhess.loss_hvp(Xd, Td, on_device, v)
 

@@ -331,3 +331,74 @@ def test_block_functions_dispatch_to_the_gpu_path(device, kernels, rng):
         blockhess.loss_hessian(Xd, target, dparams)
     with pytest.raises(ValueError, match="out of range"):
         blockhess.loss_hessian(Xd, device(classes + 3), dparams, loss="cross_entropy")
+
+
+# ---- the engine on the GPU backend through the public functions ---------------------------------
+
+GPU_ENGINE_SPECS = {
+    "paper": blockhess.BlockSpec(),
+    "gpt2": blockhess.BlockSpec(norm_position="pre", norm_affine=True, bias=True, heads=2, out_proj=True,
+                                activation="gelu_tanh", causal=True, eps=1e-5),
+    "rmsnorm-silu": blockhess.BlockSpec(norm="rmsnorm", norm_affine=True, activation="silu", heads=3, out_proj=True,
+                                        eps=1e-5),
+    "2-layer stack": blockhess.ModelSpec(blockhess.BlockSpec(norm_position="pre", norm_affine=True, bias=True,
+                                                             heads=2, out_proj=True, eps=1e-5),
+                                         n_layers=2, final_norm=True),
+}
+
+
+@pytest.mark.parametrize("loss", ["mse", "cross_entropy"])
+@pytest.mark.parametrize("name", GPU_ENGINE_SPECS)
+def test_hessian_vector_products_run_on_the_gpu_engine(device, kernels, rng, name, loss):
+    """loss_hvp, hessian_operator's products and loss value, and loss_gradient on GPU arrays run
+    the engine on the GPU backend (_cuda's loss_hvp, HessianOperator, loss_gradient: no host copy
+    of the inputs), the results on the device, equal to the host engine's to rounding; each part."""
+    spec = GPU_ENGINE_SPECS[name]
+    params = blockhess.BlockParams.random(spec, d=6, d_k=4, d_ff=7, seed=5)
+    dparams = blockhess.BlockParams.from_arrays(spec, {n: device(a) for n, a in zip(params.names, params.arrays)})
+    X = rng.standard_normal((2, 5, 6))
+    target = rng.standard_normal((2, 5, 6)) if loss == "mse" else rng.integers(0, 6, size=(2, 5))
+    V = rng.standard_normal((params.size, 2))
+    for part in ("full", "outer", "functional"):
+        kernels.calls.clear()
+        got = blockhess.loss_hvp(device(X), device(target), dparams, device(V), loss=loss, part=part)
+        got_1d = blockhess.loss_hvp(device(X), device(target), dparams, device(V[:, 1]), loss=loss, part=part)
+        op = blockhess.hessian_operator(device(X), device(target), dparams, loss=loss, part=part)
+        by_op = op @ device(V)
+        want = blockhess.loss_hvp(X, target, params, V, loss=loss, part=part)
+        assert all(isinstance(a, cupy_emulation.DevArray) for a in (got, got_1d, by_op))
+        assert kernels.calls.count("loss_hvp") == 2 and "HessianOperator" in kernels.calls, kernels.calls
+        assert rel(got, want) <= TOL and rel(got_1d, want[:, 1]) <= TOL and rel(by_op, want) <= TOL, part
+        assert abs(op.loss_value - blockhess.loss_value(X, target, params, loss=loss)) < 1e-12
+    kernels.calls.clear()
+    grad = blockhess.loss_gradient(device(X), device(target), dparams, loss=loss)
+    assert isinstance(grad, cupy_emulation.DevArray) and kernels.calls == ["loss_gradient"], kernels.calls
+    assert rel(grad, blockhess.loss_gradient(X, target, params, loss=loss)) <= TOL
+
+
+def test_what_the_gpu_engine_does_not_run_yet_runs_on_host_copies(device, kernels, rng):
+    """A pooled head (and a model's embeddings, positions, classifier) still runs on the host:
+    the same public call gives the host engine's result on the device, no GPU engine call."""
+    import reference as ref
+
+    X, W, _, _ = ref.random_block(rng, 4, 3, 2, 5, B=2)
+    params, dparams = blockhess.BlockParams(*W), blockhess.BlockParams(*(device(w) for w in W))
+    W_C, b_C, classes = rng.standard_normal((3, 4)), rng.standard_normal(4), np.array([1, 3])
+    v = rng.standard_normal(params.size)
+    kernels.calls.clear()
+    got = blockhess.loss_hvp(device(X), device(classes), dparams, device(v), loss="pooled_cross_entropy",
+                             head=(device(W_C), device(b_C)))
+    assert isinstance(got, cupy_emulation.DevArray) and kernels.calls == [], kernels.calls
+    want = blockhess.loss_hvp(X, classes, params, v, loss="pooled_cross_entropy", head=(W_C, b_C))
+    assert rel(got, want) <= TOL
+
+
+def test_the_gpu_engine_checks_a_loss_target_as_the_host_does(device, rng):
+    """A class out of range is the same ValueError on the GPU engine as on the host (its head
+    checks the classes it reads back), never a wrong product."""
+    spec = GPU_ENGINE_SPECS["gpt2"]
+    params = blockhess.BlockParams.random(spec, d=6, d_k=4, d_ff=7, seed=5)
+    dparams = blockhess.BlockParams.from_arrays(spec, {n: device(a) for n, a in zip(params.names, params.arrays)})
+    X, v = rng.standard_normal((2, 5, 6)), rng.standard_normal(params.size)
+    with pytest.raises(ValueError, match="out of range"):
+        blockhess.loss_hvp(device(X), device(np.full((2, 5), 6)), dparams, device(v), loss="cross_entropy")

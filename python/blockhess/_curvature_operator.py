@@ -34,6 +34,10 @@ class CurvatureOperator:
     def _product(self, V: Any) -> np.ndarray:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def _device_product(self, V: Any) -> Any:
+        """H V for a GPU V where the engine runs it on the GPU; None: from a host copy (_product)."""
+        return None
+
     def _compute_diagonal(self) -> np.ndarray:  # pragma: no cover - abstract
         raise NotImplementedError
 
@@ -50,13 +54,17 @@ class CurvatureOperator:
         return to_torch(result) if self._from_torch else result
 
     def _apply(self, V: Any, ndim: int) -> Any:
-        """H V for a vector or matrix V, on V's side: a GPU V gets the product on its device (the
-        engine computes it from a host copy)."""
+        """H V for a vector or matrix V, on V's side: a GPU V gets the product on its device (on the
+        GPU where the engine runs it there, else from a host copy)."""
         V = float_array(V, "V" if ndim == 2 else "v", ndim=ndim)
         columns = V.shape[1] if V.ndim == 2 else 1
         P = self.shape[0]
         require_output_fits((P, columns), self.dtype, f"the product H V over {', '.join(self.names)} (P = {P})",
                             "multiply fewer vectors at a time", working=self._product_working(columns))
+        if _backend.is_device_array(V):
+            product = self._device_product(V)
+            if product is not None:
+                return product
         return _backend.engine_on_host(V, self._product, V)
 
     def matvec(self, v: Any) -> Any:

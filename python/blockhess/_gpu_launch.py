@@ -208,3 +208,62 @@ def block_output_hessian(X3, spec, weights, eps, i, j, out) -> None:
     """The engine's d2 Z / dW_i dW_j of one sample into the device array out; host inputs."""
     _check(out.dtype, (out, None))
     _fn("block_output_hessian", out.dtype)(X3, spec, list(weights), float(eps), i, j, _ptr(out), _stream())
+
+
+# ---- the engine on the GPU backend: device arrays in, device arrays out ------------------------
+
+
+def engine_runs(spec: tuple, kind: int, head: tuple) -> bool:
+    """Whether the engine runs this call on the GPU backend (src/cuda_block.cpp's device_call): a
+    stack of blocks (spec: BlockSpec._core() or a ModelSpec's, with no embedding, positions, patches,
+    classifier or class token) under mse or cross_entropy (codes 0, 1), no head. The rest runs on
+    host copies (docs/backends.md)."""
+    return tuple(spec[11:]) == (0, 0, False, 0, 0, False) and kind in (0, 1) and all(h is None for h in head)
+
+
+def _device_arg(a: Any) -> tuple[int, tuple[int, ...]] | None:
+    """A device array as _cuda's engine bindings take it: its pointer and shape (C-contiguous)."""
+    if a is None:
+        return None
+    if not a.flags.c_contiguous:
+        raise RuntimeError(f"blockhess internal error: a non-contiguous {a.dtype} {tuple(a.shape)} for the engine")
+    return _ptr(a), tuple(int(n) for n in a.shape)
+
+
+def engine_loss_gradient(X3, spec, weights, eps, kind, values, classes, grad) -> float:
+    """The loss of a stack of blocks and its gradient into the device array grad (P,), on the GPU
+    backend; every argument a device array (or a code). Returns the loss (read back)."""
+    _check(grad.dtype, (grad, None))
+    return float(_fn("loss_gradient", grad.dtype)(_device_arg(X3), spec, [_device_arg(w) for w in weights], float(eps),
+                                                  kind, _device_arg(values), _device_arg(classes), _ptr(grad),
+                                                  _stream()))
+
+
+def engine_loss_hvp(X3, spec, weights, eps, kind, values, classes, part, selected, V_rows, out_rows) -> None:
+    """H V on the GPU backend, V and out (k, P): one product a row, queued on the current stream."""
+    k, P = V_rows.shape
+    _check(out_rows.dtype, (V_rows, (k, P)), (out_rows, (k, P)))
+    _fn("loss_hvp", out_rows.dtype)(_device_arg(X3), spec, [_device_arg(w) for w in weights], float(eps), kind,
+                                    _device_arg(values), _device_arg(classes), part, list(selected), _ptr(V_rows), k,
+                                    _ptr(out_rows), _stream())
+
+
+def engine_hessian_operator(X3, spec, weights, eps, kind, values, classes, part, selected) -> Any:
+    """The loss Hessian as an operator on the GPU backend (_cuda's HessianOperator): its passes run
+    now, on the current stream, from copies of X and the weights it keeps in device memory."""
+    return _fn("HessianOperator", X3.dtype)(_device_arg(X3), spec, [_device_arg(w) for w in weights], float(eps), kind,
+                                            _device_arg(values), _device_arg(classes), part, list(selected),
+                                            _stream())
+
+
+def engine_operator_apply(op, V_rows, out_rows) -> None:
+    """out (k, P) = H V for V (k, P) by a _cuda HessianOperator, queued on its stream; a caller on
+    another stream is waited for first, and the products before returning."""
+    k, P = V_rows.shape
+    _check(out_rows.dtype, (V_rows, (k, P)), (out_rows, (k, P)))
+    stream = _stream()
+    if stream != op.stream:
+        _backend._cuda.synchronize(stream)
+    op.apply(_ptr(V_rows), k, _ptr(out_rows))
+    if stream != op.stream:
+        _backend._cuda.synchronize(op.stream)

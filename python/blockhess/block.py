@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _backend, _core, _working_memory
+from . import _backend, _core, _gpu_launch, _working_memory
 from ._interop import as_array, is_torch_tensor, returns_callers_kind, to_torch
 from ._validate import _xp as _array_module
 from .model import ModelSpec
@@ -561,6 +561,11 @@ def loss_gradient(X: Any, target: Any, params: BlockParams, *, loss: str = "mse"
         _core.loss_gradient(X3, params.spec._core(), list(W), eps, kind, values, classes, out, W_C, b_C)
         return out
 
+    if _backend.on_device(X3) and _gpu_launch.engine_runs(params.spec._core(), kind, head):
+        with _backend.device_of(X3):
+            out = _backend.device_module().empty(params.size, dtype=dtype)
+            _gpu_launch.engine_loss_gradient(X3, params.spec._core(), W, eps, kind, values, classes, out)
+        return out
     return _backend.engine_on_host(X3, gradient, X3, values, classes, *head, *W)
 
 

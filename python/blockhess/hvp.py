@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _backend, _core
+from . import _backend, _core, _gpu_launch
 from ._curvature_operator import CurvatureOperator
 from ._interop import holds_torch, returns_callers_kind
 from ._validate import choice, contiguous, float_array, require_output_fits
@@ -32,7 +32,8 @@ class HessianOperator(CurvatureOperator):
 
     ``op @ v``, ``op.matvec(v)`` for v of shape (P,), ``op.matmat(V)`` for V of shape (P, k). Vectors
     are converted to the operator's dtype; results are NumPy arrays, torch tensors for torch
-    inputs, and on the device for GPU vectors (the engine computes them from host copies).
+    inputs, and on the device for GPU vectors: for a stack of blocks under mse or cross_entropy the
+    engine runs on the GPU (docs/backends.md), otherwise it computes them from host copies.
     ``op.to_scipy()`` gives a ``scipy.sparse.linalg.LinearOperator`` (for ``eigsh``, ``cg``),
     ``op.to_cupyx()`` its ``cupyx.scipy.sparse.linalg`` twin over GPU vectors.
 
@@ -46,8 +47,13 @@ class HessianOperator(CurvatureOperator):
     weights and the head as they were when it was built, whatever the caller changes later.
     """
 
-    def __init__(self, core_operator: Any, problem: _Problem, from_torch: bool = False, device: Any = None) -> None:
-        self._op = core_operator
+    def __init__(self, problem: _Problem, from_torch: bool = False, device: Any = None) -> None:
+        self._op = None  # the host engine's operator, built on first use (_host_operator)
+        # The GPU engine's, for a problem it runs (its passes done now, on the current stream).
+        self._gpu_op = None
+        if problem.gpu_args is not None:
+            with _backend.device_of(device):
+                self._gpu_op = _gpu_launch.engine_hessian_operator(*problem.gpu_args)
         self._problem = problem
         self.dtype = problem.dtype
         self.names = problem.names
@@ -75,10 +81,18 @@ class HessianOperator(CurvatureOperator):
     def _product_working(self, columns: int) -> int:
         return _products_working(self._problem, columns)
 
+    def _host_operator(self) -> Any:
+        """The host engine's operator over host copies of the inputs (for host vectors)."""
+        if self._op is None:
+            problem = self._problem
+            core_class = _core.HessianOperator64 if problem.dtype == np.float64 else _core.HessianOperator32
+            self._op = core_class(*problem.core_args, *problem.head)
+        return self._op
+
     @property
     def loss_value(self) -> float:
         """The loss at the point where the Hessian is taken."""
-        return float(self._op.loss_value)
+        return float((self._gpu_op if self._gpu_op is not None else self._host_operator()).loss_value)
 
     def __repr__(self) -> str:
         return (f"HessianOperator(shape={self.shape}, dtype={self.dtype}, loss={self.loss!r}, "
@@ -88,8 +102,15 @@ class HessianOperator(CurvatureOperator):
         """H V for V already checked by float_array (dtype, NaN), in the operator's dtype."""
         V = _vectors(V, self.shape[0], self.names, self.dtype)
         out = np.empty(V.shape, dtype=self.dtype)
-        self._op.apply(V, out)
+        self._host_operator().apply(V, out)
         return out
+
+    def _device_product(self, V: Any) -> Any:
+        """H V for a GPU V on the GPU engine (None where it does not run this problem)."""
+        if self._gpu_op is None:
+            return None
+        return _on_gpu(V, self.shape[0], self.names, self.dtype,
+                       lambda rows, out: _gpu_launch.engine_operator_apply(self._gpu_op, rows, out))
 
 
 def _vectors(V: np.ndarray, P: int, names: tuple[str, ...], dtype: np.dtype) -> np.ndarray:
@@ -98,6 +119,20 @@ def _vectors(V: np.ndarray, P: int, names: tuple[str, ...], dtype: np.dtype) -> 
         what = "V" if V.ndim == 2 else "v"
         raise ValueError(f"{what} must have {P} rows (the parameters in wrt={names}), got shape {tuple(V.shape)}")
     return contiguous(V, dtype)
+
+
+def _on_gpu(V: Any, P: int, names: tuple[str, ...], dtype: np.dtype, products: Any) -> Any:
+    """H V for a GPU V (P,) or (P, k) by products(rows, out), which writes out (k, P) = the products of
+    the rows (k, P) of V^T, on V's device."""
+    if V.shape[0] != P:
+        what = "V" if V.ndim == 2 else "v"
+        raise ValueError(f"{what} must have {P} rows (the parameters in wrt={names}), got shape {tuple(V.shape)}")
+    xp = _backend.array_module(V)
+    with _backend.device_of(V):
+        rows = xp.ascontiguousarray((V if V.ndim == 2 else V[:, None]).T, dtype=dtype)
+        out = xp.empty_like(rows)
+        products(rows, out)
+        return out[0] if V.ndim == 1 else xp.ascontiguousarray(out.T)
 
 
 def hessian_operator(
@@ -115,9 +150,10 @@ def hessian_operator(
     dense (P, P) matrix would not fit. Arguments as in :func:`blockhess.loss_hessian`. The operator
     answers for the arguments as they are now (it keeps copies)."""
     problem = _kept(_problem(X, target, params, loss, part, eps, wrt, columns=1, head=head))
-    core_class = _core.HessianOperator64 if problem.dtype == np.float64 else _core.HessianOperator32
-    return HessianOperator(core_class(*problem.core_args, *problem.head), problem,
-                           from_torch=holds_torch(X, target, params, head), device=problem.device)
+    operator = HessianOperator(problem, from_torch=holds_torch(X, target, params, head), device=problem.device)
+    if problem.gpu_args is None:
+        operator._host_operator()  # its passes now, as the GPU's run at construction
+    return operator
 
 
 class _Problem(NamedTuple):
@@ -135,6 +171,7 @@ class _Problem(NamedTuple):
     core_args: tuple  # X, spec, weights, eps, kind, values, classes, part, selection (host arrays)
     head: tuple
     device: Any  # for GPU inputs, X as given (its device gets the results), else None
+    gpu_args: tuple | None  # the same on the device where the GPU engine runs the problem, else None
 
 
 def _problem(X, target, params, loss, part, eps, wrt, columns, promote_with=(), head=None) -> _Problem:
@@ -143,12 +180,16 @@ def _problem(X, target, params, loss, part, eps, wrt, columns, promote_with=(), 
     loss = loss_names()[kind]  # the name _loss_inputs validated
     part = choice(part, "part", tuple(_PARTS))
     names, selected, P = _selection(params, wrt)
-    # GPU arrays: the engine runs on host copies (the products' results go back to the device).
+    # GPU arrays: the engine runs on the GPU where it runs the problem (gpu_args), else on host
+    # copies (the products' results go back to the device); the exact diagonal on host copies.
     device = X3 if _backend.on_device(X3) else None
+    gpu_args = None
+    if device is not None and _gpu_launch.engine_runs(params.spec._core(), kind, head):
+        gpu_args = (X3, params.spec._core(), W, eps, kind, values, classes, _PARTS[part], selected)
     X3, values, classes = (_backend.to_host(a) for a in (X3, values, classes))
     W, head = [_backend.to_host(w) for w in W], tuple(_backend.to_host(h) for h in head)
     core_args = (X3, params.spec._core(), W, eps, kind, values, classes, _PARTS[part], selected)
-    problem = _Problem(params, X3, dtype, kind, loss, part, names, selected, P, core_args, head, device)
+    problem = _Problem(params, X3, dtype, kind, loss, part, names, selected, P, core_args, head, device, gpu_args)
     require_output_fits((P, columns), dtype, f"the Hessian-vector products over {', '.join(names)} (P = {P})",
                         "pass fewer samples or tokens at a time, or fewer vectors",
                         working=_products_working(problem, columns))
@@ -173,6 +214,7 @@ def _kept(problem: _Problem) -> _Problem:
     X3, values, classes = (None if a is None else a.copy() for a in (X3, values, classes))
     W = [w.copy() for w in W]
     head = tuple(None if a is None else a.copy() for a in problem.head)
+    # The GPU operator keeps copies of X and the weights itself, and reads the target once, when built.
     return problem._replace(X3=X3, core_args=(X3, spec, W, eps, kind, values, classes, part, selected), head=head)
 
 
@@ -199,6 +241,9 @@ def loss_hvp(
     problem = _problem(X, target, params, loss, part, eps, wrt, columns, promote_with=(V_array,), head=head)
     if (problem.device is None) != (not _backend.is_device_array(V_array)):
         raise TypeError("V must be on the same side as X: both NumPy (or CPU tensors) or both on the GPU")
+    if problem.gpu_args is not None:
+        return _on_gpu(V_array, problem.P, problem.names, problem.dtype,
+                       lambda rows, out: _gpu_launch.engine_loss_hvp(*problem.gpu_args, rows, out))
 
     def product(V_host: np.ndarray) -> np.ndarray:
         V_host = _vectors(V_host, problem.P, problem.names, problem.dtype)

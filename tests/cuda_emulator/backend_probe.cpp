@@ -18,6 +18,13 @@
 
 namespace {
 
+// 1, with the exception's message in message.
+int failed(const std::exception& e, char* message, long message_size) {
+  std::strncpy(message, e.what(), static_cast<size_t>(message_size - 1));
+  message[message_size - 1] = '\0';
+  return 1;
+}
+
 template <class T>
 blockhess::MatrixView<T> view(T* data, long rows, long cols, long stride, int row_major) {
   return {data, rows, cols, stride, row_major != 0};
@@ -41,9 +48,7 @@ int product(int gpu, long count, T* C, long m, long n, long ldc, long c_step, co
     else run(blockhess::cpu_backend<T>());
     return 0;
   } catch (const std::exception& e) {
-    std::strncpy(message, e.what(), static_cast<size_t>(message_size - 1));
-    message[message_size - 1] = '\0';
-    return 1;
+    return failed(e, message, message_size);
   }
 }
 
@@ -55,9 +60,7 @@ int run(int gpu, const Op& op, long count, char* message, long message_size) {
     else blockhess::cpu_backend<T>().run(op, count);
     return 0;
   } catch (const std::exception& e) {
-    std::strncpy(message, e.what(), static_cast<size_t>(message_size - 1));
-    message[message_size - 1] = '\0';
-    return 1;
+    return failed(e, message, message_size);
   }
 }
 
@@ -231,9 +234,7 @@ int block_loss_hvp(int gpu, const long* spec, long B, long L, long d, long dk, l
     engine::selected_products(g, *head, static_cast<engine::Part>(part), every).apply(v, hv);
     return 0;
   } catch (const std::exception& e) {
-    std::strncpy(message, e.what(), static_cast<size_t>(message_size - 1));
-    message[message_size - 1] = '\0';
-    return 1;
+    return failed(e, message, message_size);
   }
 }
 
@@ -259,9 +260,7 @@ extern "C" __attribute__((visibility("default"))) int gpu_graph_refuses_factors(
     graph.push_factors(false);
     return 0;
   } catch (const std::invalid_argument& e) {
-    std::strncpy(message, e.what(), static_cast<size_t>(message_size - 1));
-    message[message_size - 1] = '\0';
-    return 1;
+    return failed(e, message, message_size);
   }
 }
 

@@ -15,7 +15,9 @@
 #include <memory>
 #include <vector>
 
+#include "blockhess/backend.hpp"
 #include "blockhess/config.hpp"
+#include "blockhess/cpu_backend.hpp"
 #include "blockhess/engine/graph.hpp"
 #include "blockhess/engine/head.hpp"
 #include "blockhess/engine/kronecker_factors.hpp"
@@ -53,8 +55,13 @@ class Model {
   // over the last layer, the final norm and the classifier; a lower layer's parameters, and the
   // input's, reach another block's attention through its input, which the factors do not cover,
   // and their rows and columns are computed from Hessian-vector products (loss_hessian).
+  // On `backend` (backend.hpp; it outlives the model), X, the weights and a loss's target in its
+  // memory: the host's by default. On a GPU backend the loss, its gradient and the Hessian-vector
+  // products (LossHessianOperator) of a stack of blocks run there; what still runs on the host
+  // refuses it (docs/backends.md).
   static Model stack(const Spec& spec, const Dims& dims, const Stack& stack, index_t samples, const T* X,
-                     const std::vector<const T*>& weights, T eps, engine::Storage storage = engine::Storage::copy);
+                     const std::vector<const T*>& weights, T eps, engine::Storage storage = engine::Storage::copy,
+                     const Backend<T>& backend = cpu_backend<T>());
   // A language model (stack.vocab > 0) at the token ids (samples x L, each in [0, vocab)): its
   // parameters start with wte (and wpe); with stack.lm_head its output is the logits (tokens, vocab).
   // Dense Hessians and diagonals over wte or wpe come from products like a lower layer's.
@@ -105,7 +112,7 @@ class Model {
  private:
   friend class LossHessianOperator<T>;
   Model(const Spec& spec, const Dims& dims, const Stack& stack, index_t samples, const T* X, const std::int64_t* ids,
-        const std::vector<const T*>& weights, T eps, engine::Storage storage);
+        const std::vector<const T*>& weights, T eps, engine::Storage storage, const Backend<T>& backend);
   std::vector<ParamShape> shapes_;
   std::unique_ptr<engine::Graph<T>> graph_;
 };

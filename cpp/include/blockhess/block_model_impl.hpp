@@ -16,29 +16,31 @@ namespace blockhess::block {
 
 template <class T>
 Model<T>::Model(const Spec& spec, const Dims& dims, const Stack& stack, index_t samples, const T* X,
-                const std::int64_t* ids, const std::vector<const T*>& weights, T eps, engine::Storage storage)
+                const std::int64_t* ids, const std::vector<const T*>& weights, T eps, engine::Storage storage,
+                const Backend<T>& backend)
     : shapes_(parameters(spec, dims, stack)) {
   dims.check(!spec.attention_only);
-  graph_ = std::make_unique<engine::Graph<T>>(samples, dims.L);
+  graph_ = std::make_unique<engine::Graph<T>>(samples, dims.L, backend);
   blocks::wire_stack(*graph_, spec, dims, stack, blocks::Input<T>{X, ids}, weights, eps, storage);
   graph_->forward();
 }
 template <class T>
 Model<T>::Model(const Spec& spec, const Dims& dims, index_t samples, const T* X, const std::vector<const T*>& weights,
                 T eps, engine::Storage storage)
-    : Model(spec, dims, Stack{}, samples, X, nullptr, weights, eps, storage) {}
+    : Model(spec, dims, Stack{}, samples, X, nullptr, weights, eps, storage, cpu_backend<T>()) {}
 template <class T>
 Model<T> Model<T>::stack(const Spec& spec, const Dims& dims, const Stack& stack, index_t samples, const T* X,
-                         const std::vector<const T*>& weights, T eps, engine::Storage storage) {
+                         const std::vector<const T*>& weights, T eps, engine::Storage storage,
+                         const Backend<T>& backend) {
   if (stack.reads_tokens()) throw std::invalid_argument("model: a language model reads token ids (language_model)");
-  return Model(spec, dims, stack, samples, X, nullptr, weights, eps, storage);
+  return Model(spec, dims, stack, samples, X, nullptr, weights, eps, storage, backend);
 }
 template <class T>
 Model<T> Model<T>::language_model(const Spec& spec, const Dims& dims, const Stack& stack, index_t samples,
                                   const std::int64_t* ids, const std::vector<const T*>& weights, T eps,
                                   engine::Storage storage) {
   if (!stack.reads_tokens()) throw std::invalid_argument("model: token ids need a stack with an embedding (vocab > 0)");
-  return Model(spec, dims, stack, samples, nullptr, ids, weights, eps, storage);
+  return Model(spec, dims, stack, samples, nullptr, ids, weights, eps, storage, cpu_backend<T>());
 }
 template <class T>
 index_t Model<T>::working_memory(const Spec& spec, const Dims& dims, const Stack& stack, index_t samples,
