@@ -10,6 +10,10 @@ Measures, on the visible GPU (synchronised timings; CUDA events for single kerne
 2. Full block loss Hessian (MSE, all five matrices) at (16, 32, 32, 64) and (49, 16, 16, 64):
    blockhess on CuPy vs torch.func.hessian on the same GPU, accuracy against both torch and the
    CPU core, GPU memory.
+3. Hessian-vector products on the GPU engine (float32): a GPT-2-small-shaped block (L=128, d=768,
+   12 heads, d_ff=3072) and a 4-block stack (d=256): one-shot loss_hvp and an operator's product
+   against a torch gradient and torch's double-backward HVP of the same loss on the same GPU,
+   each measured right after the other; accuracy against the CPU engine.
 Writes OUTDIR/results.md and OUTDIR/results.json; exits 0 even when a target is missed (the table
 says so), non-zero only if something fails to run.
 """
@@ -94,7 +98,7 @@ def main(argv=None) -> int:
         "cuda_runtime": cupy.cuda.runtime.runtimeGetVersion(), "driver": cupy.cuda.runtime.driverGetVersion(),
     }
     log("environment:", json.dumps(env))
-    results: dict = {"env": env, "ln": {}, "block": {}, "errors": []}
+    results: dict = {"env": env, "ln": {}, "block": {}, "hvp": {}, "errors": []}
     reps = 3 if args.quick else 10
     tsync = bg.torch_sync
 
@@ -159,6 +163,34 @@ def main(argv=None) -> int:
             results["errors"].append(traceback.format_exc())
             log(traceback.format_exc())
 
+    # ---- 3. Hessian-vector products on the GPU engine ----
+    for name, *shape in bg.HVP_SHAPES:
+        try:
+            problem = bg.hvp_problem(*shape)
+            one_shot, product, op = bg.blockhess_hvp(problem)
+            hv = product()
+            bg.sync()
+            spec, params, X, target, v = problem
+            hv_cpu = blockhess.loss_hvp(X, target, params, v)
+            entry = {"P": int(params.size), "engine_on_gpu": op._gpu_op is not None,
+                     "loss_hvp_seconds": wall_time(one_shot, bg.sync, reps=reps),
+                     "operator_product_seconds": wall_time(product, bg.sync, reps=reps),
+                     "rel_error_vs_cpu": bg.rel_error(hv, hv_cpu)}
+            if torch is not None:
+                gradient, hvp = bg.torch_gradient_and_hvp(problem)
+                entry["torch_gradient_seconds"] = wall_time(gradient, tsync, reps=reps)
+                entry["torch_hvp_seconds"] = wall_time(hvp, tsync, reps=reps)
+                entry["loss_hvp_over_torch_gradient"] = entry["loss_hvp_seconds"] / entry["torch_gradient_seconds"]
+                entry["product_over_torch_gradient"] = entry["operator_product_seconds"] / entry["torch_gradient_seconds"]
+                entry["torch_hvp_over_loss_hvp"] = entry["torch_hvp_seconds"] / entry["loss_hvp_seconds"]
+                entry["rel_error_vs_torch"] = bg.rel_error(hv, hvp().detach().cpu().numpy())
+            results["hvp"][name] = entry
+            log(f"[hvp {name}]", json.dumps(entry, default=str))
+            del op
+        except Exception:
+            results["errors"].append(traceback.format_exc())
+            log(traceback.format_exc())
+
     (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
     (out / "results.md").write_text(render(results))
     log((out / "results.md").read_text())
@@ -218,6 +250,25 @@ def render(r) -> str:
         if first and "speedup" in first:
             lines += ["", f"Target >= 20x faster than torch.func.hessian at (16, 32, 32, 64): "
                           f"**{'met' if first['speedup'] >= 20 else 'missed'}** ({first['speedup']:.0f}x)."]
+        lines.append("")
+    if r.get("hvp"):
+        lines += ["## Hessian-vector products on the GPU engine, float32 (mse)", "",
+                  f"| model | P | engine on GPU | loss_hvp | operator product | torch gradient {torch_where} | "
+                  "torch double-backward HVP | loss_hvp / gradient | product / gradient | torch HVP / loss_hvp | "
+                  "rel. err vs CPU / torch |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        nan = float("nan")
+        for name, e in r["hvp"].items():
+            lines.append(
+                f"| {name} | {e['P']} | {e['engine_on_gpu']} | {e['loss_hvp_seconds'] * 1e3:.2f} ms | "
+                f"{e['operator_product_seconds'] * 1e3:.2f} ms | {e.get('torch_gradient_seconds', nan) * 1e3:.2f} ms | "
+                f"{e.get('torch_hvp_seconds', nan) * 1e3:.2f} ms | {e.get('loss_hvp_over_torch_gradient', nan):.2f} | "
+                f"{e.get('product_over_torch_gradient', nan):.2f} | {e.get('torch_hvp_over_loss_hvp', nan):.2f} | "
+                f"{e['rel_error_vs_cpu']:.1e} / {e.get('rel_error_vs_torch', nan):.1e} |")
+        block = r["hvp"].get("gpt2 block", {})
+        if "loss_hvp_over_torch_gradient" in block:
+            met = block["loss_hvp_over_torch_gradient"] <= 2 and block["torch_hvp_over_loss_hvp"] >= 1.3
+            lines += ["", f"Targets for the GPT-2-shaped block, loss_hvp <= 2x a torch gradient and >= 1.3x faster "
+                          f"than torch's HVP: **{'met' if met else 'missed'}**."]
         lines.append("")
     if r["errors"]:
         lines += ["## Errors", ""] + ["```\n" + e + "```" for e in r["errors"]]

@@ -40,6 +40,8 @@ def test_gpu_bench_script_runs_and_reports(gpu_for_benchmarks, tmp_path, monkeyp
     def small_pad_loader():
         bench = real_loader()
         bench.EVENT_PAD_BYTES = 1 << 10  # not 4 GiB of host memory
+        small = dict(bench.GPT2, heads=2)
+        bench.HVP_SHAPES = [("gpt2 block", small, 4, 8, 4, 16, 1), ("4-block stack", small, 4, 8, 4, 16, 2)]
         return bench
 
     monkeypatch.setattr(gpu_bench, "load_bench_gpu", small_pad_loader)
@@ -54,8 +56,13 @@ def test_gpu_bench_script_runs_and_reports(gpu_for_benchmarks, tmp_path, monkeyp
     for entry in results["block"].values():
         assert entry["rel_error_vs_cpu"] <= 1e-12 and entry["rel_error_vs_torch"] <= 1e-10
         assert entry["symmetric"] and entry["speedup"] > 0
+    assert set(results["hvp"]) == {"gpt2 block", "4-block stack"}
+    for entry in results["hvp"].values():  # float32
+        assert entry["engine_on_gpu"] and entry["rel_error_vs_cpu"] <= 1e-5 and entry["rel_error_vs_torch"] <= 1e-4
+        assert entry["loss_hvp_over_torch_gradient"] > 0 and entry["torch_hvp_over_loss_hvp"] > 0
     table = (tmp_path / "results.md").read_text()
     assert "LayerNorm Jacobian blocks, (L, d) = (3, 40)" in table and "| (3, 4, 2, 5) |" in table
+    assert "## Hessian-vector products on the GPU engine" in table and "| gpt2 block | " in table
 
 
 def test_gpu_bench_rejects_bad_shapes(capsys):

@@ -364,3 +364,55 @@ def nominal_bandwidth() -> float:
         if key in name:
             return gbps * 1e9
     return float("nan")
+
+
+# ---- Hessian-vector products on the GPU engine ----------------------------------------------------
+
+GPT2 = dict(norm_position="pre", norm_affine=True, bias=True, heads=12, out_proj=True, activation="gelu_tanh",
+            causal=True, eps=1e-5)
+# (name, spec options, L, d, d_k, d_ff, layers): the GPT-2-small-shaped block and a 4-block stack, as
+# bench_family.py's CPU ratios.
+HVP_SHAPES = [("gpt2 block", GPT2, 128, 768, 64, 3072, 1), ("4-block stack", dict(GPT2, heads=4), 128, 256, 64, 1024, 4)]
+
+
+def hvp_problem(options, L, d, dk, dff, layers, dtype=np.float32):
+    """(spec, params, X, target, v) on the host, seeded."""
+    import blockhess
+
+    spec = blockhess.BlockSpec(**options)
+    if layers > 1:
+        spec = blockhess.ModelSpec(spec, n_layers=layers)
+    params = blockhess.BlockParams.random(spec, d=d, d_k=dk, d_ff=dff, seed=SEED, dtype=dtype)
+    g = rng(3, L, d, layers)
+    X, target = g.standard_normal((L, d)).astype(dtype), g.standard_normal((L, d)).astype(dtype)
+    return spec, params, X, target, g.standard_normal(params.size).astype(dtype)
+
+
+def blockhess_hvp(problem):
+    """(one-shot loss_hvp, operator product, the operator) on the GPU engine, inputs on the GPU."""
+    cupy, blockhess = gpu_modules()
+    spec, params, X, target, v = problem
+    dparams = blockhess.BlockParams.from_arrays(spec, {n: cupy.asarray(a) for n, a in zip(params.names, params.arrays)})
+    Xd, Td, vd = cupy.asarray(X), cupy.asarray(target), cupy.asarray(v)
+    op = blockhess.hessian_operator(Xd, Td, dparams)
+    return (lambda: blockhess.loss_hvp(Xd, Td, dparams, vd)), (lambda: op @ vd), op
+
+
+def torch_gradient_and_hvp(problem):
+    """(gradient, double-backward HVP) of the same mse loss in torch on TORCH_DEVICE."""
+    torch, reference = torch_cuda(), torch_reference()
+    spec, params, X, target, v = problem
+    dev = TORCH_DEVICE
+    output_of = reference.family_of_flat(torch.as_tensor(X, device=dev), spec, params.names, params.shapes)
+    T = torch.as_tensor(target, device=dev)
+    flat = torch.as_tensor(np.array(params.flatten()), device=dev).requires_grad_(True)
+    vt = torch.as_tensor(v, device=dev)
+
+    def loss(w):
+        return ((output_of(w) - T) ** 2).mean()
+
+    def hvp():
+        (g,) = torch.autograd.grad(loss(flat), flat, create_graph=True)
+        return torch.autograd.grad(g, flat, grad_outputs=vt)[0]
+
+    return (lambda: torch.autograd.grad(loss(flat), flat)[0]), hvp
