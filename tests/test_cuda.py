@@ -455,6 +455,33 @@ def test_family_loss_hessian_gpu_matches_cpu(cp, rng, name, loss):
              blockhess.loss_hessian(X, target, params, loss=loss, head=head), np.float32)
 
 
+@pytest.mark.parametrize("name", sorted(FAMILY))
+@pytest.mark.parametrize("loss", ["mse", "cross_entropy"])
+def test_family_hessian_vector_products_run_on_the_gpu_engine(cp, rng, name, loss):
+    """Every block of the family x loss x part, one sample and a batch, float64 and float32:
+    loss_hvp, the operator's products and loss value, and the gradient run the engine on the GPU
+    (the operator holds the GPU engine's), against the CPU core: float64 <= 1e-12, float32 close."""
+    spec = FAMILY[name]
+    for B in (None, 3):
+        X, target, params = family_case(rng, spec, B, loss)
+        V = rng.standard_normal((params.size, 2))
+        for dtype in (np.float64, np.float32):
+            dparams = blockhess.BlockParams.from_arrays(spec, {n: cp.asarray(a.astype(dtype))
+                                                               for n, a in zip(params.names, params.arrays)})
+            Xd, Vd = cp.asarray(X.astype(dtype)), cp.asarray(V.astype(dtype))
+            Td = cp.asarray(target.astype(dtype) if loss == "mse" else target)
+            for part in ("full", "outer", "functional"):
+                want = blockhess.loss_hvp(X, target, params, V, loss=loss, part=part)
+                _compare(blockhess.loss_hvp(Xd, Td, dparams, Vd, loss=loss, part=part), want, dtype)
+                op = blockhess.hessian_operator(Xd, Td, dparams, loss=loss, part=part)
+                assert op._gpu_op is not None
+                _compare(op @ Vd[:, 0], want[:, 0], dtype)
+                assert abs(op.loss_value - blockhess.loss_value(X, target, params, loss=loss)) <= (
+                    1e-12 if dtype == np.float64 else 1e-5)
+            _compare(blockhess.loss_gradient(Xd, Td, dparams, loss=loss),
+                     blockhess.loss_gradient(X, target, params, loss=loss), dtype)
+
+
 class _LinearOperatorStandIn:
     """cupyx.scipy.sparse.linalg.LinearOperator's constructor, for the emulated GPU (no cupyx)."""
 

@@ -253,16 +253,24 @@ inline bool valid_configuration(dim3 grid, dim3 block, std::size_t smem) {
   return false;
 }
 
-// Device memory (cudaMallocAsync) is pages of its own that the host cannot touch: they open only
-// while emulated device work runs (a launch, a copy, a memset, the cuBLAS stand-in's products), so
-// host code that reads or writes device memory faults here, as it would crash or read garbage on a
-// GPU, instead of passing silently. Memory the tests hand in as device memory (NumPy's) stays open.
+// Device memory (cudaMallocAsync) is pages the host cannot touch: they open only while emulated
+// device work runs (a launch, a copy, a memset, the cuBLAS stand-in's products), so host code that
+// reads or writes device memory faults here, as it would crash or read garbage on a GPU, instead of
+// passing silently. Memory the tests hand in as device memory (NumPy's) stays open. The pages are
+// carved in order from one reserved range, so that opening and closing them is one mprotect each.
 struct DeviceMemory {
+  static constexpr std::size_t kReserved = std::size_t(1) << 40;  // address space only
   std::mutex mutex;
-  std::map<void*, std::size_t> live;  // start -> bytes, whole pages
-  int open = 0;                       // device work in progress (nested)
+  char* base = nullptr;
+  std::size_t used = 0;  // bytes carved so far (whole pages)
+  int open = 0;          // device work in progress (nested)
+  std::map<void*, std::size_t> live;  // start -> bytes
+  DeviceMemory() {
+    void* p = mmap(nullptr, kReserved, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    base = p == MAP_FAILED ? nullptr : static_cast<char*>(p);
+  }
   void protect(int access) {
-    for (const auto& [p, bytes] : live) mprotect(p, bytes, access);
+    if (used) mprotect(base, used, access);
   }
 };
 inline DeviceMemory& device_memory() {
@@ -289,17 +297,20 @@ inline void* allocate_device(std::size_t bytes) {
   const std::size_t size = (std::max<std::size_t>(bytes, 1) + page - 1) / page * page;
   DeviceMemory& m = device_memory();
   const std::lock_guard<std::mutex> lock(m.mutex);
-  void* p = mmap(nullptr, size, m.open ? PROT_READ | PROT_WRITE : PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED) return nullptr;
+  if (!m.base || size > DeviceMemory::kReserved - m.used) return nullptr;
+  char* p = m.base + m.used;
+  m.used += size;
+  if (m.open) mprotect(p, size, PROT_READ | PROT_WRITE);
   m.live[p] = size;
   return p;
 }
+// Its pages go back to the system (never carved again: the range is large).
 inline void free_device(void* p) {
   DeviceMemory& m = device_memory();
   const std::lock_guard<std::mutex> lock(m.mutex);
   const auto at = m.live.find(p);
   if (at == m.live.end()) return;
-  munmap(at->first, at->second);
+  madvise(at->first, at->second, MADV_DONTNEED);
   m.live.erase(at);
 }
 
