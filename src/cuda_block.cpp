@@ -1,7 +1,7 @@
 // The block family's curvature on the GPU, bound into _cuda, with the same checks as _core's
 // bindings (block_problem.hpp) and the same engine:
 //   - the loss, its gradient and Hessian-vector products (and the Hessian as an operator) of a
-//     stack of blocks on the GPU backend (cuda::CudaBackend), on the caller's device arrays, which
+//     block or a model that reads X on the GPU backend (cuda::CudaBackend), on the caller's device arrays, which
 //     Python passes as (pointer, shape);
 //   - dense Hessians, whose factors still run on the host (docs/backends.md): the engine evaluates
 //     the block from host copies of the (small) inputs and writes the (P, P) Hessian into device
@@ -35,7 +35,7 @@ ArrayShape<U> on_device(const DeviceArg& a) {
   return {a.second, reinterpret_cast<const U*>(a.first)};
 }
 
-// A loss call on device arrays: the call (a stack of blocks, which the GPU backend runs whole; its
+// A loss call on device arrays: the call (a model that reads X, which the GPU backend runs whole; its
 // target mse's values or cross-entropy's classes, whose range the head checks) and the backend on
 // the caller's stream (and device), which its problem runs on.
 template <class T>
@@ -49,9 +49,9 @@ DeviceCall<T> device_call(const DeviceArg& X, const SpecTuple& spec, const std::
                           const std::optional<DeviceArg>& values, const std::optional<DeviceArg>& classes, int part,
                           const std::vector<bool>& wrt, ptr stream) {
   const block::Stack stack = stack_of(spec);
-  if (stack.reads_tokens() || stack.reads_patches() || stack.class_token || stack.positions > 0 || stack.classes > 0)
-    throw std::invalid_argument("blockhess._cuda: on the GPU the engine runs stacks of blocks so far (no embedding, "
-                                "positions, class token or classifier: docs/backends.md)");
+  if (stack.reads_tokens())
+    throw std::invalid_argument("blockhess._cuda: on the GPU the engine runs models that read X so far, not token ids "
+                                "(docs/backends.md)");
   if (kind != 0 && kind != 1) throw std::invalid_argument("blockhess._cuda: on the GPU the losses are mse and cross_entropy so far");
   std::vector<ArrayShape<T>> weights;
   for (const DeviceArg& w : W) weights.push_back(on_device<T>(w));

@@ -37,7 +37,7 @@ def _load(path):
     for name in ("zero", "activation_forward", "scale_entries", "activation_cotangent_tangent", "sum_entries", "write_entries",
                  "add_bias", "softmax_rows", "softmax_vjp_rows", "softmax_cotangent_tangent_rows",
                  "normalize_rows", "scale_columns", "norm_tangent_rows", "scale_by", "cross_entropy_tangent_rows", "norm_vjp_rows",
-                 "norm_cotangent_tangent_rows", "column_sums", "mse_rows", "cross_entropy_rows"):
+                 "norm_cotangent_tangent_rows", "column_sums", "mse_rows", "cross_entropy_rows", "class_token_rows"):
         for suffix in ("_f64", "_f32"):
             getattr(lib, name + suffix).restype = ctypes.c_int
     return lib
@@ -191,6 +191,27 @@ def test_sums_over_tokens_on_the_gpu_are_the_hosts(row_lib, times, accumulate):
     np.testing.assert_array_equal(sums[1], sums[0])
     expected = (a * b if times else a).sum(axis=0) + (start[:cols] if accumulate else 0)
     np.testing.assert_allclose(sums[1], expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("add", [False, True])
+@pytest.mark.parametrize("token", [False, True])
+@pytest.mark.parametrize("rows", [False, True])
+def test_a_class_tokens_rows_on_the_gpu_are_the_hosts(row_lib, add, token, rows):
+    """Every sample's first row the token's (or 0), the others x's (or 0), assigned or added: a
+    class token's forward pass, tangent and cotangent; 30 samples of 5 rows of 7."""
+    rng = np.random.default_rng(12)
+    samples, L, d = 30, 5, 7
+    c, x = rng.standard_normal(d), rng.standard_normal(samples * L * d)
+    start = rng.standard_normal(samples * L * d + 5)
+    expected = (x if rows else np.zeros_like(x)).reshape(samples, L, d).copy()
+    expected[:, 0, :] = c if token else 0
+    expected = expected.ravel() + (start[:-5] if add else 0)
+    for gpu in (0, 1):
+        out = start.copy()
+        run_rows(row_lib, "class_token_rows", np.float64, gpu, c if token else None, x if rows else None, out, int(add),
+                 L * d, d, count=samples * L * d)
+        np.testing.assert_array_equal(out[:-5], expected)
+        np.testing.assert_array_equal(out[-5:], start[-5:])
 
 
 def _softmax(logits, causal):

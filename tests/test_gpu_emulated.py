@@ -344,6 +344,9 @@ GPU_ENGINE_SPECS = {
     "2-layer stack": blockhess.ModelSpec(blockhess.BlockSpec(norm_position="pre", norm_affine=True, bias=True,
                                                              heads=2, out_proj=True, eps=1e-5),
                                          n_layers=2, final_norm=True),
+    "vit": blockhess.ModelSpec(blockhess.BlockSpec(norm_position="pre", norm_affine=True, heads=2, out_proj=True,
+                                                   eps=1e-5),
+                               n_layers=2, final_norm=True, patch_dim=5, n_positions=6, classes=4, class_token=True),
 }
 
 
@@ -356,8 +359,10 @@ def test_hessian_vector_products_run_on_the_gpu_engine(device, kernels, rng, nam
     spec = GPU_ENGINE_SPECS[name]
     params = blockhess.BlockParams.random(spec, d=6, d_k=4, d_ff=7, seed=5)
     dparams = blockhess.BlockParams.from_arrays(spec, {n: device(a) for n, a in zip(params.names, params.arrays)})
-    X = rng.standard_normal((2, 5, 6))
-    target = rng.standard_normal((2, 5, 6)) if loss == "mse" else rng.integers(0, 6, size=(2, 5))
+    vit = name == "vit"  # patches of 5, a class token's row more out, 4 classes
+    X = rng.standard_normal((2, 5, 5 if vit else 6))
+    out_shape = (2, 6, 4) if vit else (2, 5, 6)
+    target = rng.standard_normal(out_shape) if loss == "mse" else rng.integers(0, out_shape[-1], size=out_shape[:2])
     V = rng.standard_normal((params.size, 2))
     for part in ("full", "outer", "functional"):
         kernels.calls.clear()
@@ -377,7 +382,7 @@ def test_hessian_vector_products_run_on_the_gpu_engine(device, kernels, rng, nam
 
 
 def test_what_the_gpu_engine_does_not_run_yet_runs_on_host_copies(device, kernels, rng):
-    """A pooled head (and a model's embeddings, positions, classifier) still runs on the host:
+    """A pooled head (and a language model's embedding) still runs on the host:
     the same public call gives the host engine's result on the device, no GPU engine call."""
     import reference as ref
 

@@ -1,6 +1,7 @@
 """The engine end to end on the GPU backend (cuda/src/backend.cu), on the CPU kernel emulator: the
 loss, its gradient and Hessian-vector products of blocks of the family (the paper's, a GPT-2-like
-pre-LN block with biases, causal heads and W_O, a post-RMSNorm SiLU block, an attention-only block),
+pre-LN block with biases, causal heads and W_O, a post-RMSNorm SiLU block, an attention-only block)
+and of a ViT (patch embedding, class token, learned positions, two blocks, final norm, classifier),
 each loss and part, in float64 and float32, against the same engine on the host backend.
 
 The emulator's device memory is pages the host cannot touch outside device work

@@ -215,10 +215,10 @@ def block_output_hessian(X3, spec, weights, eps, i, j, out) -> None:
 
 def engine_runs(spec: tuple, kind: int, head: tuple) -> bool:
     """Whether the engine runs this call on the GPU backend (src/cuda_block.cpp's device_call): a
-    stack of blocks (spec: BlockSpec._core() or a ModelSpec's, with no embedding, positions, patches,
-    classifier or class token) under mse or cross_entropy (codes 0, 1), no head. The rest runs on
-    host copies (docs/backends.md)."""
-    return tuple(spec[11:]) == (0, 0, False, 0, 0, False) and kind in (0, 1) and all(h is None for h in head)
+    block or a model of them that reads X (spec: BlockSpec._core() or a ModelSpec's; not a language
+    model's token ids) under mse or cross_entropy (codes 0, 1), no head. The rest runs on host
+    copies (docs/backends.md)."""
+    return spec[11] == 0 and kind in (0, 1) and all(h is None for h in head)
 
 
 def _device_arg(a: Any) -> tuple[int, tuple[int, ...]] | None:
@@ -231,7 +231,7 @@ def _device_arg(a: Any) -> tuple[int, tuple[int, ...]] | None:
 
 
 def engine_loss_gradient(X3, spec, weights, eps, kind, values, classes, grad) -> float:
-    """The loss of a stack of blocks and its gradient into the device array grad (P,), on the GPU
+    """The loss of a model that reads X and its gradient into the device array grad (P,), on the GPU
     backend; every argument a device array (or a code). Returns the loss (read back)."""
     _check(grad.dtype, (grad, None))
     return float(_fn("loss_gradient", grad.dtype)(_device_arg(X3), spec, [_device_arg(w) for w in weights], float(eps),

@@ -32,7 +32,7 @@ class HessianOperator(CurvatureOperator):
 
     ``op @ v``, ``op.matvec(v)`` for v of shape (P,), ``op.matmat(V)`` for V of shape (P, k). Vectors
     are converted to the operator's dtype; results are NumPy arrays, torch tensors for torch
-    inputs, and on the device for GPU vectors: for a stack of blocks under mse or cross_entropy the
+    inputs, and on the device for GPU vectors: for a model that reads X under mse or cross_entropy the
     engine runs on the GPU (docs/backends.md), otherwise it computes them from host copies.
     ``op.to_scipy()`` gives a ``scipy.sparse.linalg.LinearOperator`` (for ``eigsh``, ``cg``),
     ``op.to_cupyx()`` its ``cupyx.scipy.sparse.linalg`` twin over GPU vectors.

@@ -165,6 +165,11 @@ BLOCKHESS_FINITE_PROBE(_f32, float)
     return run<T>(gpu, rows::CrossEntropyTangentRows<T>{p, dz, out, d, static_cast<T>(scale)}, count, message,    \
                   message_size);                                                                                 \
   }                                                                                                              \
+  extern "C" __attribute__((visibility("default"))) int class_token_rows##suffix(                                  \
+      int gpu, const T* token, const T* x, T* out, int add, long period, long d, long count, char* message,       \
+      long message_size) {                                                                                       \
+    return run<T>(gpu, rows::ClassTokenRows<T>{token, x, out, add != 0, period, d}, count, message, message_size); \
+  }                                                                                                              \
   extern "C" __attribute__((visibility("default"))) int mse_rows##suffix(                                          \
       int gpu, const T* z, const T* target, T* gz, T* row_loss, long d, double scale, long count, char* message,   \
       long message_size) {                                                                                       \
@@ -201,11 +206,12 @@ BLOCKHESS_PROBE(product_f32, float)
 
 namespace {
 
-// A block of the family on the host backend (gpu = 0) or the GPU backend (gpu = 1), every array in
-// that backend's memory: the loss (mse against target, or cross-entropy against classes where
-// target is null) into *value, its gradient into grad and, for the Hessian's part (0 full, 1 outer,
-// 2 functional) over every parameter, H v into hv. spec: the 9 codes of spec.py's BlockSpec._core();
-// weights: one per parameter, in the core's order.
+// A block of the family or a model of them on the host backend (gpu = 0) or the GPU backend
+// (gpu = 1), every array in that backend's memory: the loss (mse against target, or cross-entropy
+// against classes where target is null) into *value, its gradient into grad and, for the Hessian's
+// part (0 full, 1 outer, 2 functional) over every parameter, H v into hv. spec: the 17 codes of
+// spec.py's BlockSpec._core() (model.py's ModelSpec's); weights: one per parameter, in the core's
+// order.
 template <class T>
 int block_loss_hvp(int gpu, const long* spec, long B, long L, long d, long dk, long dv, long dff, double eps,
                    const T* X, const T* const* weights, long n_weights, const T* target, const std::int64_t* classes,
@@ -219,12 +225,14 @@ int block_loss_hvp(int gpu, const long* spec, long B, long L, long d, long dk, l
     s.norm_affine = spec[2] != 0, s.bias = spec[3] != 0, s.heads = spec[4], s.out_proj = spec[5] != 0;
     s.activation = blockhess::activation::from_code(static_cast<int>(spec[6]));
     s.causal = spec[7] != 0, s.attention_only = spec[8] != 0;
+    const block::Stack stack{spec[9], spec[10] != 0, spec[11], spec[12], spec[13] != 0, spec[14], spec[15], spec[16] != 0};
     const block::Dims D{L, d, dk, dff, dv};
     std::unique_ptr<blockhess::cuda::CudaBackend<T>> device;
     if (gpu) device = std::make_unique<blockhess::cuda::CudaBackend<T>>(0);
     const blockhess::Backend<T>& backend = gpu ? *device : blockhess::cpu_backend<T>();
     engine::Graph<T> g(B, L, backend);
-    blockhess::blocks::wire(g, s, D, X, std::vector<const T*>(weights, weights + n_weights), static_cast<T>(eps));
+    blockhess::blocks::wire_stack(g, s, D, stack, blockhess::blocks::Input<T>{X, nullptr},
+                                  std::vector<const T*>(weights, weights + n_weights), static_cast<T>(eps));
     g.forward();
     std::unique_ptr<engine::Head<T>> head;
     if (target) head = std::make_unique<engine::MseHead<T>>(target);

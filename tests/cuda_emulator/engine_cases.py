@@ -17,7 +17,7 @@ import sys
 import numpy as np
 
 import blockhess
-from blockhess import BlockParams, BlockSpec
+from blockhess import BlockParams, BlockSpec, ModelSpec
 from blockhess.hvp import _problem
 
 SPECS = {
@@ -27,12 +27,23 @@ SPECS = {
     "rmsnorm": BlockSpec(norm_position="post", norm="rmsnorm", norm_affine=True, activation="silu", heads=3,
                          out_proj=True, eps=1e-5),
     "attention_only": BlockSpec(attention_only=True, heads=2, out_proj=True, bias=True),
+    # a ViT: patch embedding, class token, learned positions, 2 blocks, final norm, classifier
+    "vit": ModelSpec(BlockSpec(norm_position="pre", norm_affine=True, bias=True, heads=2, out_proj=True,
+                               activation="gelu", eps=1e-5),
+                     n_layers=2, final_norm=True, patch_dim=5, n_positions=6, classes=3, class_token=True),
 }
 LOSSES = ("mse", "cross_entropy")
 PARTS = ("full", "outer", "functional")
 DTYPES = {"f64": np.float64, "f32": np.float32}
 CASES = [(spec, loss, part, dtype) for spec in SPECS for loss in LOSSES for part in PARTS for dtype in DTYPES]
 B, L, D = 2, 5, 6
+PATCH = 5  # the ViT's input width
+
+
+def widths(spec: str) -> tuple[int, int, int]:
+    """The input's and the output's width, and the output's tokens (a class token's one more)."""
+    model = SPECS[spec]
+    return (PATCH, model.classes, L + 1) if isinstance(model, ModelSpec) else (D, D, L)
 
 
 def name(spec: str, loss: str, part: str, dtype: str) -> str:
@@ -44,9 +55,10 @@ def problem(spec: str, loss: str, dtype: str):
     dt = DTYPES[dtype]
     params = BlockParams.random(SPECS[spec], d=D, d_k=4, d_ff=7, seed=3, dtype=dt)
     rng = np.random.default_rng(2)
-    X = rng.standard_normal((B, L, D)).astype(dt)
-    target = (rng.standard_normal((B, L, D)).astype(dt) if loss == "mse"
-              else rng.integers(0, D, size=(B, L)).astype(np.int64))
+    width_in, width_out, tokens = widths(spec)
+    X = rng.standard_normal((B, L, width_in)).astype(dt)
+    target = (rng.standard_normal((B, tokens, width_out)).astype(dt) if loss == "mse"
+              else rng.integers(0, width_out, size=(B, tokens)).astype(np.int64))
     v = rng.standard_normal(params.size).astype(dt)
     return params, X, target, v
 
@@ -55,10 +67,11 @@ def run(lib, spec: str, loss: str, part: str, dtype: str, gpu: int):
     params, X, target, v = problem(spec, loss, dtype)
     dt = DTYPES[dtype]
     core = _problem(X, target, params, loss, part, SPECS[spec].eps, None, 1).core_args
+    X = np.ascontiguousarray(core[0], dtype=dt)  # as the core reads it (a class token's placeholder row first)
     weights = [np.ascontiguousarray(w, dtype=dt) for w in core[2]]
-    codes = np.array([int(c) for c in SPECS[spec]._core()[:9]], dtype=np.int64)
-    shapes = dict(zip(params.names, params.shapes))
-    heads = SPECS[spec].heads
+    codes = np.array([int(c) for c in SPECS[spec]._core()], dtype=np.int64)
+    shapes = {n.removeprefix("h.0."): s for n, s in zip(params.names, params.shapes)}
+    heads = codes[4]
     d_k, d_v = shapes["W_Q"][1] // heads, shapes["W_V"][1] // heads
     d_ff = shapes["W_1"][1] if "W_1" in shapes else 0
     value, grad, hv = np.zeros(1, dt), np.full(params.size, np.nan, dt), np.full(params.size, np.nan, dt)
@@ -68,7 +81,7 @@ def run(lib, spec: str, loss: str, part: str, dtype: str, gpu: int):
     fn = getattr(lib, "block_loss_hvp_" + dtype)
     fn.restype = ctypes.c_int
     mse = loss == "mse"
-    status = fn(ctypes.c_int(gpu), codes.ctypes.data_as(P), ctypes.c_long(B), ctypes.c_long(L), ctypes.c_long(D),
+    status = fn(ctypes.c_int(gpu), codes.ctypes.data_as(P), ctypes.c_long(B), ctypes.c_long(X.shape[1]), ctypes.c_long(D),
                 ctypes.c_long(d_k), ctypes.c_long(d_v), ctypes.c_long(d_ff), ctypes.c_double(SPECS[spec].eps),
                 X.ctypes.data_as(P), table, ctypes.c_long(len(weights)),
                 target.ctypes.data_as(P) if mse else P(None), P(None) if mse else target.ctypes.data_as(P),

@@ -57,7 +57,7 @@ class Model {
   // and their rows and columns are computed from Hessian-vector products (loss_hessian).
   // On `backend` (backend.hpp; it outlives the model), X, the weights and a loss's target in its
   // memory: the host's by default. On a GPU backend the loss, its gradient and the Hessian-vector
-  // products (LossHessianOperator) of a stack of blocks run there; what still runs on the host
+  // products (LossHessianOperator) of a model that reads X run there; what still runs on the host
   // refuses it (docs/backends.md).
   static Model stack(const Spec& spec, const Dims& dims, const Stack& stack, index_t samples, const T* X,
                      const std::vector<const T*>& weights, T eps, engine::Storage storage = engine::Storage::copy,

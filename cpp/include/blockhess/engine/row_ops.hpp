@@ -36,6 +36,8 @@ template <class T>
 struct AddBias;
 template <class T>
 struct ColumnSums;
+template <class T>
+struct ClassTokenRows;
 // the pointwise activation's (rows/pointwise.hpp)
 template <class T>
 struct ActivationForward;
@@ -78,6 +80,7 @@ struct SoftmaxCotangentTangentRows;
   X(WriteEntries)                 \
   X(AddBias)                      \
   X(ColumnSums)                   \
+  X(ClassTokenRows)               \
   X(ActivationForward)            \
   X(ActivationCotangentTangent)   \
   X(NormalizeRows)                \

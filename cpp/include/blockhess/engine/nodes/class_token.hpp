@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "blockhess/engine/graph.hpp"
+#include "blockhess/engine/rows/entries.hpp"
 
 namespace blockhess::engine {
 
@@ -22,13 +23,12 @@ template <class T>
 class ClassTokenNode final : public Node<T> {
  public:
   void forward(Graph<T>& g) override {
-    g.require_host("a class token");
     const index_t n = g.tokens(), d = width(g), L = g.tokens_per_sample();
     rows_.resize(static_cast<size_t>(n));
     for (index_t t = 0; t < n; ++t) rows_[static_cast<size_t>(t)] = t % L == 0 ? 0 : -1;
-    const T *in = g.value(this->inputs[0]), *c = g.weight(param());
-    T* out = g.value_out(this->output);
-    for (index_t t = 0; t < n; ++t) std::copy_n(t % L == 0 ? c : in + t * d, d, out + t * d);
+    g.backend().run(rows::ClassTokenRows<T>{g.weight(param()), g.value(this->inputs[0]), g.value_out(this->output), false,
+                                            L * d, d},
+                    n * d);
   }
 
   void vjp(Graph<T>& g) const override {
@@ -56,12 +56,7 @@ class ClassTokenNode final : public Node<T> {
     const T* dc = tg.dW[static_cast<size_t>(param())];
     if (!din && !dc) return;
     const index_t n = g.tokens(), d = width(g), L = g.tokens_per_sample();
-    T* out = tg.out(this->output, n * d);
-    for (index_t t = 0; t < n; ++t) {
-      const T* row = t % L == 0 ? dc : din ? din + t * d : nullptr;
-      if (row) std::copy_n(row, d, out + t * d);
-      else std::fill_n(out + t * d, d, T(0));
-    }
+    g.backend().run(rows::ClassTokenRows<T>{dc, din, tg.out(this->output, n * d), false, L * d, d}, n * d);
   }
 
   void vjp_tangent(const Graph<T>& g, Tangent<T>& tg, bool) const override {
@@ -77,21 +72,16 @@ class ClassTokenNode final : public Node<T> {
 
   // The slot gets `rows` with every sample's first row zero (it does not reach the output).
   void write_masked(const Graph<T>& g, const Slot<T>& slot, const T* rows) const {
-    const index_t n = g.tokens(), d = width(g), L = g.tokens_per_sample();
-    for (index_t t = 0; t < n; ++t)
-      for (index_t a = 0; a < d; ++a) {
-        const T v = t % L == 0 ? T(0) : rows[t * d + a];
-        slot.data[t * d + a] = slot.add ? slot.data[t * d + a] + v : v;
-      }
+    const index_t d = width(g), L = g.tokens_per_sample();
+    g.backend().run(rows::ClassTokenRows<T>{nullptr, rows, slot.data, slot.add, L * d, d}, g.tokens() * d);
   }
 
-  // out (1, d) = the sum over samples of rows' first row.
+  // out (1, d) = the sum over samples of rows' first row: the first d columns' sums of the
+  // (samples, L d) rows.
   void first_rows_sum(const Graph<T>& g, T* out, const T* rows) const {
     if (!out) return;
     const index_t d = width(g), L = g.tokens_per_sample();
-    std::fill_n(out, d, T(0));
-    for (index_t b = 0; b < g.samples(); ++b)
-      for (index_t a = 0; a < d; ++a) out[a] += rows[b * L * d + a];
+    g.backend().run(rows::ColumnSums<T>{rows, nullptr, out, g.samples(), L * d, false}, d);
   }
 };
 

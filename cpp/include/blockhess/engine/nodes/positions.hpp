@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "blockhess/engine/graph.hpp"
+#include "blockhess/engine/rows/entries.hpp"
 
 namespace blockhess::engine {
 
@@ -22,14 +23,13 @@ template <class T>
 class PositionsNode final : public Node<T> {
  public:
   void forward(Graph<T>& g) override {
-    g.require_host("learned positions");
     const index_t n = g.tokens(), d = width(g), L = g.tokens_per_sample();
     positions_.resize(static_cast<size_t>(n));
     for (index_t t = 0; t < n; ++t) positions_[static_cast<size_t>(t)] = t % L;
-    const T *in = g.value(this->inputs[0]), *P = g.weight(param());
     T* out = g.value_out(this->output);
-    for (index_t t = 0; t < n; ++t)
-      for (index_t a = 0; a < d; ++a) out[t * d + a] = in[t * d + a] + P[(t % L) * d + a];
+    write_slot(g, Slot<T>{out, false}, g.value(this->inputs[0]), n * d);
+    // W_P's first L rows, one (L d) bias a sample.
+    g.backend().run(rows::AddBias<T>{g.weight(param()), out, L * d}, n * d);
   }
 
   void vjp(Graph<T>& g) const override {
@@ -62,8 +62,9 @@ class PositionsNode final : public Node<T> {
     if (!din && !dP) return;
     const index_t n = g.tokens(), d = width(g), L = g.tokens_per_sample();
     T* out = tg.out(this->output, n * d);
-    for (index_t t = 0; t < n; ++t)
-      for (index_t a = 0; a < d; ++a) out[t * d + a] = (din ? din[t * d + a] : T(0)) + (dP ? dP[(t % L) * d + a] : T(0));
+    if (din) write_slot(g, Slot<T>{out, false}, din, n * d);
+    else g.backend().run(rows::Zero<T>{out}, n * d);
+    if (dP) g.backend().run(rows::AddBias<T>{dP, out, L * d}, n * d);
   }
 
   void vjp_tangent(const Graph<T>& g, Tangent<T>& tg, bool) const override {
@@ -78,13 +79,13 @@ class PositionsNode final : public Node<T> {
   index_t width(const Graph<T>& g) const { return g.width(this->output); }
   std::vector<std::int64_t> positions_;  // each token's position in its sample
 
-  // out (W_P's shape) = each token's row of `rows` summed onto its position's row; rows past L stay 0.
+  // out (W_P's shape) = each token's row of `rows` summed onto its position's row, sample after
+  // sample (the column sums of the (samples, L d) rows); rows past L stay 0.
   void scatter(const Graph<T>& g, T* out, const T* rows) const {
     if (!out) return;
-    const index_t n = g.tokens(), d = width(g), L = g.tokens_per_sample();
-    std::fill_n(out, g.parameter(param()).size(), T(0));
-    for (index_t t = 0; t < n; ++t)
-      for (index_t a = 0; a < d; ++a) out[(t % L) * d + a] += rows[t * d + a];
+    const index_t d = width(g), L = g.tokens_per_sample();
+    g.backend().run(rows::ColumnSums<T>{rows, nullptr, out, g.samples(), L * d, false}, L * d);
+    g.backend().run(rows::Zero<T>{out + L * d}, g.parameter(param()).size() - L * d);
   }
 };
 

@@ -102,4 +102,23 @@ struct ColumnSums {
   }
 };
 
+// A class token's rows (an item is an entry): in every sample (`period` entries apart) the first
+// row's d entries are token's (0 where token is null), the others x's (0 where x is null);
+// assigned or (add) added: its forward pass, tangent and (token null) cotangent.
+template <class T>
+struct ClassTokenRows {
+  const T* token;
+  const T* x;
+  T* out;
+  bool add;
+  index_t period, d;
+  index_t cost() const { return 1; }
+  BLOCKHESS_HD void operator()(index_t begin, index_t end) const {
+    for_columns(begin, end, period, [this](index_t k, index_t j) {
+      const T v = j < d ? (token ? token[j] : T(0)) : (x ? x[k] : T(0));
+      out[k] = add ? out[k] + v : v;
+    });
+  }
+};
+
 }  // namespace blockhess::engine::rows
