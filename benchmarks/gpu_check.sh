@@ -15,7 +15,9 @@
 #  2. runs the GPU tests: pytest -m cuda (tests/test_cuda.py: every GPU result against the CPU
 #     core and torch CUDA autograd, the bad-input tests on device arrays);
 #  3. runs the GPU benchmark (benchmarks/gpu_bench.py): LayerNorm Jacobian-blocks bandwidth vs a
-#     device-to-device copy, full block loss Hessian vs torch.func.hessian on the same GPU;
+#     device-to-device copy, full block loss Hessian vs torch.func.hessian on the same GPU, and the
+#     GPU engine's Hessian-vector products (GPT-2-shaped block, 4-block stack) vs a torch gradient
+#     and torch's double-backward HVP;
 #  4. compute-sanitizer memcheck and racecheck over a selection of the GPU tests (SANITIZE_TESTS);
 #  5. if time is left, the rest of the test suite (informational).
 # Everything goes to OUTDIR/log.txt; OUTDIR/results.md has the summary and the results table.
@@ -53,7 +55,8 @@ banner() { echo; echo "==== [$(($(date +%s) - START)) s] $* ===="; }
 
 SANITIZE_TESTS="${SANITIZE_TESTS:-cupy and (layernorm_gpu_matches_cpu and 16-256 or softmax_gpu or commutation_gpu \
 or attention_gpu or ffn_gpu or block_gpu_matches_cpu and mse or output_hessian or non_finite \
-or family_loss_hessian and (paper or pre-everything-heads2 or rmsnorm-affine))}"
+or family_loss_hessian and (paper or pre-everything-heads2 or rmsnorm-affine) \
+or run_on_the_gpu_engine and (paper or pre-everything-heads2))}"
 BUILD=skipped TESTS=skipped BENCH=skipped REST=skipped SAN_memcheck=skipped SAN_racecheck=skipped TESTLINE="" RESTLINE=""
 
 banner "environment"
