@@ -113,20 +113,23 @@ class HessianOperator(CurvatureOperator):
                        lambda rows, out: _gpu_launch.engine_operator_apply(self._gpu_op, rows, out))
 
 
-def _vectors(V: np.ndarray, P: int, names: tuple[str, ...], dtype: np.dtype) -> np.ndarray:
-    """V (checked by float_array) as the C-contiguous (P,) or (P, k) array of dtype a product takes."""
+def _require_rows(V: Any, P: int, names: tuple[str, ...]) -> None:
+    """V (P,) or (P, k): one row per selected parameter entry."""
     if V.shape[0] != P:
         what = "V" if V.ndim == 2 else "v"
         raise ValueError(f"{what} must have {P} rows (the parameters in wrt={names}), got shape {tuple(V.shape)}")
+
+
+def _vectors(V: np.ndarray, P: int, names: tuple[str, ...], dtype: np.dtype) -> np.ndarray:
+    """V (checked by float_array) as the C-contiguous (P,) or (P, k) array of dtype a product takes."""
+    _require_rows(V, P, names)
     return contiguous(V, dtype)
 
 
 def _on_gpu(V: Any, P: int, names: tuple[str, ...], dtype: np.dtype, products: Any) -> Any:
     """H V for a GPU V (P,) or (P, k) by products(rows, out), which writes out (k, P) = the products of
     the rows (k, P) of V^T, on V's device."""
-    if V.shape[0] != P:
-        what = "V" if V.ndim == 2 else "v"
-        raise ValueError(f"{what} must have {P} rows (the parameters in wrt={names}), got shape {tuple(V.shape)}")
+    _require_rows(V, P, names)
     xp = _backend.array_module(V)
     with _backend.device_of(V):
         rows = xp.ascontiguousarray((V if V.ndim == 2 else V[:, None]).T, dtype=dtype)

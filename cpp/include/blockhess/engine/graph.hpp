@@ -288,6 +288,8 @@ class Graph {
     return n < 0 ? nullptr : nodes_[static_cast<size_t>(n)].get();
   }
   const T* value(int v) const { return values_[static_cast<size_t>(v)].data(); }
+  // to = from, n values in the backend's memory.
+  void copy(const T* from, T* to, index_t n) const { backend_->run(rows::WriteEntries<T>{from, to, false}, n); }
   // A host copy of value v: the vectors of a factor that enters at it (factor.hpp).
   std::shared_ptr<const Buffer<T>> value_copy(int v) const {
     require_host("a parameter's tangent factors");
@@ -571,9 +573,6 @@ class Graph {
     tg.has_d.assign(nv, 0), tg.dcot_written.assign(nv, 0);
     tg.dW.assign(np, nullptr), tg.dgrad.assign(np, nullptr), tg.dgrad_written.assign(np, 0);
   }
-
-  // to = from, n values in the backend's memory.
-  void copy(const T* from, T* to, index_t n) const { backend_->run(rows::WriteEntries<T>{from, to, false}, n); }
 
   int new_value(index_t width, int producer, bool varies) {
     width_.push_back(width);

@@ -27,7 +27,7 @@ class PositionsNode final : public Node<T> {
     positions_.resize(static_cast<size_t>(n));
     for (index_t t = 0; t < n; ++t) positions_[static_cast<size_t>(t)] = t % L;
     T* out = g.value_out(this->output);
-    write_slot(g, Slot<T>{out, false}, g.value(this->inputs[0]), n * d);
+    g.copy(g.value(this->inputs[0]), out, n * d);
     // W_P's first L rows, one (L d) bias a sample.
     g.backend().run(rows::AddBias<T>{g.weight(param()), out, L * d}, n * d);
   }
@@ -62,7 +62,7 @@ class PositionsNode final : public Node<T> {
     if (!din && !dP) return;
     const index_t n = g.tokens(), d = width(g), L = g.tokens_per_sample();
     T* out = tg.out(this->output, n * d);
-    if (din) write_slot(g, Slot<T>{out, false}, din, n * d);
+    if (din) g.copy(din, out, n * d);
     else g.backend().run(rows::Zero<T>{out}, n * d);
     if (dP) g.backend().run(rows::AddBias<T>{dP, out, L * d}, n * d);
   }
