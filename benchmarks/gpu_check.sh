@@ -56,7 +56,7 @@ banner() { echo; echo "==== [$(($(date +%s) - START)) s] $* ===="; }
 SANITIZE_TESTS="${SANITIZE_TESTS:-cupy and (layernorm_gpu_matches_cpu and 16-256 or softmax_gpu or commutation_gpu \
 or attention_gpu or ffn_gpu or block_gpu_matches_cpu and mse or output_hessian or non_finite \
 or family_loss_hessian and (paper or pre-everything-heads2 or rmsnorm-affine) \
-or run_on_the_gpu_engine and (paper or pre-everything-heads2))}"
+or run_on_the_gpu_engine and (paper or pre-everything-heads2 or lm-next_token))}"
 BUILD=skipped TESTS=skipped BENCH=skipped REST=skipped SAN_memcheck=skipped SAN_racecheck=skipped TESTLINE="" RESTLINE=""
 
 banner "environment"

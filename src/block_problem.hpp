@@ -50,7 +50,7 @@ struct Problem {
   block::Stack stack;
   index_t B = 0;
   const T* X = nullptr;               // (B, L, d), or
-  const std::int64_t* ids = nullptr;  // a language model's token ids (B, L)
+  const std::int64_t* ids = nullptr;  // a language model's token ids (B, L), in the host's memory
   std::vector<const T*> weights;
   const Backend<T>* backend = &cpu_backend<T>();  // where the arrays live and the model runs
 
@@ -65,7 +65,7 @@ struct Problem {
 
  private:
   block::Model<T> make(T eps, engine::Storage storage) const {
-    if (ids) return block::Model<T>::language_model(spec, dims, stack, B, ids, weights, eps, storage);
+    if (ids) return block::Model<T>::language_model(spec, dims, stack, B, ids, weights, eps, storage, *backend);
     return block::Model<T>::stack(spec, dims, stack, B, X, weights, eps, storage, *backend);
   }
 };

@@ -1,7 +1,7 @@
 // The block family's curvature on the GPU, bound into _cuda, with the same checks as _core's
 // bindings (block_problem.hpp) and the same engine:
 //   - the loss, its gradient and Hessian-vector products (and the Hessian as an operator) of a
-//     block or a model that reads X on the GPU backend (cuda::CudaBackend), on the caller's device arrays, which
+//     block or a model on the GPU backend (cuda::CudaBackend), on the caller's device arrays, which
 //     Python passes as (pointer, shape);
 //   - dense Hessians, whose factors still run on the host (docs/backends.md): the engine evaluates
 //     the block from host copies of the (small) inputs and writes the (P, P) Hessian into device
@@ -18,6 +18,7 @@
 #include "blockhess/block_model.hpp"
 #include "blockhess/engine/derivatives.hpp"
 #include "blockhess/engine/loss.hpp"
+#include "blockhess/heads.hpp"
 #include "blockhess/cuda/backend.hpp"
 #include "blockhess/cuda/device_hessian.hpp"
 #include "blockhess/cuda/runtime.hpp"
@@ -35,40 +36,69 @@ ArrayShape<U> on_device(const DeviceArg& a) {
   return {a.second, reinterpret_cast<const U*>(a.first)};
 }
 
-// A loss call on device arrays: the call (a model that reads X, which the GPU backend runs whole; its
-// target mse's values or cross-entropy's classes, whose range the head checks) and the backend on
+// A loss call on device arrays: the call (a model, which the GPU backend runs whole; its target
+// mse's values or the classes of a cross-entropy, whose range the head checks) and the backend on
 // the caller's stream (and device), which its problem runs on.
 template <class T>
 struct DeviceCall {
   std::unique_ptr<cuda::CudaBackend<T>> backend;
+  std::vector<std::int64_t> ids;  // a language model's token ids, read back: its embedding groups them on the host
   CurvatureCall<T> call;
 };
+
+// Whether the GPU backend runs a model's loss: mse, cross_entropy, next_token, and a classifier's
+// own class-token loss (pooled_cross_entropy with a class token); not yet the pooled mean's.
+inline bool runs_on_device(int kind, const block::Stack& stack) {
+  const bool first_token = kind == heads::kPooledCrossEntropy && stack.classes > 0 && stack.class_token;
+  return kind == 0 || kind == 1 || kind == heads::kNextToken || first_token;
+}
+
+inline void require_device_loss(int kind, const block::Stack& stack) {
+  if (!runs_on_device(kind, stack))
+    throw std::invalid_argument("blockhess._cuda: on the GPU the losses are mse, cross_entropy, next_token and a class "
+                                "token's pooled_cross_entropy so far, not a pooled mean's (docs/backends.md)");
+  if (kind == heads::kNextToken && !stack.lm_head)
+    throw std::invalid_argument("block: next_token is the loss of a language model's logits (an LM head)");
+}
 
 template <class T>
 DeviceCall<T> device_call(const DeviceArg& X, const SpecTuple& spec, const std::vector<DeviceArg>& W, int kind,
                           const std::optional<DeviceArg>& values, const std::optional<DeviceArg>& classes, int part,
                           const std::vector<bool>& wrt, ptr stream) {
   const block::Stack stack = stack_of(spec);
-  if (stack.reads_tokens())
-    throw std::invalid_argument("blockhess._cuda: on the GPU the engine runs models that read X so far, not token ids "
-                                "(docs/backends.md)");
-  if (kind != 0 && kind != 1) throw std::invalid_argument("blockhess._cuda: on the GPU the losses are mse and cross_entropy so far");
+  require_device_loss(kind, stack);
+  DeviceCall<T> d;
+  if (stack.reads_tokens()) {
+    index_t count = 1;
+    for (const index_t n : X.second) count *= n;
+    d.ids.resize(static_cast<size_t>(count));
+    cuda::copy_to_host(d.ids.data(), reinterpret_cast<const void*>(X.first), sizeof(std::int64_t) * d.ids.size(), stream);
+  }
   std::vector<ArrayShape<T>> weights;
   for (const DeviceArg& w : W) weights.push_back(on_device<T>(w));
-  CurvatureCall<T> c = curvature_call_of(problem_of<T>(X.second, on_device<T>(X).data, nullptr, spec, weights), wrt, part);
-  if ((kind == 0) != static_cast<bool>(values) || (kind == 1) != static_cast<bool>(classes))
-    throw std::invalid_argument("block: mse needs values, cross_entropy needs classes");
+  const T* X_data = stack.reads_tokens() ? nullptr : on_device<T>(X).data;
+  d.call = curvature_call_of(problem_of<T>(X.second, X_data, stack.reads_tokens() ? d.ids.data() : nullptr, spec, weights),
+                             wrt, part);
+  CurvatureCall<T>& c = d.call;
+  if ((kind == 0) != static_cast<bool>(values) || (kind != 0) != static_cast<bool>(classes))
+    throw std::invalid_argument("block: mse needs values, the cross-entropies need classes");
   const index_t B = c.problem.B, L = c.problem.dims.L;
   if (values && values->second != std::vector<index_t>{B, L, c.problem.output_width()})
     throw std::invalid_argument("blockhess._cuda: array 'target' has the wrong shape");
-  if (classes && classes->second != std::vector<index_t>{B, L})
+  const std::vector<index_t> class_shape = kind == heads::kPooledCrossEntropy ? std::vector<index_t>{B}
+                                                                              : std::vector<index_t>{B, L};
+  if (classes && classes->second != class_shape)
     throw std::invalid_argument("blockhess._cuda: array 'target' has the wrong shape");
   c.target.loss = kind;
   c.target.values = values ? on_device<T>(*values).data : nullptr;
   c.target.classes = classes ? on_device<std::int64_t>(*classes).data : nullptr;
-  auto backend = std::make_unique<cuda::CudaBackend<T>>(stream);
-  c.problem.backend = backend.get();
-  return {std::move(backend), std::move(c)};
+  if (kind == heads::kPooledCrossEntropy) {  // the model's own classifier: its output's first rows are the logits
+    c.target.classifier.classes = stack.classes;
+    c.target.classifier.first_token = true;
+  }
+  d.backend = std::make_unique<cuda::CudaBackend<T>>(stream);
+  c.problem.backend = d.backend.get();
+  return d;
 }
 
 // The loss Hessian (or its part) as an operator on the GPU: its backend, and the engine's operator
@@ -96,7 +126,6 @@ class DeviceOperator {
 
 template <class T>
 void bind_for(py::module_& m, const char* suffix) {
-  using A = const carray<T>&;
   using Weights = const std::vector<carray<T>>&;
   using OptionalDevice = const std::optional<DeviceArg>&;
 
@@ -160,7 +189,7 @@ void bind_for(py::module_& m, const char* suffix) {
   // the loss value. The Hessian is complete when the call returns (its finiteness was read back).
   m.def(
       (std::string("loss_hessian") + suffix).c_str(),
-      [](A X, const SpecTuple& spec, Weights W, T eps, int kind, const optional_carray<T>& values,
+      [](const py::array& X, const SpecTuple& spec, Weights W, T eps, int kind, const optional_carray<T>& values,
          const optional_carray<std::int64_t>& classes, int part, const std::vector<bool>& wrt, ptr out, index_t P,
          ptr stream, const optional_carray<T>& head_weight, const optional_carray<T>& head_bias) {
         const auto c = curvature_call<T>(X, spec, W, kind, values, classes, part, wrt, head_weight, head_bias);
@@ -191,7 +220,7 @@ void bind_for(py::module_& m, const char* suffix) {
   // per output entry into a device scratch (P, P), its (i, j) block copied out on the GPU.
   m.def(
       (std::string("block_output_hessian") + suffix).c_str(),
-      [](A X, const SpecTuple& spec, Weights W, T eps, int i, int j, ptr out, ptr stream) {
+      [](const py::array& X, const SpecTuple& spec, Weights W, T eps, int i, int j, ptr out, ptr stream) {
         const auto p = output_hessian_problem(X, spec, W, i, j);
         if (out == 0) throw std::invalid_argument("blockhess._cuda: out is null");
         py::gil_scoped_release release;
@@ -216,6 +245,11 @@ void bind_block_device(py::module_& m) {
   py::register_local_exception_translator(translate_non_finite_error);
   bind_for<float>(m, "_f32");
   bind_for<double>(m, "_f64");
+  // Whether the engine's bindings above run this model and loss on the GPU (a head of the caller's
+  // own, W_C and b_C, runs on host copies).
+  m.def(
+      "engine_runs", [](const SpecTuple& spec, int kind) { return runs_on_device(kind, stack_of(spec)); },
+      py::arg("spec"), py::arg("kind"));
 }
 
 }  // namespace blockhess::bind

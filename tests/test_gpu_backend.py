@@ -37,7 +37,8 @@ def _load(path):
     for name in ("zero", "activation_forward", "scale_entries", "activation_cotangent_tangent", "sum_entries", "write_entries",
                  "add_bias", "softmax_rows", "softmax_vjp_rows", "softmax_cotangent_tangent_rows",
                  "normalize_rows", "scale_columns", "norm_tangent_rows", "scale_by", "cross_entropy_tangent_rows", "norm_vjp_rows",
-                 "norm_cotangent_tangent_rows", "column_sums", "mse_rows", "cross_entropy_rows", "class_token_rows"):
+                 "norm_cotangent_tangent_rows", "column_sums", "mse_rows", "cross_entropy_rows", "class_token_rows",
+                 "gather_rows", "scatter_rows"):
         for suffix in ("_f64", "_f32"):
             getattr(lib, name + suffix).restype = ctypes.c_int
     return lib
@@ -212,6 +213,36 @@ def test_a_class_tokens_rows_on_the_gpu_are_the_hosts(row_lib, add, token, rows)
                  L * d, d, count=samples * L * d)
         np.testing.assert_array_equal(out[:-5], expected)
         np.testing.assert_array_equal(out[-5:], start[-5:])
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_an_embeddings_lookup_and_its_scatter_on_the_gpu_are_the_hosts(row_lib, dtype):
+    """Rows looked up by id (an embedding's forward pass and tangent), and every token's row added
+    onto its id's row, each used row summing its tokens in token order (its gradient): 200 tokens
+    of 7 over 40 rows of which some repeat and some are never used, against NumPy (the scatter:
+    the same sums in the same order, bit for bit) and the host."""
+    rng = np.random.default_rng(13)
+    tokens, vocab, d = 200, 40, 7
+    ids = rng.integers(0, 30, size=tokens)  # rows 30 to 39 are never looked up
+    table = rng.standard_normal((vocab, d)).astype(dtype)
+    for gpu in (0, 1):
+        out = np.full(tokens * d + 5, np.nan, dtype)
+        run_rows(row_lib, "gather_rows", dtype, gpu, table, ids, out, d, count=tokens * d)
+        np.testing.assert_array_equal(out[:-5], table[ids].ravel())
+        assert np.isnan(out[-5:]).all()
+
+    rows = rng.standard_normal((tokens, d)).astype(dtype)
+    order = np.argsort(ids, kind="stable")
+    used, starts = np.unique(ids[order], return_index=True)
+    starts = np.append(starts, tokens)
+    expected = table.copy()
+    for t in range(tokens):  # the host's loop before the row operation: token after token
+        expected[ids[t]] += rows[t]
+    for gpu in (0, 1):
+        out = np.append(table.ravel(), np.full(5, np.nan, dtype))
+        run_rows(row_lib, "scatter_rows", dtype, gpu, rows, used, starts, order, out, d, count=len(used) * d)
+        np.testing.assert_array_equal(out[:-5], expected.ravel())
+        assert np.isnan(out[-5:]).all()
 
 
 def _softmax(logits, causal):

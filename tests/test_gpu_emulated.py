@@ -347,11 +347,32 @@ GPU_ENGINE_SPECS = {
     "vit": blockhess.ModelSpec(blockhess.BlockSpec(norm_position="pre", norm_affine=True, heads=2, out_proj=True,
                                                    eps=1e-5),
                                n_layers=2, final_norm=True, patch_dim=5, n_positions=6, classes=4, class_token=True),
+    "gpt2 lm": blockhess.ModelSpec(blockhess.BlockSpec(norm_position="pre", norm_affine=True, bias=True, heads=2,
+                                                       out_proj=True, activation="gelu_tanh", causal=True, eps=1e-5),
+                                   n_layers=2, final_norm=True, vocab_size=9, n_positions=5, lm_head=True),
 }
+GPU_ENGINE_CASES = ([(name, loss) for name in GPU_ENGINE_SPECS if name != "gpt2 lm" for loss in ("mse", "cross_entropy")]
+                    + [("vit", "pooled_cross_entropy"), ("gpt2 lm", "next_token"), ("gpt2 lm", "cross_entropy")])
 
 
-@pytest.mark.parametrize("loss", ["mse", "cross_entropy"])
-@pytest.mark.parametrize("name", GPU_ENGINE_SPECS)
+def _engine_inputs(rng, name: str, loss: str):
+    """X (a language model's token ids, repeated; a ViT's patches of 5) and the loss's target."""
+    if name == "gpt2 lm":
+        X, out_shape = rng.integers(0, 4, size=(2, 5)), (2, 5, 9)
+    else:
+        vit = name == "vit"  # a class token's row more out, 4 classes
+        X, out_shape = rng.standard_normal((2, 5, 5 if vit else 6)), (2, 6, 4) if vit else (2, 5, 6)
+    if loss == "mse":
+        return X, rng.standard_normal(out_shape)
+    if loss == "pooled_cross_entropy":  # the class token's logits against a class a sample
+        return X, rng.integers(0, out_shape[-1], size=out_shape[0])
+    target = rng.integers(0, out_shape[-1], size=out_shape[:2])
+    if loss == "next_token":
+        target[1, 3] = -100  # an ignored label
+    return X, target
+
+
+@pytest.mark.parametrize("name,loss", GPU_ENGINE_CASES)
 def test_hessian_vector_products_run_on_the_gpu_engine(device, kernels, rng, name, loss):
     """loss_hvp, hessian_operator's products and loss value, and loss_gradient on GPU arrays run
     the engine on the GPU backend (_cuda's loss_hvp, HessianOperator, loss_gradient: no host copy
@@ -359,10 +380,7 @@ def test_hessian_vector_products_run_on_the_gpu_engine(device, kernels, rng, nam
     spec = GPU_ENGINE_SPECS[name]
     params = blockhess.BlockParams.random(spec, d=6, d_k=4, d_ff=7, seed=5)
     dparams = blockhess.BlockParams.from_arrays(spec, {n: device(a) for n, a in zip(params.names, params.arrays)})
-    vit = name == "vit"  # patches of 5, a class token's row more out, 4 classes
-    X = rng.standard_normal((2, 5, 5 if vit else 6))
-    out_shape = (2, 6, 4) if vit else (2, 5, 6)
-    target = rng.standard_normal(out_shape) if loss == "mse" else rng.integers(0, out_shape[-1], size=out_shape[:2])
+    X, target = _engine_inputs(rng, name, loss)
     V = rng.standard_normal((params.size, 2))
     for part in ("full", "outer", "functional"):
         kernels.calls.clear()
@@ -382,8 +400,8 @@ def test_hessian_vector_products_run_on_the_gpu_engine(device, kernels, rng, nam
 
 
 def test_what_the_gpu_engine_does_not_run_yet_runs_on_host_copies(device, kernels, rng):
-    """A pooled head (and a language model's embedding) still runs on the host:
-    the same public call gives the host engine's result on the device, no GPU engine call."""
+    """A pooled head of the caller's own still runs on the host: the same public call gives the
+    host engine's result on the device, no GPU engine call."""
     import reference as ref
 
     X, W, _, _ = ref.random_block(rng, 4, 3, 2, 5, B=2)
@@ -407,3 +425,45 @@ def test_the_gpu_engine_checks_a_loss_target_as_the_host_does(device, rng):
     X, v = rng.standard_normal((2, 5, 6)), rng.standard_normal(params.size)
     with pytest.raises(ValueError, match="out of range"):
         blockhess.loss_hvp(device(X), device(np.full((2, 5), 6)), dparams, device(v), loss="cross_entropy")
+
+
+def test_the_gpu_engine_checks_a_language_models_ids_and_labels_as_the_host_does(device, rng):
+    """A token id or a next-token label out of range is the host's ValueError on the GPU engine too
+    (the embedding checks the ids it reads back, the head the labels), never a wrong product."""
+    spec = GPU_ENGINE_SPECS["gpt2 lm"]
+    params = blockhess.BlockParams.random(spec, d=6, d_k=4, d_ff=7, seed=5)
+    dparams = blockhess.BlockParams.from_arrays(spec, {n: device(a) for n, a in zip(params.names, params.arrays)})
+    ids, labels, v = rng.integers(0, 9, size=(2, 5)), rng.integers(0, 9, size=(2, 5)), rng.standard_normal(params.size)
+    bad_ids = ids.copy()
+    bad_ids[1, 2] = 9
+    for X, target in ((bad_ids, labels), (ids, np.where(labels == labels[0, 1], 9, labels))):
+        with pytest.raises(ValueError, match="out of range") as on_host:
+            blockhess.loss_hvp(X, target, params, v, loss="next_token")
+        with pytest.raises(ValueError, match="out of range") as on_gpu:
+            blockhess.loss_hvp(device(X), device(target), dparams, device(v), loss="next_token")
+        assert str(on_gpu.value) == str(on_host.value)
+
+
+def test_a_language_models_other_functions_take_gpu_ids(device, kernels, rng):
+    """The rest of a language model's functions on GPU ids: its output, loss, dense Hessian (the
+    host engine's per-token work and products, the Hessian on the device), blocks of it and the
+    operator's diagonal, each the host's, on the device."""
+    spec = GPU_ENGINE_SPECS["gpt2 lm"]
+    params = blockhess.BlockParams.random(spec, d=6, d_k=4, d_ff=7, seed=5)
+    dparams = blockhess.BlockParams.from_arrays(spec, {n: device(a) for n, a in zip(params.names, params.arrays)})
+    ids, labels = _engine_inputs(rng, "gpt2 lm", "next_token")
+    wrt = ("h.1", "ln_f")
+    cases = [
+        lambda f, p: blockhess.block_forward(f(ids), p),
+        lambda f, p: blockhess.block_forward(f(ids[0]), p),
+        lambda f, p: blockhess.loss_hessian(f(ids), f(labels), p, loss="next_token", wrt=wrt),
+        lambda f, p: blockhess.loss_hessian(f(ids), f(labels), p, loss="next_token", wrt=("wpe", "h.1.W_2"),
+                                            part="outer"),
+        lambda f, p: blockhess.hessian_operator(f(ids), f(labels), p, loss="next_token", wrt=wrt).diagonal(),
+    ]
+    for k, case in enumerate(cases):
+        got, want = case(device, dparams), case(lambda a: a, params)
+        assert isinstance(got, cupy_emulation.DevArray), k
+        assert rel(got, want) <= TOL, k
+    value = blockhess.loss_value(device(ids), device(labels), dparams, loss="next_token")
+    assert abs(value - blockhess.loss_value(ids, labels, params, loss="next_token")) < 1e-12

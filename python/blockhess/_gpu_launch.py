@@ -215,10 +215,9 @@ def block_output_hessian(X3, spec, weights, eps, i, j, out) -> None:
 
 def engine_runs(spec: tuple, kind: int, head: tuple) -> bool:
     """Whether the engine runs this call on the GPU backend (src/cuda_block.cpp's device_call): a
-    block or a model of them that reads X (spec: BlockSpec._core() or a ModelSpec's; not a language
-    model's token ids) under mse or cross_entropy (codes 0, 1), no head. The rest runs on host
-    copies (docs/backends.md)."""
-    return spec[11] == 0 and kind in (0, 1) and all(h is None for h in head)
+    block or a model of them (spec: BlockSpec._core() or a ModelSpec's) under a loss the backend
+    runs, with no head of the caller's own. The rest runs on host copies (docs/backends.md)."""
+    return all(h is None for h in head) and bool(_backend._cuda.engine_runs(spec, kind))
 
 
 def _device_arg(a: Any) -> tuple[int, tuple[int, ...]] | None:
@@ -251,7 +250,7 @@ def engine_loss_hvp(X3, spec, weights, eps, kind, values, classes, part, selecte
 def engine_hessian_operator(X3, spec, weights, eps, kind, values, classes, part, selected) -> Any:
     """The loss Hessian as an operator on the GPU backend (_cuda's HessianOperator): its passes run
     now, on the current stream, from copies of X and the weights it keeps in device memory."""
-    return _fn("HessianOperator", X3.dtype)(_device_arg(X3), spec, [_device_arg(w) for w in weights], float(eps), kind,
+    return _fn("HessianOperator", weights[0].dtype)(_device_arg(X3), spec, [_device_arg(w) for w in weights], float(eps), kind,
                                             _device_arg(values), _device_arg(classes), part, list(selected),
                                             _stream())
 

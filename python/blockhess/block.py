@@ -330,8 +330,6 @@ def _tokens(X: Any, params: BlockParams, single: bool, promote_with: tuple[Any, 
     ids = as_array(X, "X")
     if ids is None or not hasattr(ids, "dtype"):
         ids = np.asarray(X)
-    if _backend.on_device(ids):
-        raise TypeError("a language model runs on the CPU so far; pass its token ids as a NumPy array or CPU tensor")
     if np.dtype(ids.dtype).kind not in "iu":
         raise TypeError(f"X must hold integer token ids for a language model, got dtype {ids.dtype}")
     if ids.ndim not in ((1,) if single else (1, 2)):
@@ -344,9 +342,10 @@ def _tokens(X: Any, params: BlockParams, single: bool, promote_with: tuple[Any, 
     if spec.n_positions and ids.shape[-1] > spec.n_positions:
         raise ValueError(f"X has {ids.shape[-1]} tokens per sample, but wpe has only n_positions = "
                          f"{spec.n_positions} rows")
+    _backend.on_device(ids, *params.arrays)  # TypeError for host and device arrays mixed
     dtype = common_dtype(*params.arrays, *promote_with)
     weights = tuple(contiguous(w, dtype) for w in params.arrays)
-    ids3 = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1, ids.shape[-1])
+    ids3 = _array_module(ids).ascontiguousarray(ids, dtype=np.int64).reshape(-1, ids.shape[-1])
     return ids3, weights, dtype, tuple(ids.shape)
 
 

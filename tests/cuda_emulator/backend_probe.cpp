@@ -11,8 +11,7 @@
 #include "blockhess/cpu_backend.hpp"
 #include "blockhess/cuda/backend.hpp"
 #include "blockhess/engine/graph.hpp"
-#include "blockhess/engine/heads/cross_entropy.hpp"
-#include "blockhess/engine/heads/mse.hpp"
+#include "blockhess/heads.hpp"
 #include "blockhess/engine/loss.hpp"
 #include "blockhess/engine/rows.hpp"
 
@@ -170,6 +169,17 @@ BLOCKHESS_FINITE_PROBE(_f32, float)
       long message_size) {                                                                                       \
     return run<T>(gpu, rows::ClassTokenRows<T>{token, x, out, add != 0, period, d}, count, message, message_size); \
   }                                                                                                              \
+  extern "C" __attribute__((visibility("default"))) int gather_rows##suffix(                                       \
+      int gpu, const T* table, const std::int64_t* ids, T* out, long width, long count, char* message,           \
+      long message_size) {                                                                                       \
+    return run<T>(gpu, rows::GatherRows<T>{table, ids, out, width}, count, message, message_size);               \
+  }                                                                                                              \
+  extern "C" __attribute__((visibility("default"))) int scatter_rows##suffix(                                      \
+      int gpu, const T* rows_in, const std::int64_t* used, const std::int64_t* starts, const std::int64_t* order, \
+      T* table, long width, long count, char* message, long message_size) {                                      \
+    return run<T>(gpu, rows::ScatterRows<T>{rows_in, used, starts, order, table, width, 1}, count, message,       \
+                  message_size);                                                                                 \
+  }                                                                                                              \
   extern "C" __attribute__((visibility("default"))) int mse_rows##suffix(                                          \
       int gpu, const T* z, const T* target, T* gz, T* row_loss, long d, double scale, long count, char* message,   \
       long message_size) {                                                                                       \
@@ -207,15 +217,16 @@ BLOCKHESS_PROBE(product_f32, float)
 namespace {
 
 // A block of the family or a model of them on the host backend (gpu = 0) or the GPU backend
-// (gpu = 1), every array in that backend's memory: the loss (mse against target, or cross-entropy
-// against classes where target is null) into *value, its gradient into grad and, for the Hessian's
-// part (0 full, 1 outer, 2 functional) over every parameter, H v into hv. spec: the 17 codes of
-// spec.py's BlockSpec._core() (model.py's ModelSpec's); weights: one per parameter, in the core's
-// order.
+// (gpu = 1), at X or (a language model) the token ids, in the host's memory: the loss (its code,
+// heads.hpp's: mse against target, a cross-entropy against classes) into *value, its gradient into
+// grad and, for the Hessian's part (0 full, 1 outer, 2 functional) over every parameter, H v into
+// hv. spec: the 17 codes of spec.py's BlockSpec._core() (model.py's ModelSpec's); weights: one per
+// parameter, in the core's order.
 template <class T>
 int block_loss_hvp(int gpu, const long* spec, long B, long L, long d, long dk, long dv, long dff, double eps,
-                   const T* X, const T* const* weights, long n_weights, const T* target, const std::int64_t* classes,
-                   int part, const T* v, T* value, T* grad, T* hv, char* message, long message_size) {
+                   const T* X, const std::int64_t* ids, const T* const* weights, long n_weights, int loss,
+                   const T* target, const std::int64_t* classes, int part, const T* v, T* value, T* grad, T* hv,
+                   char* message, long message_size) {
   namespace block = blockhess::block;
   namespace engine = blockhess::engine;
   try {
@@ -231,12 +242,16 @@ int block_loss_hvp(int gpu, const long* spec, long B, long L, long d, long dk, l
     if (gpu) device = std::make_unique<blockhess::cuda::CudaBackend<T>>(0);
     const blockhess::Backend<T>& backend = gpu ? *device : blockhess::cpu_backend<T>();
     engine::Graph<T> g(B, L, backend);
-    blockhess::blocks::wire_stack(g, s, D, stack, blockhess::blocks::Input<T>{X, nullptr},
+    blockhess::blocks::wire_stack(g, s, D, stack, blockhess::blocks::Input<T>{X, ids},
                                   std::vector<const T*>(weights, weights + n_weights), static_cast<T>(eps));
     g.forward();
-    std::unique_ptr<engine::Head<T>> head;
-    if (target) head = std::make_unique<engine::MseHead<T>>(target);
-    else head = std::make_unique<engine::CrossEntropyHead<T>>(classes);
+    blockhess::heads::Target<T> t;
+    t.loss = loss;
+    t.values = target;
+    t.classes = classes;
+    t.classifier.classes = stack.classes;  // a model's own classifier (its output is the logits)
+    t.classifier.first_token = stack.class_token;
+    const std::unique_ptr<engine::Head<T>> head = blockhess::heads::make(t);
     *value = engine::reverse_loss(g, *head, grad);
     const std::vector<bool> every(static_cast<size_t>(g.num_params()), true);
     engine::selected_products(g, *head, static_cast<engine::Part>(part), every).apply(v, hv);
@@ -251,10 +266,11 @@ int block_loss_hvp(int gpu, const long* spec, long B, long L, long d, long dk, l
 #define BLOCKHESS_ENGINE_PROBE(suffix, T)                                                                          \
   extern "C" __attribute__((visibility("default"))) int block_loss_hvp##suffix(                                    \
       int gpu, const long* spec, long B, long L, long d, long dk, long dv, long dff, double eps, const T* X,        \
-      const T* const* weights, long n_weights, const T* target, const std::int64_t* classes, int part, const T* v, \
-      T* value, T* grad, T* hv, char* message, long message_size) {                                                \
-    return block_loss_hvp<T>(gpu, spec, B, L, d, dk, dv, dff, eps, X, weights, n_weights, target, classes, part, v, \
-                             value, grad, hv, message, message_size);                                             \
+      const std::int64_t* ids, const T* const* weights, long n_weights, int loss, const T* target,                 \
+      const std::int64_t* classes, int part, const T* v, T* value, T* grad, T* hv, char* message,                  \
+      long message_size) {                                                                                         \
+    return block_loss_hvp<T>(gpu, spec, B, L, d, dk, dv, dff, eps, X, ids, weights, n_weights, loss, target,      \
+                             classes, part, v, value, grad, hv, message, message_size);                           \
   }
 BLOCKHESS_ENGINE_PROBE(_f64, double)
 BLOCKHESS_ENGINE_PROBE(_f32, float)

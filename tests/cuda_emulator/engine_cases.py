@@ -5,7 +5,7 @@ there (cuda_runtime.h's DeviceMemory) and takes the process with it.
     python engine_cases.py LIBRARY OUT.npz
 
 For every case of CASES: the loss, its gradient and one Hessian-vector product of a block of the
-family, each part, through backend_probe.cpp's block_loss_hvp on the host backend and on the GPU
+family or a model (a ViT, a GPT-2-like language model), each loss and part, through backend_probe.cpp's block_loss_hvp on the host backend and on the GPU
 backend, and the same through blockhess's public functions (their host engine), into OUT.npz.
 """
 
@@ -31,11 +31,18 @@ SPECS = {
     "vit": ModelSpec(BlockSpec(norm_position="pre", norm_affine=True, bias=True, heads=2, out_proj=True,
                                activation="gelu", eps=1e-5),
                      n_layers=2, final_norm=True, patch_dim=5, n_positions=6, classes=3, class_token=True),
+    # a GPT-2-like language model: token embedding, learned positions, 2 blocks, final norm, tied LM head
+    "lm": ModelSpec(BlockSpec(norm_position="pre", norm_affine=True, bias=True, heads=2, out_proj=True,
+                              activation="gelu_tanh", causal=True, eps=1e-5),
+                    n_layers=2, final_norm=True, vocab_size=11, n_positions=5, lm_head=True),
 }
 LOSSES = ("mse", "cross_entropy")
+OWN_LOSSES = {"vit": LOSSES + ("pooled_cross_entropy",),  # its class token's logits
+              "lm": ("next_token", "cross_entropy")}
 PARTS = ("full", "outer", "functional")
 DTYPES = {"f64": np.float64, "f32": np.float32}
-CASES = [(spec, loss, part, dtype) for spec in SPECS for loss in LOSSES for part in PARTS for dtype in DTYPES]
+CASES = [(spec, loss, part, dtype) for spec in SPECS for loss in OWN_LOSSES.get(spec, LOSSES) for part in PARTS
+         for dtype in DTYPES]
 B, L, D = 2, 5, 6
 PATCH = 5  # the ViT's input width
 
@@ -43,6 +50,8 @@ PATCH = 5  # the ViT's input width
 def widths(spec: str) -> tuple[int, int, int]:
     """The input's and the output's width, and the output's tokens (a class token's one more)."""
     model = SPECS[spec]
+    if spec == "lm":
+        return 0, model.vocab_size, L
     return (PATCH, model.classes, L + 1) if isinstance(model, ModelSpec) else (D, D, L)
 
 
@@ -56,9 +65,16 @@ def problem(spec: str, loss: str, dtype: str):
     params = BlockParams.random(SPECS[spec], d=D, d_k=4, d_ff=7, seed=3, dtype=dt)
     rng = np.random.default_rng(2)
     width_in, width_out, tokens = widths(spec)
-    X = rng.standard_normal((B, L, width_in)).astype(dt)
-    target = (rng.standard_normal((B, tokens, width_out)).astype(dt) if loss == "mse"
-              else rng.integers(0, width_out, size=(B, tokens)).astype(np.int64))
+    # a language model's ids repeat (the embedding's gradient sums several tokens a row)
+    X = (rng.integers(0, 4, size=(B, L)) if spec == "lm" else rng.standard_normal((B, L, width_in)).astype(dt))
+    if loss == "mse":
+        target = rng.standard_normal((B, tokens, width_out)).astype(dt)
+    elif loss == "pooled_cross_entropy":
+        target = rng.integers(0, width_out, size=B)
+    else:
+        target = rng.integers(0, width_out, size=(B, tokens))
+        if loss == "next_token":
+            target[0, 2] = -100  # an ignored label
     v = rng.standard_normal(params.size).astype(dt)
     return params, X, target, v
 
@@ -66,8 +82,11 @@ def problem(spec: str, loss: str, dtype: str):
 def run(lib, spec: str, loss: str, part: str, dtype: str, gpu: int):
     params, X, target, v = problem(spec, loss, dtype)
     dt = DTYPES[dtype]
-    core = _problem(X, target, params, loss, part, SPECS[spec].eps, None, 1).core_args
-    X = np.ascontiguousarray(core[0], dtype=dt)  # as the core reads it (a class token's placeholder row first)
+    validated = _problem(X, target, params, loss, part, SPECS[spec].eps, None, 1)
+    core = validated.core_args
+    ids = core[0] if spec == "lm" else None
+    X = None if spec == "lm" else np.ascontiguousarray(core[0], dtype=dt)  # as the core reads it (a class token's row)
+    target = np.ascontiguousarray(core[5] if loss == "mse" else core[6])
     weights = [np.ascontiguousarray(w, dtype=dt) for w in core[2]]
     codes = np.array([int(c) for c in SPECS[spec]._core()], dtype=np.int64)
     shapes = {n.removeprefix("h.0."): s for n, s in zip(params.names, params.shapes)}
@@ -81,9 +100,11 @@ def run(lib, spec: str, loss: str, part: str, dtype: str, gpu: int):
     fn = getattr(lib, "block_loss_hvp_" + dtype)
     fn.restype = ctypes.c_int
     mse = loss == "mse"
-    status = fn(ctypes.c_int(gpu), codes.ctypes.data_as(P), ctypes.c_long(B), ctypes.c_long(X.shape[1]), ctypes.c_long(D),
+    tokens = (ids if X is None else X).shape[1]
+    status = fn(ctypes.c_int(gpu), codes.ctypes.data_as(P), ctypes.c_long(B), ctypes.c_long(tokens), ctypes.c_long(D),
                 ctypes.c_long(d_k), ctypes.c_long(d_v), ctypes.c_long(d_ff), ctypes.c_double(SPECS[spec].eps),
-                X.ctypes.data_as(P), table, ctypes.c_long(len(weights)),
+                P(None) if X is None else X.ctypes.data_as(P), P(None) if ids is None else ids.ctypes.data_as(P),
+                table, ctypes.c_long(len(weights)), ctypes.c_int(validated.kind),
                 target.ctypes.data_as(P) if mse else P(None), P(None) if mse else target.ctypes.data_as(P),
                 ctypes.c_int(PARTS.index(part)), v.ctypes.data_as(P), value.ctypes.data_as(P),
                 grad.ctypes.data_as(P), hv.ctypes.data_as(P), message, ctypes.c_long(512))

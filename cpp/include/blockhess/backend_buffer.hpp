@@ -12,11 +12,14 @@
 
 namespace blockhess {
 
-// n values, uninitialised: every user writes them before it reads them. Resizing keeps the
-// contents while the storage is large enough and the backend the same (a node's tangent scratch,
-// written in one pass and read in the next); growing past it starts afresh.
-template <class T>
+// n values of type U (the backend's T by default; a loss's classes or an embedding's ids are
+// int64), uninitialised: every user writes them before it reads them. Resizing keeps the contents
+// while the storage is large enough and the backend the same (a node's tangent scratch, written in
+// one pass and read in the next); growing past it starts afresh.
+template <class T, class U = T>
 class BackendBuffer {
+  static_assert(alignof(U) <= alignof(std::max_align_t), "backend storage is aligned for any scalar");
+
  public:
   BackendBuffer() = default;
   BackendBuffer(const Backend<T>& backend, index_t n) { resize(backend, n); }
@@ -28,14 +31,14 @@ class BackendBuffer {
   BackendBuffer(const BackendBuffer&) = delete;
   BackendBuffer& operator=(const BackendBuffer&) = delete;
   ~BackendBuffer() {
-    if (data_) backend_->release(data_, capacity_);
+    if (data_) backend_->release(data_, words(capacity_));
   }
 
   void resize(const Backend<T>& backend, index_t n) {
     if (&backend != backend_ || n > capacity_) {
       BackendBuffer fresh;
       fresh.backend_ = &backend;
-      fresh.data_ = n > 0 ? backend.allocate(n) : nullptr;
+      fresh.data_ = n > 0 ? backend.allocate(words(n)) : nullptr;
       fresh.capacity_ = n;
       swap(fresh);
     }
@@ -43,14 +46,25 @@ class BackendBuffer {
   }
   void clear() { size_ = 0; }
 
-  T* data() { return data_; }
-  const T* data() const { return data_; }
+  // n values from the host's memory: resized to n and uploaded.
+  void assign(const Backend<T>& backend, const U* host, index_t n) {
+    resize(backend, n);
+    if (n > 0) backend.upload(data(), host, static_cast<std::size_t>(n) * sizeof(U));
+  }
+
+  U* data() { return reinterpret_cast<U*>(data_); }
+  const U* data() const { return reinterpret_cast<const U*>(data_); }
   index_t size() const { return size_; }
   bool empty() const { return size_ == 0; }
   // Entry k, read on the host: host-addressable backends only (the engine's curvature).
-  const T& operator[](index_t k) const { return data_[k]; }
+  const U& operator[](index_t k) const { return data()[k]; }
 
  private:
+  // The backend's values that hold n of U.
+  static index_t words(index_t n) {
+    return (n * static_cast<index_t>(sizeof(U)) + static_cast<index_t>(sizeof(T)) - 1) / static_cast<index_t>(sizeof(T));
+  }
+
   void swap(BackendBuffer& other) noexcept {
     std::swap(backend_, other.backend_);
     std::swap(data_, other.data_);

@@ -57,17 +57,20 @@ class Model {
   // and their rows and columns are computed from Hessian-vector products (loss_hessian).
   // On `backend` (backend.hpp; it outlives the model), X, the weights and a loss's target in its
   // memory: the host's by default. On a GPU backend the loss, its gradient and the Hessian-vector
-  // products (LossHessianOperator) of a model that reads X run there; what still runs on the host
-  // refuses it (docs/backends.md).
+  // products (LossHessianOperator) run there; what still runs on the host refuses it
+  // (docs/backends.md).
   static Model stack(const Spec& spec, const Dims& dims, const Stack& stack, index_t samples, const T* X,
                      const std::vector<const T*>& weights, T eps, engine::Storage storage = engine::Storage::copy,
                      const Backend<T>& backend = cpu_backend<T>());
   // A language model (stack.vocab > 0) at the token ids (samples x L, each in [0, vocab)): its
   // parameters start with wte (and wpe); with stack.lm_head its output is the logits (tokens, vocab).
-  // Dense Hessians and diagonals over wte or wpe come from products like a lower layer's.
+  // Dense Hessians and diagonals over wte or wpe come from products like a lower layer's. The ids
+  // are in the host's memory (the model copies them to the backend's); the weights and a loss's
+  // target in the backend's, as for stack().
   static Model language_model(const Spec& spec, const Dims& dims, const Stack& stack, index_t samples,
                               const std::int64_t* ids, const std::vector<const T*>& weights, T eps,
-                              engine::Storage storage = engine::Storage::copy);
+                              engine::Storage storage = engine::Storage::copy,
+                              const Backend<T>& backend = cpu_backend<T>());
   Model(Model&&) noexcept;
   Model& operator=(Model&&) noexcept;
   ~Model();

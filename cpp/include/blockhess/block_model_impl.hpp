@@ -38,9 +38,9 @@ Model<T> Model<T>::stack(const Spec& spec, const Dims& dims, const Stack& stack,
 template <class T>
 Model<T> Model<T>::language_model(const Spec& spec, const Dims& dims, const Stack& stack, index_t samples,
                                   const std::int64_t* ids, const std::vector<const T*>& weights, T eps,
-                                  engine::Storage storage) {
+                                  engine::Storage storage, const Backend<T>& backend) {
   if (!stack.reads_tokens()) throw std::invalid_argument("model: token ids need a stack with an embedding (vocab > 0)");
-  return Model(spec, dims, stack, samples, nullptr, ids, weights, eps, storage, cpu_backend<T>());
+  return Model(spec, dims, stack, samples, nullptr, ids, weights, eps, storage, backend);
 }
 template <class T>
 index_t Model<T>::working_memory(const Spec& spec, const Dims& dims, const Stack& stack, index_t samples,

@@ -38,6 +38,10 @@ template <class T>
 struct ColumnSums;
 template <class T>
 struct ClassTokenRows;
+template <class T>
+struct GatherRows;
+template <class T>
+struct ScatterRows;
 // the pointwise activation's (rows/pointwise.hpp)
 template <class T>
 struct ActivationForward;
@@ -81,6 +85,8 @@ struct SoftmaxCotangentTangentRows;
   X(AddBias)                      \
   X(ColumnSums)                   \
   X(ClassTokenRows)               \
+  X(GatherRows)                   \
+  X(ScatterRows)                  \
   X(ActivationForward)            \
   X(ActivationCotangentTangent)   \
   X(NormalizeRows)                \

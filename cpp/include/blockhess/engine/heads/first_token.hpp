@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <stdexcept>
 
+#include "blockhess/backend_buffer.hpp"
 #include "blockhess/engine/heads/relabelled.hpp"
 
 namespace blockhess::engine {
@@ -15,14 +16,15 @@ namespace blockhess::engine {
 template <class T>
 class FirstTokenCrossEntropyHead final : public RelabelledCrossEntropy<T> {
  public:
-  // classes: one per sample, read when forward runs.
+  // classes: one per sample in the graph's backend's memory, read when forward runs.
   explicit FirstTokenCrossEntropyHead(const std::int64_t* classes) : classes_(classes) {
     if (!classes_) throw std::invalid_argument("loss: pooled_cross_entropy needs integer class targets");
   }
 
  private:
   void relabel(const Graph<T>& g, std::int64_t* classes) const override {
-    for (index_t b = 0; b < g.samples(); ++b) classes[b * g.tokens_per_sample()] = classes_[b];
+    const HostView<std::int64_t, T> targets(g.backend(), classes_, g.samples());
+    for (index_t b = 0; b < g.samples(); ++b) classes[b * g.tokens_per_sample()] = targets.data()[b];
   }
 
   const std::int64_t* classes_;

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <stdexcept>
 
+#include "blockhess/backend_buffer.hpp"
 #include "blockhess/engine/heads/relabelled.hpp"
 
 namespace blockhess::engine {
@@ -14,7 +15,7 @@ namespace blockhess::engine {
 template <class T>
 class NextTokenHead final : public RelabelledCrossEntropy<T> {
  public:
-  // labels: (samples, L), read when forward runs.
+  // labels: (samples, L) in the graph's backend's memory, read when forward runs.
   explicit NextTokenHead(const std::int64_t* labels) : labels_(labels) {
     if (!labels_) throw std::invalid_argument("loss: next_token needs integer labels");
   }
@@ -22,8 +23,9 @@ class NextTokenHead final : public RelabelledCrossEntropy<T> {
  private:
   void relabel(const Graph<T>& g, std::int64_t* classes) const override {
     const index_t L = g.tokens_per_sample();
+    const HostView<std::int64_t, T> labels(g.backend(), labels_, g.tokens());
     for (index_t t = 0; t < g.tokens(); ++t)
-      if ((t + 1) % L != 0) classes[t] = labels_[t + 1];  // a sample's last token has no next one
+      if ((t + 1) % L != 0) classes[t] = labels.data()[t + 1];  // a sample's last token has no next one
   }
 
   const std::int64_t* labels_;

@@ -2,6 +2,8 @@
 // of the (tokens, width) arrays.
 #pragma once
 
+#include <cstdint>
+
 #include "blockhess/config.hpp"
 
 namespace blockhess::engine::rows {
@@ -117,6 +119,45 @@ struct ClassTokenRows {
     for_columns(begin, end, period, [this](index_t k, index_t j) {
       const T v = j < d ? (token ? token[j] : T(0)) : (x ? x[k] : T(0));
       out[k] = add ? out[k] + v : v;
+    });
+  }
+};
+
+// out's row t = table's row ids[t], rows of `width` entries (an item is an entry of out): an
+// embedding's lookup and its tangent.
+template <class T>
+struct GatherRows {
+  const T* table;
+  const std::int64_t* ids;
+  T* out;
+  index_t width;
+  index_t cost() const { return 1; }
+  BLOCKHESS_HD void operator()(index_t begin, index_t end) const {
+    for_columns(begin, end, width, [this](index_t k, index_t j) { out[k] = table[ids[k / width] * width + j]; });
+  }
+};
+
+// Every token's row of `rows` added onto the table's row of its id: an embedding's gradient. The
+// tokens come grouped by id (`order`, the tokens of used[u] at [starts[u], starts[u + 1]), each
+// group in token order), and an item is an entry of a used row, which sums its tokens in that
+// order: deterministic on any backend, and the host's order, so its bits.
+template <class T>
+struct ScatterRows {
+  const T* rows;
+  const std::int64_t* used;    // the table's rows some token looks up
+  const std::int64_t* starts;  // (used rows + 1) offsets into order
+  const std::int64_t* order;   // the tokens, grouped by id
+  T* table;
+  index_t width;
+  index_t tokens_per_row;  // on average: an item's work
+  index_t cost() const { return tokens_per_row; }
+  BLOCKHESS_HD void operator()(index_t begin, index_t end) const {
+    for_columns(begin, end, width, [this](index_t k, index_t j) {
+      const index_t u = k / width;
+      T* entry = table + used[u] * width + j;
+      T sum = *entry;
+      for (std::int64_t i = starts[u]; i < starts[u + 1]; ++i) sum += rows[order[i] * width + j];
+      *entry = sum;
     });
   }
 };
