@@ -6,8 +6,10 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -159,10 +161,18 @@ inline block::Selection selection(const std::vector<bool>& wrt, size_t count) {
   return wrt;
 }
 
+// An array's shape against what the call needs (what Python already validated, checked again).
+inline void require_shape_of(const std::vector<index_t>& shape, const std::vector<index_t>& expected,
+                             const char* name) {
+  if (shape != expected) throw std::invalid_argument(std::string("blockhess: array '") + name + "' has the wrong shape");
+}
+
+// The loss's target from arrays the caller holds (host or device; their shapes checked, their
+// entries not read): mse's values, a cross-entropy's classes, a pooled head's (W_C, b_C).
 template <class T>
-block::Target<T> target(const Problem<T>& p, int kind, const optional_carray<T>& values,
-                        const optional_carray<std::int64_t>& classes, const optional_carray<T>& head_weight,
-                        const optional_carray<T>& head_bias) {
+block::Target<T> target_of(const Problem<T>& p, int kind, const std::optional<ArrayShape<T>>& values,
+                           const std::optional<ArrayShape<std::int64_t>>& classes,
+                           const std::optional<ArrayShape<T>>& head_weight, const std::optional<ArrayShape<T>>& head_bias) {
   registry::checked(heads::kNames, kind, "loss");
   const bool pooled = kind == heads::kPooledCrossEntropy;
   if ((kind == 0) != static_cast<bool>(values) || (kind != 0) != static_cast<bool>(classes))
@@ -173,33 +183,44 @@ block::Target<T> target(const Problem<T>& p, int kind, const optional_carray<T>&
                                                : "block: pooled_cross_entropy, and only it, needs a head (W_C, b_C)");
   block::Target<T> t;
   t.loss = kind;
-  const bool next_token = kind == heads::kNextToken;
-  if (next_token && !p.stack.lm_head)
+  if (kind == heads::kNextToken && !p.stack.lm_head)
     throw std::invalid_argument("block: next_token is the loss of a language model's logits (an LM head)");
-  index_t classes_range = p.output_width();
   if (pooled && own_classifier) {
     t.classifier.classes = p.stack.classes;  // W_C, b_C null: the logits are the output's rows
     t.classifier.first_token = p.stack.class_token;
   } else if (pooled) {
-    if (head_weight->ndim() != 2) throw std::invalid_argument("block: W_C must be 2-D (d, classes)");
-    t.classifier.classes = static_cast<index_t>(head_weight->shape(1));
-    require_shape(*head_weight, {p.dims.d, t.classifier.classes}, "W_C");
-    require_shape(*head_bias, {t.classifier.classes}, "b_C");
-    t.classifier.weight = head_weight->data();
-    t.classifier.bias = head_bias->data();
-    classes_range = t.classifier.classes;
+    if (head_weight->shape.size() != 2) throw std::invalid_argument("block: W_C must be 2-D (d, classes)");
+    t.classifier.classes = head_weight->shape[1];
+    require_shape_of(head_weight->shape, {p.dims.d, t.classifier.classes}, "W_C");
+    require_shape_of(head_bias->shape, {t.classifier.classes}, "b_C");
+    t.classifier.weight = head_weight->data;
+    t.classifier.bias = head_bias->data;
   }
-  if (values) require_shape(*values, {p.B, p.dims.L, p.output_width()}, "target");
+  if (values) require_shape_of(values->shape, {p.B, p.dims.L, p.output_width()}, "target");
+  if (classes) require_shape_of(classes->shape, pooled ? std::vector<index_t>{p.B} : std::vector<index_t>{p.B, p.dims.L},
+                                "target");
+  t.values = values ? values->data : nullptr;
+  t.classes = classes ? classes->data : nullptr;
+  return t;
+}
+
+// The same from host arrays, whose classes are checked in range here.
+template <class T>
+block::Target<T> target(const Problem<T>& p, int kind, const optional_carray<T>& values,
+                        const optional_carray<std::int64_t>& classes, const optional_carray<T>& head_weight,
+                        const optional_carray<T>& head_bias) {
+  auto shape = [](const auto& a) {
+    using Data = std::remove_const_t<std::remove_reference_t<decltype(*a->data())>>;
+    return a ? std::optional<ArrayShape<Data>>(shape_of(*a)) : std::nullopt;
+  };
+  const block::Target<T> t = target_of<T>(p, kind, shape(values), shape(classes), shape(head_weight), shape(head_bias));
   if (classes) {
-    if (pooled) require_shape(*classes, {p.B}, "target");
-    else require_shape(*classes, {p.B, p.dims.L}, "target");
+    const index_t range = t.classifier.weight ? t.classifier.classes : p.output_width();
     const std::int64_t* c = classes->data();
     for (index_t k = 0; k < static_cast<index_t>(classes->size()); ++k)
-      if ((c[k] < 0 || c[k] >= classes_range) && !(next_token && c[k] == engine::kIgnoredClass))
+      if ((c[k] < 0 || c[k] >= range) && !(kind == heads::kNextToken && c[k] == engine::kIgnoredClass))
         throw std::invalid_argument("block: class index out of range");
   }
-  t.values = data_or_null(values);
-  t.classes = data_or_null(classes);
   return t;
 }
 

@@ -36,9 +36,9 @@ ArrayShape<U> on_device(const DeviceArg& a) {
   return {a.second, reinterpret_cast<const U*>(a.first)};
 }
 
-// A loss call on device arrays: the call (a model, which the GPU backend runs whole; its target
-// mse's values or the classes of a cross-entropy, whose range the head checks) and the backend on
-// the caller's stream (and device), which its problem runs on.
+// A loss call on device arrays: the call (a model, which the GPU backend runs whole; its target, mse's
+// values or the classes of a cross-entropy, whose range the head checks, and a pooled head's W_C,
+// b_C) and the backend on the caller's stream (and device), which its problem runs on.
 template <class T>
 struct DeviceCall {
   std::unique_ptr<cuda::CudaBackend<T>> backend;
@@ -46,27 +46,17 @@ struct DeviceCall {
   CurvatureCall<T> call;
 };
 
-// Whether the GPU backend runs a model's loss: mse, cross_entropy, next_token, and a classifier's
-// own class-token loss (pooled_cross_entropy with a class token); not yet the pooled mean's.
-inline bool runs_on_device(int kind, const block::Stack& stack) {
-  const bool first_token = kind == heads::kPooledCrossEntropy && stack.classes > 0 && stack.class_token;
-  return kind == 0 || kind == 1 || kind == heads::kNextToken || first_token;
-}
-
-inline void require_device_loss(int kind, const block::Stack& stack) {
-  if (!runs_on_device(kind, stack))
-    throw std::invalid_argument("blockhess._cuda: on the GPU the losses are mse, cross_entropy, next_token and a class "
-                                "token's pooled_cross_entropy so far, not a pooled mean's (docs/backends.md)");
-  if (kind == heads::kNextToken && !stack.lm_head)
-    throw std::invalid_argument("block: next_token is the loss of a language model's logits (an LM head)");
+template <class U>
+std::optional<ArrayShape<U>> on_device(const std::optional<DeviceArg>& a) {
+  return a ? std::optional<ArrayShape<U>>(on_device<U>(*a)) : std::nullopt;
 }
 
 template <class T>
 DeviceCall<T> device_call(const DeviceArg& X, const SpecTuple& spec, const std::vector<DeviceArg>& W, int kind,
                           const std::optional<DeviceArg>& values, const std::optional<DeviceArg>& classes, int part,
-                          const std::vector<bool>& wrt, ptr stream) {
+                          const std::vector<bool>& wrt, const std::optional<DeviceArg>& head_weight,
+                          const std::optional<DeviceArg>& head_bias, ptr stream) {
   const block::Stack stack = stack_of(spec);
-  require_device_loss(kind, stack);
   DeviceCall<T> d;
   if (stack.reads_tokens()) {
     index_t count = 1;
@@ -79,25 +69,10 @@ DeviceCall<T> device_call(const DeviceArg& X, const SpecTuple& spec, const std::
   const T* X_data = stack.reads_tokens() ? nullptr : on_device<T>(X).data;
   d.call = curvature_call_of(problem_of<T>(X.second, X_data, stack.reads_tokens() ? d.ids.data() : nullptr, spec, weights),
                              wrt, part);
-  CurvatureCall<T>& c = d.call;
-  if ((kind == 0) != static_cast<bool>(values) || (kind != 0) != static_cast<bool>(classes))
-    throw std::invalid_argument("block: mse needs values, the cross-entropies need classes");
-  const index_t B = c.problem.B, L = c.problem.dims.L;
-  if (values && values->second != std::vector<index_t>{B, L, c.problem.output_width()})
-    throw std::invalid_argument("blockhess._cuda: array 'target' has the wrong shape");
-  const std::vector<index_t> class_shape = kind == heads::kPooledCrossEntropy ? std::vector<index_t>{B}
-                                                                              : std::vector<index_t>{B, L};
-  if (classes && classes->second != class_shape)
-    throw std::invalid_argument("blockhess._cuda: array 'target' has the wrong shape");
-  c.target.loss = kind;
-  c.target.values = values ? on_device<T>(*values).data : nullptr;
-  c.target.classes = classes ? on_device<std::int64_t>(*classes).data : nullptr;
-  if (kind == heads::kPooledCrossEntropy) {  // the model's own classifier: its output's first rows are the logits
-    c.target.classifier.classes = stack.classes;
-    c.target.classifier.first_token = true;
-  }
+  d.call.target = target_of<T>(d.call.problem, kind, on_device<T>(values), on_device<std::int64_t>(classes),
+                               on_device<T>(head_weight), on_device<T>(head_bias));
   d.backend = std::make_unique<cuda::CudaBackend<T>>(stream);
-  c.problem.backend = d.backend.get();
+  d.call.problem.backend = d.backend.get();
   return d;
 }
 
@@ -134,30 +109,34 @@ void bind_for(py::module_& m, const char* suffix) {
   m.def(
       (std::string("loss_gradient") + suffix).c_str(),
       [](const DeviceArg& X, const SpecTuple& spec, const std::vector<DeviceArg>& W, T eps, int kind,
-         OptionalDevice values, OptionalDevice classes, ptr grad, ptr stream) {
+         OptionalDevice values, OptionalDevice classes, OptionalDevice head_weight, OptionalDevice head_bias, ptr grad,
+         ptr stream) {
         const std::vector<bool> every(block::parameters(spec_of(spec), block::Dims{1, 1, 1, 1, 1}, stack_of(spec)).size(),
                                       true);
         py::gil_scoped_release release;
-        const DeviceCall<T> d = device_call<T>(X, spec, W, kind, values, classes, 0, every, stream);
+        const DeviceCall<T> d = device_call<T>(X, spec, W, kind, values, classes, 0, every, head_weight, head_bias, stream);
         if (grad == 0) throw std::invalid_argument("blockhess._cuda: grad is null");
         return d.call.problem.evaluate(eps).loss_gradient(d.call.target, reinterpret_cast<T*>(grad));
       },
       py::arg("X"), py::arg("spec"), py::arg("weights"), py::arg("eps"), py::arg("kind"), py::arg("values").none(true),
-      py::arg("classes").none(true), py::arg("grad"), py::arg("stream"));
+      py::arg("classes").none(true), py::arg("head_weight").none(true), py::arg("head_bias").none(true), py::arg("grad"),
+      py::arg("stream"));
 
   // H V on device arrays, V and out (k, P) row-major (a product a row), the weights read in place.
   m.def(
       (std::string("loss_hvp") + suffix).c_str(),
       [](const DeviceArg& X, const SpecTuple& spec, const std::vector<DeviceArg>& W, T eps, int kind,
-         OptionalDevice values, OptionalDevice classes, int part, const std::vector<bool>& wrt, ptr V, index_t k,
-         ptr out, ptr stream) {
+         OptionalDevice values, OptionalDevice classes, OptionalDevice head_weight, OptionalDevice head_bias, int part,
+         const std::vector<bool>& wrt, ptr V, index_t k, ptr out, ptr stream) {
         py::gil_scoped_release release;
         if (V == 0 || out == 0) throw std::invalid_argument("blockhess._cuda: V or out is null");
-        DeviceOperator<T>(device_call<T>(X, spec, W, kind, values, classes, part, wrt, stream), eps, engine::Storage::borrow)
+        DeviceOperator<T>(device_call<T>(X, spec, W, kind, values, classes, part, wrt, head_weight, head_bias, stream), eps,
+                          engine::Storage::borrow)
             .apply(reinterpret_cast<const T*>(V), k, reinterpret_cast<T*>(out));
       },
       py::arg("X"), py::arg("spec"), py::arg("weights"), py::arg("eps"), py::arg("kind"), py::arg("values").none(true),
-      py::arg("classes").none(true), py::arg("part"), py::arg("wrt"), py::arg("V"), py::arg("k"), py::arg("out"),
+      py::arg("classes").none(true), py::arg("head_weight").none(true), py::arg("head_bias").none(true), py::arg("part"),
+      py::arg("wrt"), py::arg("V"), py::arg("k"), py::arg("out"),
       py::arg("stream"));
 
   // The operator: its forward and reverse passes at construction (copies of X and the weights kept
@@ -165,13 +144,15 @@ void bind_for(py::module_& m, const char* suffix) {
   using Operator = DeviceOperator<T>;
   py::class_<Operator>(m, (std::string("HessianOperator") + suffix).c_str())
       .def(py::init([](const DeviceArg& X, const SpecTuple& spec, const std::vector<DeviceArg>& W, T eps, int kind,
-                       OptionalDevice values, OptionalDevice classes, int part, const std::vector<bool>& wrt,
-                       ptr stream) {
+                       OptionalDevice values, OptionalDevice classes, OptionalDevice head_weight,
+                       OptionalDevice head_bias, int part, const std::vector<bool>& wrt, ptr stream) {
              py::gil_scoped_release release;
-             return new Operator(device_call<T>(X, spec, W, kind, values, classes, part, wrt, stream), eps);
+             return new Operator(
+                 device_call<T>(X, spec, W, kind, values, classes, part, wrt, head_weight, head_bias, stream), eps);
            }),
            py::arg("X"), py::arg("spec"), py::arg("weights"), py::arg("eps"), py::arg("kind"),
-           py::arg("values").none(true), py::arg("classes").none(true), py::arg("part"), py::arg("wrt"),
+           py::arg("values").none(true), py::arg("classes").none(true), py::arg("head_weight").none(true),
+           py::arg("head_bias").none(true), py::arg("part"), py::arg("wrt"),
            py::arg("stream"))
       .def_property_readonly("size", &Operator::size)
       .def_property_readonly("loss_value", &Operator::loss_value)
@@ -245,11 +226,6 @@ void bind_block_device(py::module_& m) {
   py::register_local_exception_translator(translate_non_finite_error);
   bind_for<float>(m, "_f32");
   bind_for<double>(m, "_f64");
-  // Whether the engine's bindings above run this model and loss on the GPU (a head of the caller's
-  // own, W_C and b_C, runs on host copies).
-  m.def(
-      "engine_runs", [](const SpecTuple& spec, int kind) { return runs_on_device(kind, stack_of(spec)); },
-      py::arg("spec"), py::arg("kind"));
 }
 
 }  // namespace blockhess::bind

@@ -456,30 +456,36 @@ def test_family_loss_hessian_gpu_matches_cpu(cp, rng, name, loss):
 
 
 @pytest.mark.parametrize("name", sorted(FAMILY))
-@pytest.mark.parametrize("loss", ["mse", "cross_entropy"])
+@pytest.mark.parametrize("loss", ["mse", "cross_entropy", "pooled_cross_entropy"])
 def test_family_hessian_vector_products_run_on_the_gpu_engine(cp, rng, name, loss):
-    """Every block of the family x loss x part, one sample and a batch, float64 and float32:
-    loss_hvp, the operator's products and loss value, and the gradient run the engine on the GPU
-    (the operator holds the GPU engine's), against the CPU core: float64 <= 1e-12, float32 close."""
+    """Every block of the family x loss (the pooled one through a head W_C, b_C) x part, one sample
+    and a batch, float64 and float32: loss_hvp, the operator's products and loss value, and the
+    gradient run the engine on the GPU (the operator holds the GPU engine's), against the CPU core:
+    float64 <= 1e-12, float32 close."""
     spec = FAMILY[name]
     for B in (None, 3):
-        X, target, params = family_case(rng, spec, B, loss)
+        X, target, params = family_case(rng, spec, B, "mse" if loss == "mse" else "cross_entropy")
+        head = None
+        if loss == "pooled_cross_entropy":
+            head = (rng.standard_normal((X.shape[-1], 3)), rng.standard_normal(3))
+            target = rng.integers(0, 3, () if B is None else (B,))
         V = rng.standard_normal((params.size, 2))
         for dtype in (np.float64, np.float32):
             dparams = blockhess.BlockParams.from_arrays(spec, {n: cp.asarray(a.astype(dtype))
                                                                for n, a in zip(params.names, params.arrays)})
+            dhead = None if head is None else tuple(cp.asarray(h.astype(dtype)) for h in head)
             Xd, Vd = cp.asarray(X.astype(dtype)), cp.asarray(V.astype(dtype))
             Td = cp.asarray(target.astype(dtype) if loss == "mse" else target)
             for part in ("full", "outer", "functional"):
-                want = blockhess.loss_hvp(X, target, params, V, loss=loss, part=part)
-                _compare(blockhess.loss_hvp(Xd, Td, dparams, Vd, loss=loss, part=part), want, dtype)
-                op = blockhess.hessian_operator(Xd, Td, dparams, loss=loss, part=part)
+                want = blockhess.loss_hvp(X, target, params, V, loss=loss, part=part, head=head)
+                _compare(blockhess.loss_hvp(Xd, Td, dparams, Vd, loss=loss, part=part, head=dhead), want, dtype)
+                op = blockhess.hessian_operator(Xd, Td, dparams, loss=loss, part=part, head=dhead)
                 assert op._gpu_op is not None
                 _compare(op @ Vd[:, 0], want[:, 0], dtype)
-                assert abs(op.loss_value - blockhess.loss_value(X, target, params, loss=loss)) <= (
+                assert abs(op.loss_value - blockhess.loss_value(X, target, params, loss=loss, head=head)) <= (
                     1e-12 if dtype == np.float64 else 1e-5)
-            _compare(blockhess.loss_gradient(Xd, Td, dparams, loss=loss),
-                     blockhess.loss_gradient(X, target, params, loss=loss), dtype)
+            _compare(blockhess.loss_gradient(Xd, Td, dparams, loss=loss, head=dhead),
+                     blockhess.loss_gradient(X, target, params, loss=loss, head=head), dtype)
 
 
 _GPT2_LIKE = blockhess.BlockSpec(norm_position="pre", norm_affine=True, bias=True, heads=2, out_proj=True,
@@ -488,6 +494,8 @@ MODELS = {  # name: (spec, what X is, its losses)
     "stack": (blockhess.ModelSpec(_GPT2_LIKE, n_layers=3, final_norm=True), "X", ("mse", "cross_entropy")),
     "vit": (blockhess.ModelSpec(_GPT2_LIKE, n_layers=2, final_norm=True, patch_dim=5, n_positions=6, classes=4,
                                 class_token=True), "patches", ("cross_entropy", "pooled_cross_entropy")),
+    "vit, mean-pooled": (blockhess.ModelSpec(_GPT2_LIKE, n_layers=2, final_norm=True, patch_dim=5, n_positions=6,
+                                             classes=4), "patches", ("pooled_cross_entropy",)),
     "gpt2 lm": (blockhess.ModelSpec(_GPT2_LIKE, n_layers=2, final_norm=True, vocab_size=13, n_positions=6,
                                     lm_head=True), "ids", ("next_token", "cross_entropy")),
 }
@@ -512,8 +520,9 @@ def model_case(rng, name: str, loss: str, B: int = 3, L: int = 5):
 
 @pytest.mark.parametrize("name,loss", [(n, loss) for n in MODELS for loss in MODELS[n][2]])
 def test_models_hessian_vector_products_run_on_the_gpu_engine(cp, rng, name, loss):
-    """A stack, a ViT (class token, positions, classifier) and a GPT-2-like language model (token
-    embedding, positions, tied LM head) x their losses x part, float64 and float32: loss_hvp, the
+    """A stack, a ViT (class token, positions, classifier; and without the class token, its tokens'
+    mean pooled) and a GPT-2-like language model (token embedding, positions, tied LM head) x their
+    losses x part, float64 and float32: loss_hvp, the
     operator's products and loss value, and the gradient run the engine on the GPU, against the
     CPU core: float64 <= 1e-12, float32 close."""
     X, target, params = model_case(rng, name, loss)

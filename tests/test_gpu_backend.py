@@ -38,7 +38,8 @@ def _load(path):
                  "add_bias", "softmax_rows", "softmax_vjp_rows", "softmax_cotangent_tangent_rows",
                  "normalize_rows", "scale_columns", "norm_tangent_rows", "scale_by", "cross_entropy_tangent_rows", "norm_vjp_rows",
                  "norm_cotangent_tangent_rows", "column_sums", "mse_rows", "cross_entropy_rows", "class_token_rows",
-                 "gather_rows", "scatter_rows"):
+                 "gather_rows", "scatter_rows", "sample_sums", "pooled_cross_entropy_rows", "pooled_block_entries",
+                 "pooled_block_apply"):
         for suffix in ("_f64", "_f32"):
             getattr(lib, name + suffix).restype = ctypes.c_int
     return lib
@@ -478,6 +479,58 @@ def test_the_losses_rows_on_the_gpu_are_the_hosts(row_lib, dtype):
     np.testing.assert_allclose(ce[1][0], p.ravel(), rtol=10 * tol, atol=tol)
     np.testing.assert_allclose(ce[1][1], grad.ravel(), rtol=10 * tol, atol=tol)
     np.testing.assert_allclose(ce[1][2], loss, rtol=10 * tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("head", [False, True])
+def test_the_pooled_cross_entropys_rows_on_the_gpu_are_the_hosts(row_lib, dtype, head):
+    """The pooled mean's cross-entropy (a sample a thread: its mean, logits, p, loss, gradient rows
+    and W_C p), its (d, d) blocks (an entry a thread, exactly symmetric), a tangent's sample sums
+    and the blocks applied to them: 40 samples of 4 rows of 5, 3 classes through a head (W_C, b_C)
+    or (no head) 5 classes, the rows' own logits; against the host and NumPy."""
+    rng = np.random.default_rng(15)
+    B, L, d = 40, 4, 5
+    C = 3 if head else d
+    z, dz = (rng.standard_normal(B * L * d).astype(dtype) for _ in range(2))
+    W, b = (rng.standard_normal((d, C)).astype(dtype), rng.standard_normal(C).astype(dtype)) if head else (None, None)
+    classes = rng.integers(0, C, size=B)
+    results = []
+    for gpu in (0, 1):
+        p, wp, gz, loss = (np.full(n + 5, np.nan, dtype) for n in (B * C, B * d, B * L * d, B))
+        run_rows(row_lib, "pooled_cross_entropy_rows", dtype, gpu, z, classes, W, b, p, wp, gz, loss, L, d, C,
+                 1.0 / B, 1.0 / L, count=B)
+        G = np.full(B * d * d + 5, np.nan, dtype)
+        run_rows(row_lib, "pooled_block_entries", dtype, gpu, p, wp, W, G, d, C, 1.0 / (B * L * L), count=B * d * d)
+        sums, out = np.full(B * d + 5, np.nan, dtype), np.full(B * L * d + 5, np.nan, dtype)
+        run_rows(row_lib, "sample_sums", dtype, gpu, dz, sums, L, d, count=B * d)
+        run_rows(row_lib, "pooled_block_apply", dtype, gpu, G, sums, out, L, d, count=B * L * d)
+        arrays = (p, wp, gz, loss, G, sums, out)
+        assert all(np.isnan(a[-5:]).all() for a in arrays)
+        results.append([a[:-5] for a in arrays])
+    for host, gpu in zip(*results):
+        np.testing.assert_array_equal(gpu, host)
+    p, wp, gz, loss, G, sums, out = results[1]
+    Wd = np.eye(d) if W is None else W.astype(np.float64)
+    m = z.astype(np.float64).reshape(B, L, d).mean(axis=1)
+    logits = m @ Wd + (0 if b is None else b)
+    top = logits.max(axis=1, keepdims=True)
+    P = np.exp(logits - top) / np.exp(logits - top).sum(axis=1, keepdims=True)
+    onehot = np.eye(C)[classes]
+    blocks = np.einsum("ac,bc,ec->bae", Wd, P, Wd) - np.einsum("ac,bc,ed,bd->bae", Wd, P, Wd, P)
+    S = dz.astype(np.float64).reshape(B, L, d).sum(axis=1)
+    tol = 1e-13 if dtype == np.float64 else 1e-5
+    np.testing.assert_allclose(p, P.ravel(), rtol=tol, atol=tol)
+    np.testing.assert_allclose(wp, (P @ Wd.T).ravel(), rtol=tol, atol=tol)
+    np.testing.assert_allclose(gz.reshape(B, L, d), np.repeat(((P - onehot) @ Wd.T / (B * L))[:, None], L, axis=1),
+                               rtol=tol, atol=tol)
+    np.testing.assert_allclose(loss, (np.log(np.exp(logits - top).sum(axis=1)) + top[:, 0]
+                                      - logits[np.arange(B), classes]) / B, rtol=tol, atol=tol)
+    G = G.reshape(B, d, d)
+    np.testing.assert_array_equal(G, G.transpose(0, 2, 1))
+    np.testing.assert_allclose(G, blocks / (B * L * L), rtol=tol, atol=tol)
+    np.testing.assert_allclose(sums, S.ravel(), rtol=tol, atol=tol)
+    np.testing.assert_allclose(out.reshape(B, L, d), np.repeat(np.einsum("bae,be->ba", G, S)[:, None], L, axis=1),
+                               rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])

@@ -1,10 +1,11 @@
 """The engine end to end on the GPU backend (cuda/src/backend.cu), on the CPU kernel emulator: the
 loss, its gradient and Hessian-vector products of blocks of the family (the paper's, a GPT-2-like
-pre-LN block with biases, causal heads and W_O, a post-RMSNorm SiLU block, an attention-only block)
+pre-LN block with biases, causal heads and W_O, a post-RMSNorm SiLU block, an attention-only block),
 of a ViT (patch embedding, class token, learned positions, two blocks, final norm, classifier; its
-class token's cross-entropy too) and of a GPT-2-like language model (token embedding with repeated
-ids, learned positions, two blocks, final norm, tied LM head; the next-token loss with an ignored
-label), each loss and part, in float64 and float32, against the same engine on the host backend.
+class token's cross-entropy too, and without the class token the pooled mean's) and of a GPT-2-like
+language model (token embedding with repeated ids, learned positions, two blocks, final norm, tied
+LM head; the next-token loss with an ignored label), each loss and part, in float64 and float32,
+against the same engine on the host backend.
 
 The emulator's device memory is pages the host cannot touch outside device work
 (tests/cuda_emulator/cuda_runtime.h), so a node that reads or writes the GPU's memory from the host

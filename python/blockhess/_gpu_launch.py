@@ -213,13 +213,6 @@ def block_output_hessian(X3, spec, weights, eps, i, j, out) -> None:
 # ---- the engine on the GPU backend: device arrays in, device arrays out ------------------------
 
 
-def engine_runs(spec: tuple, kind: int, head: tuple) -> bool:
-    """Whether the engine runs this call on the GPU backend (src/cuda_block.cpp's device_call): a
-    block or a model of them (spec: BlockSpec._core() or a ModelSpec's) under a loss the backend
-    runs, with no head of the caller's own. The rest runs on host copies (docs/backends.md)."""
-    return all(h is None for h in head) and bool(_backend._cuda.engine_runs(spec, kind))
-
-
 def _device_arg(a: Any) -> tuple[int, tuple[int, ...]] | None:
     """A device array as _cuda's engine bindings take it: its pointer and shape (C-contiguous)."""
     if a is None:
@@ -229,30 +222,31 @@ def _device_arg(a: Any) -> tuple[int, tuple[int, ...]] | None:
     return _ptr(a), tuple(int(n) for n in a.shape)
 
 
-def engine_loss_gradient(X3, spec, weights, eps, kind, values, classes, grad) -> float:
-    """The loss of a model that reads X and its gradient into the device array grad (P,), on the GPU
-    backend; every argument a device array (or a code). Returns the loss (read back)."""
+def engine_loss_gradient(X3, spec, weights, eps, kind, values, classes, head, grad) -> float:
+    """The loss of a block or model and its gradient into the device array grad (P,), on the GPU
+    backend; every argument a device array (or a code; head (W_C, b_C) or (None, None)). Returns the
+    loss (read back)."""
     _check(grad.dtype, (grad, None))
     return float(_fn("loss_gradient", grad.dtype)(_device_arg(X3), spec, [_device_arg(w) for w in weights], float(eps),
-                                                  kind, _device_arg(values), _device_arg(classes), _ptr(grad),
-                                                  _stream()))
+                                                  kind, _device_arg(values), _device_arg(classes),
+                                                  *map(_device_arg, head), _ptr(grad), _stream()))
 
 
-def engine_loss_hvp(X3, spec, weights, eps, kind, values, classes, part, selected, V_rows, out_rows) -> None:
+def engine_loss_hvp(X3, spec, weights, eps, kind, values, classes, head, part, selected, V_rows, out_rows) -> None:
     """H V on the GPU backend, V and out (k, P): one product a row, queued on the current stream."""
     k, P = V_rows.shape
     _check(out_rows.dtype, (V_rows, (k, P)), (out_rows, (k, P)))
     _fn("loss_hvp", out_rows.dtype)(_device_arg(X3), spec, [_device_arg(w) for w in weights], float(eps), kind,
-                                    _device_arg(values), _device_arg(classes), part, list(selected), _ptr(V_rows), k,
-                                    _ptr(out_rows), _stream())
+                                    _device_arg(values), _device_arg(classes), *map(_device_arg, head), part,
+                                    list(selected), _ptr(V_rows), k, _ptr(out_rows), _stream())
 
 
-def engine_hessian_operator(X3, spec, weights, eps, kind, values, classes, part, selected) -> Any:
+def engine_hessian_operator(X3, spec, weights, eps, kind, values, classes, head, part, selected) -> Any:
     """The loss Hessian as an operator on the GPU backend (_cuda's HessianOperator): its passes run
     now, on the current stream, from copies of X and the weights it keeps in device memory."""
-    return _fn("HessianOperator", weights[0].dtype)(_device_arg(X3), spec, [_device_arg(w) for w in weights], float(eps), kind,
-                                            _device_arg(values), _device_arg(classes), part, list(selected),
-                                            _stream())
+    return _fn("HessianOperator", weights[0].dtype)(_device_arg(X3), spec, [_device_arg(w) for w in weights],
+                                                    float(eps), kind, _device_arg(values), _device_arg(classes),
+                                                    *map(_device_arg, head), part, list(selected), _stream())
 
 
 def engine_operator_apply(op, V_rows, out_rows) -> None:

@@ -560,12 +560,12 @@ def loss_gradient(X: Any, target: Any, params: BlockParams, *, loss: str = "mse"
         _core.loss_gradient(X3, params.spec._core(), list(W), eps, kind, values, classes, out, W_C, b_C)
         return out
 
-    if _backend.on_device(X3) and _gpu_launch.engine_runs(params.spec._core(), kind, head):
+    if _backend.on_device(X3):  # the engine on the GPU backend
         with _backend.device_of(X3):
             out = _backend.device_module().empty(params.size, dtype=dtype)
-            _gpu_launch.engine_loss_gradient(X3, params.spec._core(), W, eps, kind, values, classes, out)
+            _gpu_launch.engine_loss_gradient(X3, params.spec._core(), W, eps, kind, values, classes, head, out)
         return out
-    return _backend.engine_on_host(X3, gradient, X3, values, classes, *head, *W)
+    return gradient(X3, values, classes, *head, *W)
 
 
 @returns_callers_kind

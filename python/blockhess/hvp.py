@@ -174,7 +174,7 @@ class _Problem(NamedTuple):
     core_args: tuple  # X, spec, weights, eps, kind, values, classes, part, selection (host arrays)
     head: tuple
     device: Any  # for GPU inputs, X as given (its device gets the results), else None
-    gpu_args: tuple | None  # the same on the device where the GPU engine runs the problem, else None
+    gpu_args: tuple | None  # the same (and the head) on the device for GPU inputs, else None
 
 
 def _problem(X, target, params, loss, part, eps, wrt, columns, promote_with=(), head=None) -> _Problem:
@@ -183,12 +183,12 @@ def _problem(X, target, params, loss, part, eps, wrt, columns, promote_with=(), 
     loss = loss_names()[kind]  # the name _loss_inputs validated
     part = choice(part, "part", tuple(_PARTS))
     names, selected, P = _selection(params, wrt)
-    # GPU arrays: the engine runs on the GPU where it runs the problem (gpu_args), else on host
-    # copies (the products' results go back to the device); the exact diagonal on host copies.
+    # GPU arrays: the engine runs the products on the GPU (gpu_args); the exact diagonal on host
+    # copies, its result copied to the device.
     device = X3 if _backend.on_device(X3) else None
     gpu_args = None
-    if device is not None and _gpu_launch.engine_runs(params.spec._core(), kind, head):
-        gpu_args = (X3, params.spec._core(), W, eps, kind, values, classes, _PARTS[part], selected)
+    if device is not None:
+        gpu_args = (X3, params.spec._core(), W, eps, kind, values, classes, head, _PARTS[part], selected)
     X3, values, classes = (_backend.to_host(a) for a in (X3, values, classes))
     W, head = [_backend.to_host(w) for w in W], tuple(_backend.to_host(h) for h in head)
     core_args = (X3, params.spec._core(), W, eps, kind, values, classes, _PARTS[part], selected)

@@ -180,6 +180,28 @@ BLOCKHESS_FINITE_PROBE(_f32, float)
     return run<T>(gpu, rows::ScatterRows<T>{rows_in, used, starts, order, table, width, 1}, count, message,       \
                   message_size);                                                                                 \
   }                                                                                                              \
+  extern "C" __attribute__((visibility("default"))) int sample_sums##suffix(                                       \
+      int gpu, const T* x, T* out, long L, long width, long count, char* message, long message_size) {           \
+    return run<T>(gpu, rows::SampleSums<T>{x, out, L, width}, count, message, message_size);                     \
+  }                                                                                                              \
+  extern "C" __attribute__((visibility("default"))) int pooled_cross_entropy_rows##suffix(                         \
+      int gpu, const T* z, const std::int64_t* classes, const T* weight, const T* bias, T* p, T* wp, T* gz,      \
+      T* row_loss, long L, long d, long C, double inv_B, double inv_L, long count, char* message,                \
+      long message_size) {                                                                                       \
+    return run<T>(gpu, rows::PooledCrossEntropyRows<T>{z, classes, weight, bias, p, wp, gz, row_loss, L, d, C,    \
+                                                       static_cast<T>(inv_B), static_cast<T>(inv_L)},           \
+                  count, message, message_size);                                                                 \
+  }                                                                                                              \
+  extern "C" __attribute__((visibility("default"))) int pooled_block_entries##suffix(                              \
+      int gpu, const T* p, const T* wp, const T* weight, T* G, long d, long C, double scale, long count,          \
+      char* message, long message_size) {                                                                        \
+    return run<T>(gpu, rows::PooledBlockEntries<T>{p, wp, weight, G, d, C, static_cast<T>(scale)}, count, message, \
+                  message_size);                                                                                 \
+  }                                                                                                              \
+  extern "C" __attribute__((visibility("default"))) int pooled_block_apply##suffix(                                \
+      int gpu, const T* G, const T* sums, T* out, long L, long d, long count, char* message, long message_size) { \
+    return run<T>(gpu, rows::PooledBlockApply<T>{G, sums, out, L, d}, count, message, message_size);             \
+  }                                                                                                              \
   extern "C" __attribute__((visibility("default"))) int mse_rows##suffix(                                          \
       int gpu, const T* z, const T* target, T* gz, T* row_loss, long d, double scale, long count, char* message,   \
       long message_size) {                                                                                       \

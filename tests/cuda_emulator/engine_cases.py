@@ -31,6 +31,10 @@ SPECS = {
     "vit": ModelSpec(BlockSpec(norm_position="pre", norm_affine=True, bias=True, heads=2, out_proj=True,
                                activation="gelu", eps=1e-5),
                      n_layers=2, final_norm=True, patch_dim=5, n_positions=6, classes=3, class_token=True),
+    # the same ViT without the class token: its loss the pooled mean's
+    "vit_mean": ModelSpec(BlockSpec(norm_position="pre", norm_affine=True, bias=True, heads=2, out_proj=True,
+                                    activation="gelu", eps=1e-5),
+                          n_layers=2, final_norm=True, patch_dim=5, n_positions=6, classes=3),
     # a GPT-2-like language model: token embedding, learned positions, 2 blocks, final norm, tied LM head
     "lm": ModelSpec(BlockSpec(norm_position="pre", norm_affine=True, bias=True, heads=2, out_proj=True,
                               activation="gelu_tanh", causal=True, eps=1e-5),
@@ -38,6 +42,7 @@ SPECS = {
 }
 LOSSES = ("mse", "cross_entropy")
 OWN_LOSSES = {"vit": LOSSES + ("pooled_cross_entropy",),  # its class token's logits
+              "vit_mean": ("pooled_cross_entropy",),  # the mean of its tokens' logits
               "lm": ("next_token", "cross_entropy")}
 PARTS = ("full", "outer", "functional")
 DTYPES = {"f64": np.float64, "f32": np.float32}
@@ -52,7 +57,7 @@ def widths(spec: str) -> tuple[int, int, int]:
     model = SPECS[spec]
     if spec == "lm":
         return 0, model.vocab_size, L
-    return (PATCH, model.classes, L + 1) if isinstance(model, ModelSpec) else (D, D, L)
+    return (PATCH, model.classes, L + model.class_token) if isinstance(model, ModelSpec) else (D, D, L)
 
 
 def name(spec: str, loss: str, part: str, dtype: str) -> str:

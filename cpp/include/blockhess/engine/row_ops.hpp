@@ -37,6 +37,8 @@ struct AddBias;
 template <class T>
 struct ColumnSums;
 template <class T>
+struct SampleSums;
+template <class T>
 struct ClassTokenRows;
 template <class T>
 struct GatherRows;
@@ -67,6 +69,12 @@ template <class T>
 struct ScaleBy;
 template <class T>
 struct CrossEntropyTangentRows;
+template <class T>
+struct PooledCrossEntropyRows;
+template <class T>
+struct PooledBlockEntries;
+template <class T>
+struct PooledBlockApply;
 // the attention's row softmax (rows/softmax.hpp)
 template <class T>
 struct SoftmaxRows;
@@ -84,6 +92,7 @@ struct SoftmaxCotangentTangentRows;
   X(WriteEntries)                 \
   X(AddBias)                      \
   X(ColumnSums)                   \
+  X(SampleSums)                   \
   X(ClassTokenRows)               \
   X(GatherRows)                   \
   X(ScatterRows)                  \
@@ -100,4 +109,7 @@ struct SoftmaxCotangentTangentRows;
   X(MseRows)                      \
   X(CrossEntropyRows)             \
   X(ScaleBy)                      \
-  X(CrossEntropyTangentRows)
+  X(CrossEntropyTangentRows)      \
+  X(PooledCrossEntropyRows)       \
+  X(PooledBlockEntries)           \
+  X(PooledBlockApply)

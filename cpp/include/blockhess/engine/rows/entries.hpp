@@ -104,6 +104,24 @@ struct ColumnSums {
   }
 };
 
+// out_b = sum_t x_b,t, x (samples, L, width) (an item is an entry of out, summed token after
+// token): a sample's rows summed.
+template <class T>
+struct SampleSums {
+  const T* x;
+  T* out;
+  index_t L, width;
+  index_t cost() const { return L; }
+  BLOCKHESS_HD void operator()(index_t begin, index_t end) const {
+    for (index_t k = begin; k < end; ++k) {
+      const index_t b = k / width, a = k % width;
+      T s = 0;
+      for (index_t t = 0; t < L; ++t) s += x[(b * L + t) * width + a];
+      out[k] = s;
+    }
+  }
+};
+
 // A class token's rows (an item is an entry): in every sample (`period` entries apart) the first
 // row's d entries are token's (0 where token is null), the others x's (0 where x is null);
 // assigned or (add) added: its forward pass, tangent and (token null) cotangent.
