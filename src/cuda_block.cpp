@@ -105,7 +105,7 @@ void bind_for(py::module_& m, const char* suffix) {
   using OptionalDevice = const std::optional<DeviceArg>&;
 
   // The loss on device arrays, and its gradient (every parameter, P entries) into the device array
-  // at grad; queued on `stream`, done when it returns (the loss is read back).
+  // at grad (0: the loss alone); queued on `stream`, done when it returns (the loss is read back).
   m.def(
       (std::string("loss_gradient") + suffix).c_str(),
       [](const DeviceArg& X, const SpecTuple& spec, const std::vector<DeviceArg>& W, T eps, int kind,
@@ -115,7 +115,6 @@ void bind_for(py::module_& m, const char* suffix) {
                                       true);
         py::gil_scoped_release release;
         const DeviceCall<T> d = device_call<T>(X, spec, W, kind, values, classes, 0, every, head_weight, head_bias, stream);
-        if (grad == 0) throw std::invalid_argument("blockhess._cuda: grad is null");
         return d.call.problem.evaluate(eps).loss_gradient(d.call.target, reinterpret_cast<T*>(grad));
       },
       py::arg("X"), py::arg("spec"), py::arg("weights"), py::arg("eps"), py::arg("kind"), py::arg("values").none(true),

@@ -386,9 +386,10 @@ def _engine_inputs(rng, name: str, loss: str):
 
 @pytest.mark.parametrize("name,loss", GPU_ENGINE_CASES)
 def test_hessian_vector_products_run_on_the_gpu_engine(device, kernels, rng, name, loss):
-    """loss_hvp, hessian_operator's products and loss value, and loss_gradient on GPU arrays run
-    the engine on the GPU backend (_cuda's loss_hvp, HessianOperator, loss_gradient: no host copy
-    of the inputs), the results on the device, equal to the host engine's to rounding; each part."""
+    """loss_hvp, hessian_operator's products and loss value, loss_gradient and loss_value on GPU
+    arrays run the engine on the GPU backend (_cuda's loss_hvp, HessianOperator, loss_gradient: no
+    host copy of the inputs), the results on the device, equal to the host engine's to rounding;
+    each part."""
     spec = GPU_ENGINE_SPECS[name]
     params = blockhess.BlockParams.random(spec, d=6, d_k=4, d_ff=7, seed=5)
     dparams = blockhess.BlockParams.from_arrays(spec, {n: device(a) for n, a in zip(params.names, params.arrays)})
@@ -411,6 +412,10 @@ def test_hessian_vector_products_run_on_the_gpu_engine(device, kernels, rng, nam
     grad = blockhess.loss_gradient(device(X), device(target), dparams, loss=loss, head=dhead)
     assert isinstance(grad, cupy_emulation.DevArray) and kernels.calls == ["loss_gradient"], kernels.calls
     assert rel(grad, blockhess.loss_gradient(X, target, params, loss=loss, head=head)) <= TOL
+    kernels.calls.clear()
+    value = blockhess.loss_value(device(X), device(target), dparams, loss=loss, head=dhead)
+    assert kernels.calls == ["loss_gradient"], kernels.calls  # the loss alone: its gradient not asked for
+    assert abs(value - blockhess.loss_value(X, target, params, loss=loss, head=head)) < 1e-12
 
 
 def test_the_gpu_engine_checks_a_loss_target_as_the_host_does(device, rng):

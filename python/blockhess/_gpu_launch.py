@@ -223,13 +223,13 @@ def _device_arg(a: Any) -> tuple[int, tuple[int, ...]] | None:
 
 
 def engine_loss_gradient(X3, spec, weights, eps, kind, values, classes, head, grad) -> float:
-    """The loss of a block or model and its gradient into the device array grad (P,), on the GPU
-    backend; every argument a device array (or a code; head (W_C, b_C) or (None, None)). Returns the
-    loss (read back)."""
-    _check(grad.dtype, (grad, None))
-    return float(_fn("loss_gradient", grad.dtype)(_device_arg(X3), spec, [_device_arg(w) for w in weights], float(eps),
-                                                  kind, _device_arg(values), _device_arg(classes),
-                                                  *map(_device_arg, head), _ptr(grad), _stream()))
+    """The loss of a block or model and its gradient into the device array grad (P,) (None: the loss
+    alone), on the GPU backend; every argument a device array (or a code; head (W_C, b_C) or
+    (None, None)). Returns the loss (read back)."""
+    _check(weights[0].dtype, (grad, None))
+    return float(_fn("loss_gradient", weights[0].dtype)(_device_arg(X3), spec, [_device_arg(w) for w in weights],
+                                                        float(eps), kind, _device_arg(values), _device_arg(classes),
+                                                        *map(_device_arg, head), _ptr(grad), _stream()))
 
 
 def engine_loss_hvp(X3, spec, weights, eps, kind, values, classes, head, part, selected, V_rows, out_rows) -> None:

@@ -533,10 +533,10 @@ def loss_value(X: Any, target: Any, params: BlockParams, *, loss: str = "mse", e
     require_output_fits((1,), dtype, "the loss", "pass fewer samples at a time",
                         working=_working(params, B, L, dtype.itemsize, "gradient", kind=kind, head=head))
 
-    def value(X3, values, classes, W_C, b_C, *W):
-        return float(_core.loss_gradient(X3, params.spec._core(), list(W), eps, kind, values, classes, None, W_C, b_C))
-
-    return _backend.engine_on_host(X3, value, X3, values, classes, *head, *W)
+    if _backend.on_device(X3):  # the engine on the GPU backend
+        with _backend.device_of(X3):
+            return _gpu_launch.engine_loss_gradient(X3, params.spec._core(), W, eps, kind, values, classes, head, None)
+    return float(_core.loss_gradient(X3, params.spec._core(), list(W), eps, kind, values, classes, None, *head))
 
 
 @returns_callers_kind
