@@ -1,8 +1,8 @@
 // The block family's curvature on the GPU, bound into _cuda, with the same checks as _core's
 // bindings (block_problem.hpp) and the same engine:
-//   - the loss, its gradient and Hessian-vector products (and the Hessian as an operator) of a
-//     block or a model on the GPU backend (cuda::CudaBackend), on the caller's device arrays, which
-//     Python passes as (pointer, shape);
+//   - the forward pass, the loss, its gradient and Hessian-vector products (and the Hessian as an
+//     operator) of a block or a model on the GPU backend (cuda::CudaBackend), on the caller's device
+//     arrays, which Python passes as (pointer, shape);
 //   - dense Hessians, whose factors still run on the host (docs/backends.md): the engine evaluates
 //     the block from host copies of the (small) inputs and writes the (P, P) Hessian into device
 //     memory through cuda::DeviceHessian.
@@ -36,29 +36,26 @@ ArrayShape<U> on_device(const DeviceArg& a) {
   return {a.second, reinterpret_cast<const U*>(a.first)};
 }
 
-// A loss call on device arrays: the call (a model, which the GPU backend runs whole; its target, mse's
-// values or the classes of a cross-entropy, whose range the head checks, and a pooled head's W_C,
-// b_C) and the backend on the caller's stream (and device), which its problem runs on.
-template <class T>
-struct DeviceCall {
-  std::unique_ptr<cuda::CudaBackend<T>> backend;
-  std::vector<std::int64_t> ids;  // a language model's token ids, read back: its embedding groups them on the host
-  CurvatureCall<T> call;
-};
-
 template <class U>
 std::optional<ArrayShape<U>> on_device(const std::optional<DeviceArg>& a) {
   return a ? std::optional<ArrayShape<U>>(on_device<U>(*a)) : std::nullopt;
 }
 
+// A model on device arrays: its problem (X, or a language model's token ids, and the weights,
+// checked as _core checks them) and the backend on the caller's stream (and device), which the
+// problem runs on.
 template <class T>
-DeviceCall<T> device_call(const DeviceArg& X, const SpecTuple& spec, const std::vector<DeviceArg>& W, int kind,
-                          const std::optional<DeviceArg>& values, const std::optional<DeviceArg>& classes, int part,
-                          const std::vector<bool>& wrt, const std::optional<DeviceArg>& head_weight,
-                          const std::optional<DeviceArg>& head_bias, ptr stream) {
-  const block::Stack stack = stack_of(spec);
-  DeviceCall<T> d;
-  if (stack.reads_tokens()) {
+struct DeviceProblem {
+  std::unique_ptr<cuda::CudaBackend<T>> backend;
+  std::vector<std::int64_t> ids;  // a language model's token ids, read back: its embedding groups them on the host
+  Problem<T> problem;
+};
+
+template <class T>
+DeviceProblem<T> device_problem(const DeviceArg& X, const SpecTuple& spec, const std::vector<DeviceArg>& W, ptr stream) {
+  const bool tokens = stack_of(spec).reads_tokens();
+  DeviceProblem<T> d;
+  if (tokens) {
     index_t count = 1;
     for (const index_t n : X.second) count *= n;
     d.ids.resize(static_cast<size_t>(count));
@@ -66,13 +63,32 @@ DeviceCall<T> device_call(const DeviceArg& X, const SpecTuple& spec, const std::
   }
   std::vector<ArrayShape<T>> weights;
   for (const DeviceArg& w : W) weights.push_back(on_device<T>(w));
-  const T* X_data = stack.reads_tokens() ? nullptr : on_device<T>(X).data;
-  d.call = curvature_call_of(problem_of<T>(X.second, X_data, stack.reads_tokens() ? d.ids.data() : nullptr, spec, weights),
-                             wrt, part);
+  d.problem = problem_of<T>(X.second, tokens ? nullptr : on_device<T>(X).data, tokens ? d.ids.data() : nullptr, spec,
+                            weights);
+  d.backend = std::make_unique<cuda::CudaBackend<T>>(stream);
+  d.problem.backend = d.backend.get();
+  return d;
+}
+
+// A loss call on device arrays: a model's (its backend and ids as above) with its selection, part
+// and target (mse's values or the classes of a cross-entropy, whose range the head checks, and a
+// pooled head's W_C, b_C).
+template <class T>
+struct DeviceCall {
+  std::unique_ptr<cuda::CudaBackend<T>> backend;
+  std::vector<std::int64_t> ids;
+  CurvatureCall<T> call;
+};
+
+template <class T>
+DeviceCall<T> device_call(const DeviceArg& X, const SpecTuple& spec, const std::vector<DeviceArg>& W, int kind,
+                          const std::optional<DeviceArg>& values, const std::optional<DeviceArg>& classes, int part,
+                          const std::vector<bool>& wrt, const std::optional<DeviceArg>& head_weight,
+                          const std::optional<DeviceArg>& head_bias, ptr stream) {
+  DeviceProblem<T> model = device_problem<T>(X, spec, W, stream);
+  DeviceCall<T> d{std::move(model.backend), std::move(model.ids), curvature_call_of(std::move(model.problem), wrt, part)};
   d.call.target = target_of<T>(d.call.problem, kind, on_device<T>(values), on_device<std::int64_t>(classes),
                                on_device<T>(head_weight), on_device<T>(head_bias));
-  d.backend = std::make_unique<cuda::CudaBackend<T>>(stream);
-  d.call.problem.backend = d.backend.get();
   return d;
 }
 
@@ -103,6 +119,19 @@ template <class T>
 void bind_for(py::module_& m, const char* suffix) {
   using Weights = const std::vector<carray<T>>&;
   using OptionalDevice = const std::optional<DeviceArg>&;
+
+  // The model's output Z (B, L, its output's width) into the device array at out, on the GPU
+  // backend: its forward pass, queued on `stream`.
+  m.def(
+      (std::string("block_forward") + suffix).c_str(),
+      [](const DeviceArg& X, const SpecTuple& spec, const std::vector<DeviceArg>& W, T eps, ptr out, ptr stream) {
+        py::gil_scoped_release release;
+        const DeviceProblem<T> d = device_problem<T>(X, spec, W, stream);
+        if (out == 0) throw std::invalid_argument("blockhess._cuda: out is null");
+        block::Model<T> model = d.problem.evaluate(eps);
+        model.graph().copy(model.output(), reinterpret_cast<T*>(out), d.problem.B * d.problem.dims.L * d.problem.output_width());
+      },
+      py::arg("X"), py::arg("spec"), py::arg("weights"), py::arg("eps"), py::arg("out"), py::arg("stream"));
 
   // The loss on device arrays, and its gradient (every parameter, P entries) into the device array
   // at grad (0: the loss alone); queued on `stream`, done when it returns (the loss is read back).

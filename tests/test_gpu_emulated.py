@@ -386,10 +386,10 @@ def _engine_inputs(rng, name: str, loss: str):
 
 @pytest.mark.parametrize("name,loss", GPU_ENGINE_CASES)
 def test_hessian_vector_products_run_on_the_gpu_engine(device, kernels, rng, name, loss):
-    """loss_hvp, hessian_operator's products and loss value, loss_gradient and loss_value on GPU
-    arrays run the engine on the GPU backend (_cuda's loss_hvp, HessianOperator, loss_gradient: no
-    host copy of the inputs), the results on the device, equal to the host engine's to rounding;
-    each part."""
+    """loss_hvp, hessian_operator's products and loss value, loss_gradient, loss_value and
+    block_forward on GPU arrays run the engine on the GPU backend (_cuda's loss_hvp,
+    HessianOperator, loss_gradient, block_forward: no host copy of the inputs), the results on the
+    device, equal to the host engine's to rounding; each part."""
     spec = GPU_ENGINE_SPECS[name]
     params = blockhess.BlockParams.random(spec, d=6, d_k=4, d_ff=7, seed=5)
     dparams = blockhess.BlockParams.from_arrays(spec, {n: device(a) for n, a in zip(params.names, params.arrays)})
@@ -413,20 +413,32 @@ def test_hessian_vector_products_run_on_the_gpu_engine(device, kernels, rng, nam
     assert isinstance(grad, cupy_emulation.DevArray) and kernels.calls == ["loss_gradient"], kernels.calls
     assert rel(grad, blockhess.loss_gradient(X, target, params, loss=loss, head=head)) <= TOL
     kernels.calls.clear()
+    Z = blockhess.block_forward(device(X), dparams)
+    assert isinstance(Z, cupy_emulation.DevArray) and kernels.calls == ["block_forward"], kernels.calls
+    assert rel(Z, blockhess.block_forward(X, params)) <= TOL
+    kernels.calls.clear()
     value = blockhess.loss_value(device(X), device(target), dparams, loss=loss, head=dhead)
     assert kernels.calls == ["loss_gradient"], kernels.calls  # the loss alone: its gradient not asked for
     assert abs(value - blockhess.loss_value(X, target, params, loss=loss, head=head)) < 1e-12
 
 
-def test_the_gpu_engine_checks_a_loss_target_as_the_host_does(device, rng):
-    """A class out of range is the same ValueError on the GPU engine as on the host (its head
-    checks the classes it reads back), never a wrong product."""
-    spec = GPU_ENGINE_SPECS["gpt2"]
+@pytest.mark.parametrize("name,loss", [("gpt2", "cross_entropy"), ("paper", "pooled_cross_entropy"),
+                                       ("vit", "pooled_cross_entropy"), ("vit, mean-pooled", "pooled_cross_entropy")])
+def test_the_gpu_engine_checks_a_loss_target_as_the_host_does(device, rng, name, loss):
+    """A class out of range is the host's ValueError on the GPU engine too, word for word (its head
+    checks the classes it reads back as well), never a wrong product."""
+    spec = GPU_ENGINE_SPECS[name]
     params = blockhess.BlockParams.random(spec, d=6, d_k=4, d_ff=7, seed=5)
     dparams = blockhess.BlockParams.from_arrays(spec, {n: device(a) for n, a in zip(params.names, params.arrays)})
-    X, v = rng.standard_normal((2, 5, 6)), rng.standard_normal(params.size)
-    with pytest.raises(ValueError, match="out of range"):
-        blockhess.loss_hvp(device(X), device(np.full((2, 5), 6)), dparams, device(v), loss="cross_entropy")
+    X, target, head = _engine_inputs(rng, name, loss)
+    target = np.full_like(target, 3 if head else target.max() + 5)  # past the last class
+    dhead = None if head is None else tuple(device(h) for h in head)
+    v = rng.standard_normal(params.size)
+    with pytest.raises(ValueError, match="out of range") as on_host:
+        blockhess.loss_hvp(X, target, params, v, loss=loss, head=head)
+    with pytest.raises(ValueError, match="out of range") as on_gpu:
+        blockhess.loss_hvp(device(X), device(target), dparams, device(v), loss=loss, head=dhead)
+    assert str(on_gpu.value) == str(on_host.value)
 
 
 def test_the_gpu_engine_checks_a_language_models_ids_and_labels_as_the_host_does(device, rng):

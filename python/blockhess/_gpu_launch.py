@@ -222,6 +222,14 @@ def _device_arg(a: Any) -> tuple[int, tuple[int, ...]] | None:
     return _ptr(a), tuple(int(n) for n in a.shape)
 
 
+def engine_block_forward(X3, spec, weights, eps, out) -> None:
+    """The output Z of a block or model into the device array out (B, L, width), on the GPU backend,
+    queued on the current stream; every argument a device array (or a code)."""
+    _check(out.dtype, (out, None))
+    _fn("block_forward", out.dtype)(_device_arg(X3), spec, [_device_arg(w) for w in weights], float(eps), _ptr(out),
+                                    _stream())
+
+
 def engine_loss_gradient(X3, spec, weights, eps, kind, values, classes, head, grad) -> float:
     """The loss of a block or model and its gradient into the device array grad (P,) (None: the loss
     alone), on the GPU backend; every argument a device array (or a code; head (W_C, b_C) or

@@ -449,12 +449,12 @@ def block_forward(X: Any, params: BlockParams, *, eps: float | None = None) -> n
     require_output_fits((B, L, width), dtype, "the block output", "pass fewer samples or tokens at a time",
                         working=_working(params, B, L, dtype.itemsize, "gradient"))
 
-    def forward(X3, *W):
-        out = np.empty((B, L, width), dtype=dtype)
+    out = _backend.empty((B, L, width), dtype, like=X3)
+    if _backend.on_device(X3):  # the engine on the GPU backend
+        with _backend.device_of(X3):
+            _gpu_launch.engine_block_forward(X3, params.spec._core(), W, eps, out)
+    else:
         _core.block_forward(X3, params.spec._core(), list(W), eps, out)  # the core names any stage that overflows
-        return out
-
-    out = _backend.engine_on_host(X3, forward, X3, *W)
     return out if _batched(shape, params) else out[0]
 
 
