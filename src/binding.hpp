@@ -6,9 +6,11 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <initializer_list>
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "blockhess/config.hpp"
 
@@ -28,16 +30,15 @@ const T* data_or_null(const optional_carray<T>& a) {
   return a ? a->data() : nullptr;
 }
 
-// Defensive re-check of what Python already validated.
+// Defensive re-check of what Python already validated: an array's shape against what the call
+// needs (host arrays, and the device arrays _cuda takes as their pointer and shape).
+inline void require_shape_of(const std::vector<index_t>& shape, const std::vector<index_t>& expected,
+                             const char* name) {
+  if (shape != expected) throw std::invalid_argument(std::string("blockhess: array '") + name + "' has the wrong shape");
+}
 template <class T>
 void require_shape(const carray<T>& a, std::initializer_list<index_t> shape, const char* name) {
-  bool ok = a.ndim() == static_cast<py::ssize_t>(shape.size());
-  index_t k = 0;
-  for (index_t s : shape) {
-    if (ok && a.shape(k) != s) ok = false;
-    ++k;
-  }
-  if (!ok) throw std::invalid_argument(std::string("blockhess._core: array '") + name + "' has the wrong shape");
+  require_shape_of(std::vector<index_t>(a.shape(), a.shape() + a.ndim()), shape, name);
 }
 
 template <class T>

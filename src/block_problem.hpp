@@ -9,7 +9,6 @@
 #include <optional>
 #include <string>
 #include <tuple>
-#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -83,6 +82,10 @@ template <class T>
 ArrayShape<T> shape_of(const carray<T>& a) {
   return {std::vector<index_t>(a.shape(), a.shape() + a.ndim()), a.data()};
 }
+template <class T>
+std::optional<ArrayShape<T>> shape_of(const optional_carray<T>& a) {
+  return a ? std::optional<ArrayShape<T>>(shape_of(*a)) : std::nullopt;
+}
 
 // The sizes from X (or the token ids) and the weights (d from W_Q's rows, d_k from its columns, d_v
 // from W_V, d_ff from W_1; 0 for an attention-only block, which has none), then every shape
@@ -125,8 +128,7 @@ Problem<T> problem_of(const std::vector<index_t>& X_shape, const T* X, const std
   for (size_t k = 0; k < shapes.size(); ++k) {
     const auto& s = shapes[k];
     const std::vector<index_t> expected = s.vector ? std::vector<index_t>{s.cols} : std::vector<index_t>{s.rows, s.cols};
-    if (weights[k].shape != expected)
-      throw std::invalid_argument(std::string("blockhess._core: array '") + s.name + "' has the wrong shape");
+    require_shape_of(weights[k].shape, expected, s.name.c_str());
     p.weights.push_back(weights[k].data);
   }
   return p;
@@ -159,12 +161,6 @@ inline block::Selection selection(const std::vector<bool>& wrt, size_t count) {
   if (wrt.size() != count)
     throw std::invalid_argument("block: wrt needs one flag per parameter (" + std::to_string(count) + ")");
   return wrt;
-}
-
-// An array's shape against what the call needs (what Python already validated, checked again).
-inline void require_shape_of(const std::vector<index_t>& shape, const std::vector<index_t>& expected,
-                             const char* name) {
-  if (shape != expected) throw std::invalid_argument(std::string("blockhess: array '") + name + "' has the wrong shape");
 }
 
 // The loss's target from arrays the caller holds (host or device; their shapes checked, their
@@ -209,11 +205,8 @@ template <class T>
 block::Target<T> target(const Problem<T>& p, int kind, const optional_carray<T>& values,
                         const optional_carray<std::int64_t>& classes, const optional_carray<T>& head_weight,
                         const optional_carray<T>& head_bias) {
-  auto shape = [](const auto& a) {
-    using Data = std::remove_const_t<std::remove_reference_t<decltype(*a->data())>>;
-    return a ? std::optional<ArrayShape<Data>>(shape_of(*a)) : std::nullopt;
-  };
-  const block::Target<T> t = target_of<T>(p, kind, shape(values), shape(classes), shape(head_weight), shape(head_bias));
+  const block::Target<T> t =
+      target_of<T>(p, kind, shape_of(values), shape_of(classes), shape_of(head_weight), shape_of(head_bias));
   if (classes) {
     const index_t range = t.classifier.weight ? t.classifier.classes : p.output_width();
     const std::int64_t* c = classes->data();

@@ -555,17 +555,13 @@ def loss_gradient(X: Any, target: Any, params: BlockParams, *, loss: str = "mse"
     require_output_fits((params.size,), dtype, "the loss gradient", "pass fewer samples at a time",
                         working=_working(params, B, L, dtype.itemsize, "gradient", kind=kind, head=head))
 
-    def gradient(X3, values, classes, W_C, b_C, *W):
-        out = np.empty(params.size, dtype=dtype)
-        _core.loss_gradient(X3, params.spec._core(), list(W), eps, kind, values, classes, out, W_C, b_C)
-        return out
-
+    out = _backend.empty(params.size, dtype, like=X3)
     if _backend.on_device(X3):  # the engine on the GPU backend
         with _backend.device_of(X3):
-            out = _backend.device_module().empty(params.size, dtype=dtype)
             _gpu_launch.engine_loss_gradient(X3, params.spec._core(), W, eps, kind, values, classes, head, out)
-        return out
-    return gradient(X3, values, classes, *head, *W)
+    else:
+        _core.loss_gradient(X3, params.spec._core(), list(W), eps, kind, values, classes, out, *head)
+    return out
 
 
 @returns_callers_kind
