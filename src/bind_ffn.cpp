@@ -4,18 +4,19 @@
 #include "binding.hpp"
 
 #include "blockhess/components.hpp"
+#include "ffn_shapes.hpp"
 
 namespace blockhess::bind {
 namespace {
 
 template <class T>
+std::vector<index_t> shape(const carray<T>& a) {
+  return std::vector<index_t>(a.shape(), a.shape() + a.ndim());
+}
+
+template <class T>
 components::FfnDims dims_of(const carray<T>& Y, const carray<T>& W1, const carray<T>& W2) {
-  if (Y.ndim() != 2 || W1.ndim() != 2 || W2.ndim() != 2)
-    throw std::invalid_argument("ffn: Y, W_1 and W_2 must be 2-D");
-  const components::FfnDims s{Y.shape(0), Y.shape(1), W1.shape(1), W2.shape(1)};
-  require_shape(W1, {s.d, s.f}, "W_1");
-  require_shape(W2, {s.f, s.e}, "W_2");
-  return s;
+  return ffn_dims(shape(Y), shape(W1), shape(W2));
 }
 
 template <class T>
@@ -24,7 +25,7 @@ void bind_for(py::module_& m) {
       "ffn_forward",
       [](const carray<T>& Y, const carray<T>& W1, const carray<T>& W2, carray<T>& out) {
         const auto s = dims_of(Y, W1, W2);
-        require_shape(out, {s.L, s.e}, "out");
+        require_shape_of(shape(out), ffn_forward_shape(s), "out");
         const T *y = Y.data(), *w1 = W1.data(), *w2 = W2.data();
         T* o = mutable_ptr(out);
         py::gil_scoped_release release;
@@ -33,21 +34,12 @@ void bind_for(py::module_& m) {
       py::arg("Y").noconvert(), py::arg("W_1").noconvert(), py::arg("W_2").noconvert(),
       py::arg("out").noconvert());
 
-  // kind (components::FfnJacobian): 0 = W_1 (L e, d f), 1 = W_2 (L e, f e), 2 = Y dense (L e, L d),
-  // 3 = Y blocks (L, e, d), 4 = W_1 Kronecker factor (L, e, f), 5 = W_2 Kronecker factor relu(Y W_1) (L, f)
+  // kind (components::FfnJacobian): ffn_shapes.hpp lists each result's shape.
   m.def(
       "ffn_jacobian",
       [](const carray<T>& Y, const carray<T>& W1, const carray<T>& W2, int kind, carray<T>& out) {
         const auto s = dims_of(Y, W1, W2);
-        switch (kind) {
-          case 0: require_shape(out, {s.L * s.e, s.d * s.f}, "out"); break;
-          case 1: require_shape(out, {s.L * s.e, s.f * s.e}, "out"); break;
-          case 2: require_shape(out, {s.L * s.e, s.L * s.d}, "out"); break;
-          case 3: require_shape(out, {s.L, s.e, s.d}, "out"); break;
-          case 4: require_shape(out, {s.L, s.e, s.f}, "out"); break;
-          case 5: require_shape(out, {s.L, s.f}, "out"); break;
-          default: throw std::invalid_argument("ffn_jacobian: unknown kind");
-        }
+        require_shape_of(shape(out), ffn_jacobian_shape(s, kind), "out");
         const T *y = Y.data(), *w1 = W1.data(), *w2 = W2.data();
         T* o = mutable_ptr(out);
         py::gil_scoped_release release;
@@ -56,17 +48,12 @@ void bind_for(py::module_& m) {
       py::arg("Y").noconvert(), py::arg("W_1").noconvert(), py::arg("W_2").noconvert(), py::arg("kind"),
       py::arg("out").noconvert());
 
-  // kind (components::FfnCross): 0 = blocks (L, d, f), 1 = dense ((L e d f), f e)
+  // kind (components::FfnCross): ffn_shapes.hpp.
   m.def(
       "ffn_cross_hessian",
       [](const carray<T>& Y, const carray<T>& W1, const carray<T>& W2, int kind, carray<T>& out) {
         const auto s = dims_of(Y, W1, W2);
-        if (kind == 0)
-          require_shape(out, {s.L, s.d, s.f}, "out");
-        else if (kind == 1)
-          require_shape(out, {s.L * s.e * s.d * s.f, s.f * s.e}, "out");
-        else
-          throw std::invalid_argument("ffn_cross_hessian: unknown kind");
+        require_shape_of(shape(out), ffn_cross_shape(s, kind), "out");
         const T *y = Y.data(), *w1 = W1.data(), *w2 = W2.data();
         T* o = mutable_ptr(out);
         py::gil_scoped_release release;

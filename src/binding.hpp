@@ -63,6 +63,7 @@ void bind_checks(py::module_& m);
 void bind_threads(py::module_& m);
 void bind_memory(py::module_& m);
 void bind_engine(py::module_& m);  // the _engine_nodes test module only
-void bind_block_device(py::module_& m);  // the _cuda module only
+void bind_block_device(py::module_& m);       // the _cuda module only
+void bind_components_device(py::module_& m);  // the _cuda module only
 
 }  // namespace blockhess::bind

@@ -22,18 +22,17 @@
 #include "blockhess/cuda/backend.hpp"
 #include "blockhess/cuda/device_hessian.hpp"
 #include "blockhess/cuda/runtime.hpp"
+#include "device_arg.hpp"
 #include "non_finite_error.hpp"
 
 namespace blockhess::bind {
 namespace {
 
 using ptr = std::uintptr_t;
-// A device array as Python passes it: its pointer and shape (C-contiguous, of the call's dtype).
-using DeviceArg = std::pair<ptr, std::vector<index_t>>;
 
 template <class U>
 ArrayShape<U> on_device(const DeviceArg& a) {
-  return {a.second, reinterpret_cast<const U*>(a.first)};
+  return {a.second, device_data<U>(a)};
 }
 
 template <class U>

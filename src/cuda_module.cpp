@@ -149,12 +149,6 @@ void bind_for(py::module_& m, const std::string& suffix) {
       arg("tokens"), arg("R"), arg("n_first"), arg("n_second"), arg("vec_on_first"), arg("u"), arg("M"),
       arg("scale"), arg("out"), arg("stream"), nogil);
   m.def(
-      name("blockdiag_dense").c_str(),
-      [](ptr blocks, index_t tokens, index_t r, index_t c, ptr out, ptr stream) {
-        bc::assembly::blockdiag_dense<T>(C<T>(blocks), tokens, r, c, P<T>(out), stream);
-      },
-      arg("blocks"), arg("tokens"), arg("r"), arg("c"), arg("out"), arg("stream"), nogil);
-  m.def(
       name("attention_dx").c_str(),
       [](ptr A, ptr WV, ptr V, ptr F, ptr Qt, ptr D, index_t L, index_t d, index_t dv, double c, ptr out,
          ptr stream) {
@@ -163,12 +157,6 @@ void bind_for(py::module_& m, const std::string& suffix) {
       },
       arg("A"), arg("W_V"), arg("V"), arg("F"), arg("Qt"), arg("D"), arg("L"), arg("d"), arg("dv"), arg("c"),
       arg("out"), arg("stream"), nogil);
-  m.def(
-      name("ffn_cross_dense").c_str(),
-      [](ptr Cv, index_t L, index_t d, index_t f, index_t e, ptr out, ptr stream) {
-        bc::assembly::ffn_cross_dense<T>(C<T>(Cv), L, d, f, e, P<T>(out), stream);
-      },
-      arg("C"), arg("L"), arg("d"), arg("f"), arg("e"), arg("out"), arg("stream"), nogil);
 }
 
 }  // namespace
@@ -181,4 +169,5 @@ PYBIND11_MODULE(_cuda, m, py::mod_gil_not_used()) {
   bind_for<float>(m, "_f32");
   bind_for<double>(m, "_f64");
   blockhess::bind::bind_block_device(m);
+  blockhess::bind::bind_components_device(m);
 }

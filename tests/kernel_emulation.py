@@ -133,7 +133,8 @@ def build(max_grid_x: int | None = None) -> Path:
     cuda_dir = ROOT / "cuda" / "src"
     edits = {next(iter(SMALL_GRID)): f"kMaxGridX = {int(max_grid_x)}u;"} if max_grid_x else None
     return _build("_cuda" + sysconfig.get_config_var("EXT_SUFFIX"), cuda_dir, _kernel_sources(),
-                  [ROOT / "src" / "cuda_module.cpp", ROOT / "src" / "cuda_block.cpp", SHIM / "cublas.cpp"],
+                  [ROOT / "src" / "cuda_module.cpp", ROOT / "src" / "cuda_block.cpp", ROOT / "src" / "cuda_components.cpp",
+                   SHIM / "cublas.cpp"],
                   [ROOT / "src", Path(pybind11.get_include()), Path(sysconfig.get_paths()["include"]), eigen_include()],
                   edits)
 

@@ -111,7 +111,8 @@ def test_cuda_module_imports_and_counts_devices():
                  "layernorm_hessian_dense", "layernorm_hessian_contract", "softmax_forward", "softmax_jacobian_blocks",
                  "softmax_jacobian_dense", "softmax_hessian_blocks", "softmax_hessian_dense",
                  "softmax_hessian_contract", "softmax_vjp", "commute", "commutation_dense", "token_kron",
-                 "blockdiag_dense", "attention_dx", "ffn_cross_dense", "loss_hessian", "block_output_hessian"):
+                 "attention_dx", "loss_hessian", "block_output_hessian", "ffn_forward", "ffn_jacobian",
+                 "ffn_cross_hessian"):
         for suffix in ("_f32", "_f64"):
             assert callable(getattr(mod, name + suffix)), name + suffix
 

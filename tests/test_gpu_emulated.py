@@ -169,6 +169,9 @@ def test_attention(kernels, rng, L, d, dk, dv):
 
 @pytest.mark.parametrize("L,d,f,e", [(1, 2, 3, 2), (4, 3, 5, 2), (3, 4, 4, 4)])
 def test_ffn(kernels, rng, L, d, f, e):
+    """The FFN's functions on the GPU are the engine's on the GPU backend, one _cuda binding each
+    (its factors pushed there), equal to the host's to rounding; the cross derivative's values are
+    single products, the host's bits."""
     Y, W1, W2 = rng.standard_normal((L, d)), rng.standard_normal((d, f)), rng.standard_normal((f, e))
     assert rel(*both("ffn_forward", Y, W1, W2, shape=(L, e))) <= TOL
     shapes = ((L * e, d * f), (L * e, f * e), (L * e, L * d), (L, e, d), (L, e, f), (L, f))  # kinds 0..5
@@ -176,6 +179,21 @@ def test_ffn(kernels, rng, L, d, f, e):
         assert rel(*both("ffn_jacobian", Y, W1, W2, kind, shape=shape)) <= TOL, kind
     for kind, shape in ((0, (L, d, f)), (1, (L * e * d * f, f * e))):
         np.testing.assert_array_equal(*both("ffn_cross_hessian", Y, W1, W2, kind, shape=shape))
+    assert kernels.calls == ["ffn_forward"] + ["ffn_jacobian"] * 6 + ["ffn_cross_hessian"] * 2, kernels.calls
+
+
+def test_ffn_bindings_check_what_python_checked(kernels, rng):
+    """_cuda's FFN bindings re-check the shapes and the kind as _core's do, with the same messages."""
+    Y, W1, W2 = rng.standard_normal((3, 2)), rng.standard_normal((2, 4)), rng.standard_normal((4, 2))
+    for name, args in (("ffn_jacobian", (Y, W1, W2, 0, np.empty((6, 7)))),
+                       ("ffn_jacobian", (Y, W1, W2, 6, np.empty((6, 8)))),
+                       ("ffn_cross_hessian", (Y, W1, W2, 2, np.empty((3, 2, 4)))),
+                       ("ffn_jacobian", (Y, W1[:1], W2, 0, np.empty((6, 8))))):
+        with pytest.raises(ValueError) as gpu:
+            getattr(_gpu, name)(*args)
+        with pytest.raises(ValueError) as cpu:
+            getattr(_core, name)(*(np.ascontiguousarray(a) if isinstance(a, np.ndarray) else a for a in args))
+        assert str(gpu.value) == str(cpu.value)
 
 
 def _block(rng, B, L, d, dk, dff, dtype=np.float64):

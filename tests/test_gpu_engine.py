@@ -77,6 +77,23 @@ def test_the_probe_wires_the_block_the_public_functions_do(results, case):
         assert _relative(results[f"{name}/host/{what}"], results[f"{name}/public/{what}"]) < tol, what
 
 
+@pytest.mark.parametrize("dtype", list(engine_cases.DTYPES))
+@pytest.mark.parametrize("case", [c[2] for c in engine_cases.FFN_CASES])
+def test_the_ffn_sublayer_on_the_gpu_backend_is_the_hosts(results, case, dtype):
+    """The FFN's output, Jacobians (its parameters' from their tangent factors pushed through the
+    linear maps and the ReLU on the GPU backend; the input's by forward tangents), Kronecker
+    factors and cross second derivative, on the GPU backend with device memory closed to the host:
+    the host's to rounding (the products' order), and the host's are the public functions'. The
+    cross derivative's values are single products, the same bits on both."""
+    name = engine_cases.ffn_name(case, dtype)
+    host, gpu, public = (results[f"{name}/{where}"] for where in ("host", "gpu", "public"))
+    assert np.isfinite(gpu).all() and np.abs(gpu).max() > 0
+    tol = 1e-12 if dtype == "f64" else 1e-5
+    assert _relative(gpu, host) < tol and _relative(host, public) < tol
+    if case.startswith("cross"):
+        np.testing.assert_array_equal(gpu, host)
+
+
 def test_the_hessian_vector_product_moves_with_its_part(results):
     """The full product is the outer plus the functional one, on the GPU as on the host (the parts
     are not all the same product)."""
@@ -96,10 +113,12 @@ def test_host_code_touching_the_gpus_memory_faults_on_the_emulator(library):
 
 
 def test_what_still_runs_on_the_host_refuses_the_gpu_backend(library):
-    """The curvature's factors still run on the host: on the GPU backend they refuse with a clear
-    error that says what runs there (docs/backends.md), never read device memory."""
+    """A LayerNorm's factors (and an attention's, the curvature's terms) still run on the host: on
+    the GPU backend they refuse with a clear error that says what runs there (docs/backends.md),
+    never read device memory."""
     lib = ctypes.CDLL(str(library))
     message = ctypes.create_string_buffer(512)
     assert lib.gpu_graph_refuses_factors(message, ctypes.c_long(512)) == 1
     text = message.value.decode()
-    assert "runs on the host so far" in text and "Hessian-vector products" in text, text
+    assert text.startswith("engine: a LayerNorm's tangent factors runs on the host so far"), text
+    assert "Hessian-vector products" in text and "linear and pointwise maps" in text, text

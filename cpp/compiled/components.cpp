@@ -4,12 +4,15 @@
 
 namespace blockhess::components {
 #define BLOCKHESS_COMPONENTS(T)                                                                               \
-  template void attention_forward<T>(const T*, const T*, const T*, const T*, const AttentionDims&, T*);       \
+  template void attention_forward<T>(const T*, const T*, const T*, const T*, const AttentionDims&, T*,         \
+                                     const Backend<T>&);                                                      \
   template void attention_jacobian<T>(const T*, const T*, const T*, const T*, const AttentionDims&,           \
                                       AttentionWrt, T*);                                                      \
-  template void ffn_forward<T>(const T*, const T*, const T*, const FfnDims&, T*);                             \
-  template void ffn_jacobian<T>(const T*, const T*, const T*, const FfnDims&, FfnJacobian, T*);               \
-  template void ffn_cross_hessian<T>(const T*, const T*, const T*, const FfnDims&, FfnCross, T*);             \
+  template void ffn_forward<T>(const T*, const T*, const T*, const FfnDims&, T*, const Backend<T>&);          \
+  template void ffn_jacobian<T>(const T*, const T*, const T*, const FfnDims&, FfnJacobian, T*,                \
+                                const Backend<T>&);                                                           \
+  template void ffn_cross_hessian<T>(const T*, const T*, const T*, const FfnDims&, FfnCross, T*,              \
+                                     const Backend<T>&);                                                      \
   template index_t attention_working_memory<T>(const AttentionDims&, std::optional<AttentionWrt>, index_t);   \
   template index_t ffn_working_memory<T>(const FfnDims&, std::optional<FfnJacobian>, index_t);                \
   template index_t ffn_cross_working_memory<T>(const FfnDims&, FfnCross, index_t);

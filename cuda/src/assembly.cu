@@ -163,19 +163,6 @@ __global__ void mirror_kernel(T* H, index_t n, index_t ld) {
 }
 
 template <class T>
-__global__ void blockdiag_kernel(const T* blocks, index_t tokens, index_t r, index_t c, T* out) {
-  const index_t ncols = tokens * c;
-  for (index_t row = blockIdx.x; row < tokens * r; row += gridDim.x) {
-    const index_t t = row / r, a = row - t * r;
-    const T* src = blocks + (t * r + a) * c - t * c;
-    T* o = out + row * ncols;
-    for (index_t col = blockIdx.y * static_cast<index_t>(blockDim.x) + threadIdx.x; col < ncols;
-         col += static_cast<index_t>(gridDim.y) * blockDim.x)
-      o[col] = (col >= t * c && col < t * c + c) ? src[col] : T(0);
-  }
-}
-
-template <class T>
 __global__ void attention_dx_kernel(const T* A, const T* WV, const T* V, const T* F, const T* Qt, const T* D,
                                     index_t L, std::uint32_t d, index_t dv, T c, T* out) {
   const std::uint32_t ncols = static_cast<std::uint32_t>(L) * d;
@@ -191,22 +178,6 @@ __global__ void attention_dx_kernel(const T* A, const T* WV, const T* V, const T
       if (static_cast<index_t>(u) == t) v += D[(t * dv + a) * d + b];
       o[col] = v;
     }
-  }
-}
-
-template <class T>
-__global__ void ffn_cross_kernel(const T* C, index_t L, index_t d, index_t f, index_t e, T* out) {
-  const index_t total = L * e * d * f, n2 = f * e;
-  for (index_t k = blockIdx.x * static_cast<index_t>(blockDim.x) + threadIdx.x; k < total;
-       k += static_cast<index_t>(gridDim.x) * blockDim.x) {
-    // k = ((t e + c) d + b) f + g is also the output row
-    index_t q = k;
-    const index_t g = q % f;
-    q /= f;
-    const index_t b = q % d;
-    q /= d;
-    const index_t c = q % e, t = q / e;
-    out[k * n2 + g * e + c] = C[(t * d + b) * f + g];
   }
 }
 
@@ -338,15 +309,6 @@ void mirror_upper(T* H, index_t n, index_t ld, std::uintptr_t stream) {
 }
 
 template <class T>
-void blockdiag_dense(const T* blocks, index_t tokens, index_t r, index_t c, T* out, std::uintptr_t stream) {
-  detail::require(tokens >= 1 && r >= 1 && c >= 1, "blockdiag_dense: sizes must be >= 1");
-  const index_t rows = tokens * r, ncols = tokens * c;
-  const dim3 grid(detail::grid_x(rows), col_tiles(ncols, rows));
-  blockdiag_kernel<T><<<grid, kMaxThreads, 0, detail::as_stream(stream)>>>(blocks, tokens, r, c, out);
-  detail::check_launch("blockdiag_dense");
-}
-
-template <class T>
 void attention_dx(const T* A, const T* WV, const T* V, const T* F, const T* Qt, const T* D, index_t L, index_t d,
                   index_t dv, T c, T* out, std::uintptr_t stream) {
   detail::require(L >= 1 && d >= 1 && dv >= 1, "attention_dx: sizes must be >= 1");
@@ -356,16 +318,6 @@ void attention_dx(const T* A, const T* WV, const T* V, const T* F, const T* Qt, 
   attention_dx_kernel<T><<<grid, kMaxThreads, 0, detail::as_stream(stream)>>>(
       A, WV, V, F, Qt, D, L, static_cast<std::uint32_t>(d), dv, c, out);
   detail::check_launch("attention_dx");
-}
-
-template <class T>
-void ffn_cross_dense(const T* C, index_t L, index_t d, index_t f, index_t e, T* out, std::uintptr_t stream) {
-  detail::require(L >= 1 && d >= 1 && f >= 1 && e >= 1, "ffn_cross_dense: sizes must be >= 1");
-  const index_t rows = L * e * d * f, n2 = f * e;
-  const cudaStream_t s = detail::as_stream(stream);
-  detail::check(cudaMemsetAsync(out, 0, sizeof(T) * static_cast<size_t>(rows * n2), s), "ffn_cross_dense memset");
-  ffn_cross_kernel<T><<<detail::elementwise_blocks(rows), kMaxThreads, 0, s>>>(C, L, d, f, e, out);
-  detail::check_launch("ffn_cross_dense");
 }
 
 #define BLOCKHESS_INSTANTIATE(T)                                                                                   \
@@ -379,10 +331,8 @@ void ffn_cross_dense(const T* C, index_t L, index_t d, index_t f, index_t e, T* 
   template void gram_upper_accumulate<T>(index_t, index_t, const T*, const T*, T*, index_t, std::uintptr_t);       \
   template void flag_nonfinite<T>(const T*, index_t, index_t, unsigned*, std::uintptr_t);                          \
   template void mirror_upper<T>(T*, index_t, index_t, std::uintptr_t);                                             \
-  template void blockdiag_dense<T>(const T*, index_t, index_t, index_t, T*, std::uintptr_t);                       \
   template void attention_dx<T>(const T*, const T*, const T*, const T*, const T*, const T*, index_t, index_t,      \
-                                index_t, T, T*, std::uintptr_t);                                                   \
-  template void ffn_cross_dense<T>(const T*, index_t, index_t, index_t, index_t, T*, std::uintptr_t);
+                                index_t, T, T*, std::uintptr_t);
 BLOCKHESS_INSTANTIATE(float)
 BLOCKHESS_INSTANTIATE(double)
 #undef BLOCKHESS_INSTANTIATE

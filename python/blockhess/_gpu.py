@@ -10,11 +10,13 @@ The block's and its family's results are the engine's: its Hessians (loss_hessia
 block_output_hessian) run their per-token work on the host from copies of the (small) inputs and the
 (P, P) assembly on the GPU (_cuda's bindings, cuda/'s DeviceHessian); its Jacobians run on the
 host from copies and are copied back (_backend.engine_on_host); its forward pass, loss, gradient
-and Hessian-vector products run on the GPU backend (_gpu_launch's engine_* calls). The component
-functions are written here over CuPy: per-token, structured steps go to the blockhess kernels
-(through :mod:`blockhess._gpu_launch`), dense matrix products to cuBLAS through CuPy. Nothing here
-synchronises, except the checks that must raise in Python: the zero-variance test of LayerNorm rows
-(one reduction) and the results' finiteness.
+and Hessian-vector products run on the GPU backend (_gpu_launch's engine_* calls), and so do the
+FFN sublayer's functions (_cuda's ffn_* bindings: the engine's factors on the GPU backend). The
+other component functions are written here over CuPy: per-token, structured steps go to the
+blockhess kernels (through :mod:`blockhess._gpu_launch`), dense matrix products to cuBLAS through
+CuPy. Nothing here synchronises, except the checks that must raise in Python: the zero-variance
+test of LayerNorm rows (one reduction) and the results' finiteness (the engine's bindings read
+theirs back).
 
 The code only uses array operations that NumPy and CuPy share, so the tests run it on NumPy arrays
 with the real kernels and bindings compiled for the CPU (tests/kernel_emulation.py) on machines
@@ -198,61 +200,28 @@ def attention_jacobian(X: Any, W_Q: Any, W_K: Any, W_V: Any, wrt: int, out: Any)
     require_finite(out, "the attention Jacobian with respect to " + ("W_Q", "W_K", "W_V", "X")[wrt])
 
 
-# ---- FFN (kinds as src/bind_ffn.cpp) -------------------------------------------------------------
+# ---- FFN (kinds as src/ffn_shapes.hpp): the engine on the GPU backend ----------------------------
 
 
 def ffn_forward(Y: Any, W_1: Any, W_2: Any, out: Any) -> None:
     _same_device(Y, W_1, W_2, out)
     with _device(out):
-        H = Y @ W_1
-        out[...] = _xp(Y).where(H > 0, H, 0).astype(Y.dtype, copy=False) @ W_2
-    require_finite(out, "the FFN output")
-
-
-_FFN_JACOBIAN = ("the FFN Jacobian with respect to W_1", "the FFN Jacobian with respect to W_2",
-                 "the FFN Jacobian with respect to Y", "the FFN Jacobian with respect to Y (blocks)",
-                 "the Kronecker factors of the FFN Jacobian with respect to W_1",
-                 "the Kronecker factors of the FFN Jacobian with respect to W_2")
+        _k.ffn_forward(Y, W_1, W_2, out)  # checked finite
 
 
 def ffn_jacobian(Y: Any, W_1: Any, W_2: Any, kind: int, out: Any) -> None:
     """kind 0: W_1, 1: W_2, 2: Y dense, 3: Y blocks (L, e, d), 4: W_1's factor W_2^T D_t (L, e, f),
     5: W_2's factor relu(Y W_1) (L, f)."""
     _same_device(Y, W_1, W_2, out)
-    d, f = Y.shape[1], W_1.shape[1]
     with _device(out):
-        H = Y @ W_1
-        mask = (H > 0).astype(Y.dtype)
-        if kind in (0, 4):  # J[t e + c, b f + g] = Y[t,b] (W_2^T D_t)[c,g]
-            factor = W_2.T[None, :, :] * mask[:, None, :]
-            if kind == 4:
-                out[...] = factor
-            else:
-                _k.token_kron(Y, _c(factor), (d, f, True), 1.0, out)
-        elif kind in (1, 5):  # relu(H) (x) I_e
-            if kind == 5:
-                out[...] = H * mask
-            else:
-                _k.token_kron(_c(H * mask), None, (f, W_2.shape[1], True), 1.0, out)
-        else:
-            blocks = (W_2.T[None, :, :] * mask[:, None, :]) @ W_1.T  # (L, e, d): W_2^T D_t W_1^T
-            if kind == 3:
-                out[...] = blocks
-            else:
-                _k.blockdiag_dense(_c(blocks), out)
-    require_finite(out, _FFN_JACOBIAN[kind])
+        _k.ffn_jacobian(Y, W_1, W_2, kind, out)  # checked finite
 
 
 def ffn_cross_hessian(Y: Any, W_1: Any, W_2: Any, kind: int, out: Any) -> None:
     """kind 0: blocks (L, d, f), 1: dense ((L e d f), f e)."""
     _same_device(Y, W_1, W_2, out)
     with _device(out):
-        C = _outer(Y, ((Y @ W_1) > 0).astype(Y.dtype))  # (L, d, f): Y[t,b] 1[H[t,g] > 0]
-        if kind == 0:
-            out[...] = C
-        else:
-            _k.ffn_cross_dense(_c(C), W_2.shape[1], out)
-    require_finite(out, "the dense FFN cross second derivative" if kind == 1 else "the FFN cross second-derivative blocks")
+        _k.ffn_cross_hessian(Y, W_1, W_2, kind, out)  # checked finite
 
 
 # ---- the block and models: the engine ------------------------------------------------------------

@@ -167,12 +167,6 @@ def token_kron(u, M, split: Split, scale: float, out) -> None:
     _fn("token_kron", u.dtype)(tokens, R, split[0], split[1], bool(split[2]), _ptr(u), _ptr(M), float(scale), _ptr(out), _stream())
 
 
-def blockdiag_dense(blocks, out) -> None:
-    tokens, r, c = blocks.shape
-    _check(blocks.dtype, (blocks, None), (out, (tokens * r, tokens * c)))
-    _fn("blockdiag_dense", blocks.dtype)(_ptr(blocks), tokens, r, c, _ptr(out), _stream())
-
-
 def attention_dx(A, W_V, V, F, Qt, D, c: float, out) -> None:
     """dF/dX (L dv, L d) of single-head attention from its forward quantities (see assembly.hpp)."""
     L = int(A.shape[0])
@@ -181,12 +175,6 @@ def attention_dx(A, W_V, V, F, Qt, D, c: float, out) -> None:
     _fn("attention_dx", A.dtype)(
         _ptr(A), _ptr(W_V), _ptr(V), _ptr(F), _ptr(Qt), _ptr(D), L, d, dv, float(c), _ptr(out), _stream()
     )
-
-
-def ffn_cross_dense(C, e: int, out) -> None:
-    L, d, f = C.shape
-    _check(C.dtype, (C, None), (out, (L * e * d * f, f * e)))
-    _fn("ffn_cross_dense", C.dtype)(_ptr(C), L, d, f, e, _ptr(out), _stream())
 
 
 def synchronize() -> None:
@@ -220,6 +208,22 @@ def _device_arg(a: Any) -> tuple[int, tuple[int, ...]] | None:
     if not a.flags.c_contiguous:
         raise RuntimeError(f"blockhess internal error: a non-contiguous {a.dtype} {tuple(a.shape)} for the engine")
     return _ptr(a), tuple(int(n) for n in a.shape)
+
+
+def ffn_forward(Y, W_1, W_2, out) -> None:
+    """relu(Y W_1) W_2 into the device array out, on the GPU backend; done (and checked finite) when
+    this returns."""
+    _fn("ffn_forward", out.dtype)(*map(_device_arg, (Y, W_1, W_2, out)), _stream())
+
+
+def ffn_jacobian(Y, W_1, W_2, kind: int, out) -> None:
+    """The FFN's Jacobian or Kronecker factor of ``kind`` (src/ffn_shapes.hpp) into out, on the GPU backend."""
+    _fn("ffn_jacobian", out.dtype)(*map(_device_arg, (Y, W_1, W_2)), kind, _device_arg(out), _stream())
+
+
+def ffn_cross_hessian(Y, W_1, W_2, kind: int, out) -> None:
+    """The FFN's (W_1, W_2) second derivative, blocks (0) or dense (1), into out, on the GPU backend."""
+    _fn("ffn_cross_hessian", out.dtype)(*map(_device_arg, (Y, W_1, W_2)), kind, _device_arg(out), _stream())
 
 
 def engine_block_forward(X3, spec, weights, eps, out) -> None:

@@ -8,11 +8,13 @@
 #include <vector>
 
 #include "blockhess/blocks/family.hpp"
+#include "blockhess/components.hpp"
 #include "blockhess/cpu_backend.hpp"
 #include "blockhess/cuda/backend.hpp"
 #include "blockhess/engine/graph.hpp"
 #include "blockhess/heads.hpp"
 #include "blockhess/engine/loss.hpp"
+#include "blockhess/engine/nodes/layernorm.hpp"
 #include "blockhess/engine/rows.hpp"
 
 namespace {
@@ -297,18 +299,69 @@ int block_loss_hvp(int gpu, const long* spec, long B, long L, long d, long dk, l
 BLOCKHESS_ENGINE_PROBE(_f64, double)
 BLOCKHESS_ENGINE_PROBE(_f32, float)
 
-// 1 with the message where a part of the engine that still runs on the host (the curvature's
+// 1 with the message where a part of the engine that still runs on the host (a LayerNorm's
 // factors) refuses a graph on the GPU backend, 0 where it does not.
 extern "C" __attribute__((visibility("default"))) int gpu_graph_refuses_factors(char* message, long message_size) {
+  namespace engine = blockhess::engine;
   const blockhess::cuda::CudaBackend<double> gpu(0);
-  blockhess::engine::Graph<double> graph(1, 1, gpu);
+  engine::Graph<double> graph(1, 1, gpu);
+  const int x = graph.input(nullptr, 3);
+  graph.set_output(graph.add(std::make_unique<engine::NormNode<double, engine::LayerNormRows>>(1e-5), {x}, {}, 3));
   try {
-    graph.push_factors(false);
+    graph.push_factors(/*to_output=*/true);
     return 0;
   } catch (const std::invalid_argument& e) {
     return failed(e, message, message_size);
   }
 }
+
+namespace {
+
+// The FFN sublayer relu(Y W_1) W_2 (components.hpp) on the host backend (gpu = 0) or the GPU
+// backend (gpu = 1), its inputs in the host's memory: what = 0 its output, 1 its Jacobian or
+// Kronecker factor of `kind`, 2 its cross second derivative of `kind`, into out (n values, host
+// memory; on the GPU written in device memory and copied back).
+template <class T>
+int ffn_component(int gpu, long L, long d, long f, long e, const T* Y, const T* W1, const T* W2, int what, int kind,
+                  T* out, long n, char* message, long message_size) {
+  namespace components = blockhess::components;
+  try {
+    const components::FfnDims s{L, d, f, e};
+    auto call = [&](const blockhess::Backend<T>& backend, T* result) {
+      if (what == 0) components::ffn_forward(Y, W1, W2, s, result, backend);
+      else if (what == 1) components::ffn_jacobian(Y, W1, W2, s, static_cast<components::FfnJacobian>(kind), result, backend);
+      else components::ffn_cross_hessian(Y, W1, W2, s, static_cast<components::FfnCross>(kind), result, backend);
+    };
+    if (!gpu) {
+      call(blockhess::cpu_backend<T>(), out);
+      return 0;
+    }
+    const blockhess::cuda::CudaBackend<T> backend(0);
+    T* result = backend.allocate(n);
+    try {
+      call(backend, result);
+      backend.download(out, result, sizeof(T) * static_cast<size_t>(n));
+    } catch (...) {
+      backend.release(result, n);
+      throw;
+    }
+    backend.release(result, n);
+    return 0;
+  } catch (const std::exception& e) {
+    return failed(e, message, message_size);
+  }
+}
+
+}  // namespace
+
+#define BLOCKHESS_FFN_PROBE(suffix, T)                                                                             \
+  extern "C" __attribute__((visibility("default"))) int ffn_component##suffix(                                     \
+      int gpu, long L, long d, long f, long e, const T* Y, const T* W1, const T* W2, int what, int kind, T* out,   \
+      long n, char* message, long message_size) {                                                                  \
+    return ffn_component<T>(gpu, L, d, f, e, Y, W1, W2, what, kind, out, n, message, message_size);               \
+  }
+BLOCKHESS_FFN_PROBE(_f64, double)
+BLOCKHESS_FFN_PROBE(_f32, float)
 
 // Writes one value of the GPU backend's memory from the host: on the emulator this must fault
 // (its device memory is closed to the host outside device work), or the engine tests above could

@@ -5,8 +5,10 @@ there (cuda_runtime.h's DeviceMemory) and takes the process with it.
     python engine_cases.py LIBRARY OUT.npz
 
 For every case of CASES: the loss, its gradient and one Hessian-vector product of a block of the
-family or a model (a ViT, a GPT-2-like language model), each loss and part, through backend_probe.cpp's block_loss_hvp on the host backend and on the GPU
-backend, and the same through blockhess's public functions (their host engine), into OUT.npz.
+family or a model (a ViT, a GPT-2-like language model), each loss and part, through
+backend_probe.cpp's block_loss_hvp on the host backend and on the GPU backend, and the same through
+blockhess's public functions (their host engine); for every case of FFN_CASES, the FFN sublayer's
+output, Jacobians, Kronecker factors and cross second derivative the same three ways; into OUT.npz.
 """
 
 from __future__ import annotations
@@ -127,9 +129,70 @@ def public(spec: str, loss: str, part: str, dtype: str):
             blockhess.loss_hvp(X, target, params, v, loss=loss, part=part))
 
 
+# The FFN sublayer's functions (components.hpp): (what, kind, name) with what 0 the output, 1 a
+# Jacobian or Kronecker factor (kinds as src/ffn_shapes.hpp), 2 the cross second derivative.
+FFN_L, FFN_D, FFN_F, FFN_E = 4, 3, 5, 2
+FFN_CASES = ([(0, 0, "forward")] + [(1, kind, f"jacobian-{kind}") for kind in range(6)]
+             + [(2, kind, f"cross-{kind}") for kind in range(2)])
+
+
+def ffn_name(case: str, dtype: str) -> str:
+    return f"ffn-{case}-{dtype}"
+
+
+def ffn_inputs(dtype: str):
+    rng = np.random.default_rng(4)
+    dt = DTYPES[dtype]
+    return tuple(rng.standard_normal(s).astype(dt) for s in ((FFN_L, FFN_D), (FFN_D, FFN_F), (FFN_F, FFN_E)))
+
+
+def ffn_size(what: int, kind: int) -> int:
+    L, d, f, e = FFN_L, FFN_D, FFN_F, FFN_E
+    if what == 0:
+        return L * e
+    if what == 1:
+        return (L * e * d * f, L * e * f * e, L * e * L * d, L * e * d, L * e * f, L * f)[kind]
+    return (L * d * f, L * e * d * f * f * e)[kind]
+
+
+def ffn_run(lib, what: int, kind: int, dtype: str, gpu: int) -> np.ndarray:
+    Y, W1, W2 = ffn_inputs(dtype)
+    out = np.full(ffn_size(what, kind), np.nan, DTYPES[dtype])
+    message = ctypes.create_string_buffer(512)
+    P = ctypes.c_void_p
+    status = getattr(lib, "ffn_component_" + dtype)(
+        ctypes.c_int(gpu), *(ctypes.c_long(n) for n in (FFN_L, FFN_D, FFN_F, FFN_E)),
+        *(a.ctypes.data_as(P) for a in (Y, W1, W2)), ctypes.c_int(what), ctypes.c_int(kind), out.ctypes.data_as(P),
+        ctypes.c_long(out.size), message, ctypes.c_long(512))
+    if status != 0:
+        raise RuntimeError(f"ffn {what}/{kind} on {'the GPU' if gpu else 'the host'}: {message.value.decode()}")
+    return out
+
+
+def ffn_public(what: int, kind: int, dtype: str) -> np.ndarray:
+    """The same through blockhess's public functions."""
+    Y, W1, W2 = ffn_inputs(dtype)
+    if what == 0:
+        result = blockhess.ffn(Y, W1, W2)
+    elif what == 2:
+        result = blockhess.ffn_cross_hessian(Y, W1, W2, layout=("blocks", "dense")[kind])
+    elif kind < 4:
+        wrt, layout = (("W_1", "dense"), ("W_2", "dense"), ("Y", "dense"), ("Y", "blocks"))[kind]
+        result = blockhess.ffn_jacobian(Y, W1, W2, wrt, layout=layout)
+    else:  # the factor that is not the input: V of W_1's, U of W_2's
+        U, V = blockhess.ffn_jacobian(Y, W1, W2, ("W_1", "W_2")[kind - 4], layout="kron")
+        result = V if kind == 4 else U
+    return np.asarray(result).reshape(-1)
+
+
 def main(library: str, out: str) -> None:
     lib = ctypes.CDLL(library)
     results = {}
+    for what, kind, case in FFN_CASES:
+        for dtype in DTYPES:
+            for where, gpu in (("host", 0), ("gpu", 1)):
+                results[f"{ffn_name(case, dtype)}/{where}"] = ffn_run(lib, what, kind, dtype, gpu)
+            results[f"{ffn_name(case, dtype)}/public"] = ffn_public(what, kind, dtype)
     for case in CASES:
         for where, gpu in (("host", 0), ("gpu", 1)):
             for what, array in zip(("value", "grad", "hv"), run(lib, *case, gpu)):

@@ -14,7 +14,9 @@
 
 #include <optional>
 
+#include "blockhess/backend.hpp"
 #include "blockhess/config.hpp"
+#include "blockhess/cpu_backend.hpp"
 
 namespace blockhess::components {
 
@@ -36,9 +38,11 @@ inline index_t columns(const AttentionDims& s, AttentionWrt wrt) {
   return 0;
 }
 
-// F (L, d_v).
+// F (L, d_v). On `backend`, whose memory holds every array (the host's by default): so the forward
+// passes and the FFN's derivatives; the attention's Jacobians run on the host (their factors).
 template <class T>
-void attention_forward(const T* X, const T* W_Q, const T* W_K, const T* W_V, const AttentionDims& s, T* F);
+void attention_forward(const T* X, const T* W_Q, const T* W_K, const T* W_V, const AttentionDims& s, T* F,
+                       const Backend<T>& backend = cpu_backend<T>());
 // J (L d_v, columns(s, wrt)) = dF / d(wrt).
 template <class T>
 void attention_jacobian(const T* X, const T* W_Q, const T* W_K, const T* W_V, const AttentionDims& s,
@@ -66,11 +70,13 @@ enum class FfnCross : int {
 
 // F (L, e).
 template <class T>
-void ffn_forward(const T* Y, const T* W_1, const T* W_2, const FfnDims& s, T* F);
+void ffn_forward(const T* Y, const T* W_1, const T* W_2, const FfnDims& s, T* F, const Backend<T>& backend = cpu_backend<T>());
 template <class T>
-void ffn_jacobian(const T* Y, const T* W_1, const T* W_2, const FfnDims& s, FfnJacobian kind, T* out);
+void ffn_jacobian(const T* Y, const T* W_1, const T* W_2, const FfnDims& s, FfnJacobian kind, T* out,
+                  const Backend<T>& backend = cpu_backend<T>());
 template <class T>
-void ffn_cross_hessian(const T* Y, const T* W_1, const T* W_2, const FfnDims& s, FfnCross kind, T* out);
+void ffn_cross_hessian(const T* Y, const T* W_1, const T* W_2, const FfnDims& s, FfnCross kind, T* out,
+                       const Backend<T>& backend = cpu_backend<T>());
 
 // What each function allocates besides its result, in elements, for the memory budget: the
 // engine's estimate (engine/working_memory.hpp) on the sublayer's graph wired for its shapes only,

@@ -25,13 +25,14 @@
 namespace blockhess::components {
 namespace detail {
 
-// A sublayer's graph after its forward pass (or, with no input values, wired for its shapes only:
-// engine/working_memory.hpp): its input value, (FFN) its hidden units relu(Y W_1), (attention) its
-// node. The parameters are the graph's 0, 1 (and 2), in the order of the function's arguments.
+// A sublayer's graph after its forward pass on `backend`, whose memory holds the arrays (or, with
+// no input values, wired for its shapes only: engine/working_memory.hpp): its input value, (FFN)
+// its hidden units relu(Y W_1), (attention) its node. The parameters are the graph's 0, 1 (and 2),
+// in the order of the function's arguments.
 template <class T>
 struct Wired {
-  Wired(const T* input_values, index_t L, index_t width)
-      : graph(std::make_unique<engine::Graph<T>>(1, L)), input(graph->input(input_values, width)) {}
+  Wired(const T* input_values, index_t L, index_t width, const Backend<T>& backend)
+      : graph(std::make_unique<engine::Graph<T>>(1, L, backend)), input(graph->input(input_values, width)) {}
   std::unique_ptr<engine::Graph<T>> graph;
   int input = -1, hidden = -1;
   const engine::AttentionNode<T>* attention = nullptr;
@@ -64,9 +65,10 @@ inline void require_sizes(const char* what, std::initializer_list<std::pair<cons
 }
 
 template <class T>
-Wired<T> attention(const T* X, const T* W_Q, const T* W_K, const T* W_V, const AttentionDims& s) {
+Wired<T> attention(const T* X, const T* W_Q, const T* W_K, const T* W_V, const AttentionDims& s,
+                   const Backend<T>& backend = cpu_backend<T>()) {
   require_sizes("attention", {{"L", s.L}, {"d", s.d}, {"d_k", s.dk}, {"d_v", s.dv}});
-  Wired<T> w(X, s.L, s.d);
+  Wired<T> w(X, s.L, s.d, backend);
   engine::Graph<T>& g = *w.graph;
   const int wq = g.param("W_Q", s.d, s.dk, W_Q, engine::Storage::borrow);
   const int wk = g.param("W_K", s.d, s.dk, W_K, engine::Storage::borrow);
@@ -81,9 +83,9 @@ Wired<T> attention(const T* X, const T* W_Q, const T* W_K, const T* W_V, const A
 constexpr int kW1 = 0, kW2 = 1;  // the FFN graph's parameters
 
 template <class T>
-Wired<T> ffn(const T* Y, const T* W_1, const T* W_2, const FfnDims& s) {
+Wired<T> ffn(const T* Y, const T* W_1, const T* W_2, const FfnDims& s, const Backend<T>& backend = cpu_backend<T>()) {
   require_sizes("ffn", {{"L", s.L}, {"d", s.d}, {"d_ff", s.f}, {"d_out", s.e}});
-  Wired<T> w(Y, s.L, s.d);
+  Wired<T> w(Y, s.L, s.d, backend);
   engine::Graph<T>& g = *w.graph;
   const int w1 = g.param("W_1", s.d, s.f, W_1, engine::Storage::borrow);
   const int w2 = g.param("W_2", s.f, s.e, W_2, engine::Storage::borrow);
@@ -94,46 +96,20 @@ Wired<T> ffn(const T* Y, const T* W_1, const T* W_2, const FfnDims& s) {
   return w;
 }
 
-// The diagonal blocks of dF/dY of the FFN, (L, e, d). The FFN acts on each token alone, so one
-// tangent that moves feature b of every token at once gives column b of every token's block: d
-// tangents, not L d.
+// The diagonal blocks of dF/dY of the FFN, (L, e, d), on the graph's backend. The FFN acts on each
+// token alone, so one tangent that moves feature b of every token at once gives column b of every
+// token's block: d tangents, not L d.
 template <class T>
 void ffn_input_blocks(const Wired<T>& w, const FfnDims& s, T* blocks, FiniteRecord& finite) {
   const index_t L = s.L, d = s.d, e = s.e;
+  const Backend<T>& backend = w.graph->backend();
   engine::input_tangents(
       *w.graph, w.input, d, L * s.f * (d + e),
-      [&](index_t b, T* dY) {
-        for (index_t k = 0; k < L * d; ++k) dY[k] = k % d == b ? T(1) : T(0);
-      },
-      [&](index_t b, const T* dF) {
-        for (index_t row = 0; row < L * e; ++row) blocks[row * d + b] = dF ? dF[row] : T(0);
-        if (dF) finite.check(dF, L * e);
+      [&](index_t b, T* dY) { backend.run(engine::rows::UnitColumn<T>{dY, d, b}, L * d); },
+      [&](index_t b, const T* dF) {  // the input always reaches the output
+        backend.run(engine::rows::WriteStrided<T>{dF, blocks + b, d}, L * e);
+        finite.note(backend.all_finite(dF, L * e));
       });
-}
-
-// The dense (L e, L d) Jacobian from its diagonal blocks (L, e, d), one row at a time.
-template <class T>
-void block_diagonal(const T* blocks, index_t L, index_t e, index_t d, T* dense) {
-  blockhess::detail::parallel_for(L * e, L * d, [&](index_t row) {
-    T* out = dense + row * L * d;
-    std::fill_n(out, L * d, T(0));
-    std::copy_n(blocks + row * d, d, out + (row / e) * d);
-  });
-}
-
-// The diagonal of U_t (n, n) of a factor: the identity's ones, a diagonal form's values, else read
-// from the materialised matrix.
-template <class T>
-void factor_diagonal(const engine::Factor<T>& f, index_t t, index_t n, T* out) {
-  if (f.form == engine::Form::identity && !f.right) {
-    std::fill_n(out, n, T(1));
-  } else if (f.form == engine::Form::diagonal && !f.right) {
-    std::copy_n(f.diagonal_t(t), n, out);
-  } else {
-    Mat<T> U;
-    f.materialise(t, U);
-    for (index_t k = 0; k < n; ++k) out[k] = U(k, k);
-  }
 }
 
 // The engine's working-memory estimate of `call` on a sublayer's graph with parameter `p` (if any)
@@ -181,10 +157,11 @@ index_t ffn_cross_working_memory(const FfnDims& s, FfnCross kind, index_t thread
 }
 
 template <class T>
-void attention_forward(const T* X, const T* W_Q, const T* W_K, const T* W_V, const AttentionDims& s, T* F) {
+void attention_forward(const T* X, const T* W_Q, const T* W_K, const T* W_V, const AttentionDims& s, T* F,
+                       const Backend<T>& backend) {
   detail::named("the attention output", [&] {
-    const auto w = detail::attention(X, W_Q, W_K, W_V, s);
-    std::copy_n(w.graph->value(w.graph->output()), s.L * s.dv, F);
+    const auto w = detail::attention(X, W_Q, W_K, W_V, s, backend);
+    w.graph->copy(w.graph->value(w.graph->output()), F, s.L * s.dv);
   });
 }
 
@@ -203,15 +180,16 @@ void attention_jacobian(const T* X, const T* W_Q, const T* W_K, const T* W_V, co
 }
 
 template <class T>
-void ffn_forward(const T* Y, const T* W_1, const T* W_2, const FfnDims& s, T* F) {
+void ffn_forward(const T* Y, const T* W_1, const T* W_2, const FfnDims& s, T* F, const Backend<T>& backend) {
   detail::named("the FFN output", [&] {
-    const auto w = detail::ffn(Y, W_1, W_2, s);
-    std::copy_n(w.graph->value(w.graph->output()), s.L * s.e, F);
+    const auto w = detail::ffn(Y, W_1, W_2, s, backend);
+    w.graph->copy(w.graph->value(w.graph->output()), F, s.L * s.e);
   });
 }
 
 template <class T>
-void ffn_jacobian(const T* Y, const T* W_1, const T* W_2, const FfnDims& s, FfnJacobian kind, T* out) {
+void ffn_jacobian(const T* Y, const T* W_1, const T* W_2, const FfnDims& s, FfnJacobian kind, T* out,
+                  const Backend<T>& backend) {
   static const char* const name[] = {"the FFN Jacobian with respect to W_1",
                                      "the FFN Jacobian with respect to W_2",
                                      "the FFN Jacobian with respect to Y",
@@ -222,34 +200,29 @@ void ffn_jacobian(const T* Y, const T* W_1, const T* W_2, const FfnDims& s, FfnJ
   const index_t L = s.L, d = s.d, f = s.f, e = s.e;
   FiniteRecord finite;  // every entry checked as it is written
   detail::named(what, [&] {
-    auto w = detail::ffn(Y, W_1, W_2, s);
+    auto w = detail::ffn(Y, W_1, W_2, s, backend);
     engine::Graph<T>& g = *w.graph;
     switch (kind) {
       case FfnJacobian::W_1: engine::jacobian(g, detail::kW1, out, &finite); break;
       case FfnJacobian::W_2: engine::jacobian(g, detail::kW2, out, &finite); break;
       case FfnJacobian::Y_blocks: detail::ffn_input_blocks(w, s, out, finite); break;
       case FfnJacobian::Y: {
-        Buffer<T> blocks(L * e * d);
+        BackendBuffer<T> blocks(backend, L * e * d);
         detail::ffn_input_blocks(w, s, blocks.data(), finite);
-        detail::block_diagonal(blocks.data(), L, e, d, out);
+        backend.run(engine::rows::BlockDiagonalRows<T>{blocks.data(), out, L, e, d}, L * e);
         break;
       }
       case FfnJacobian::W_1_factor: {
-        // W_1's tangent factor at the output: vec Y_t, U_t = W_2^T relu'(H_t) as (e, f).
+        // W_1's tangent factor at the output: U_t = W_2^T relu'(H_t) as (e, f), without its vec Y_t.
         g.select({true, false});
         g.push_factors(/*to_output=*/true);
         const engine::Factor<T>& factor = g.factor(g.output(), g.whole(detail::kW1));
-        blockhess::detail::parallel_for(L, e * f, [&](index_t t) {
-          Mat<T> U;
-          factor.materialise(t, U);
-          std::copy_n(U.data(), e * f, out + t * e * f);
-          finite.check(out + t * e * f, e * f);
-        });
+        finite.note(engine::factor_rows(g, factor, static_cast<const T*>(nullptr), out, f));
         break;
       }
       case FfnJacobian::W_2_factor:
-        std::copy_n(g.value(w.hidden), L * f, out);
-        finite.check(out, L * f);
+        g.copy(g.value(w.hidden), out, L * f);
+        finite.note(backend.all_finite(out, L * f));
         break;
     }
   });
@@ -257,40 +230,28 @@ void ffn_jacobian(const T* Y, const T* W_1, const T* W_2, const FfnDims& s, FfnJ
 }
 
 template <class T>
-void ffn_cross_hessian(const T* Y, const T* W_1, const T* W_2, const FfnDims& s, FfnCross kind, T* out) {
+void ffn_cross_hessian(const T* Y, const T* W_1, const T* W_2, const FfnDims& s, FfnCross kind, T* out,
+                       const Backend<T>& backend) {
   const bool dense = kind == FfnCross::dense;
   const std::string what = dense ? "the dense FFN cross second derivative" : "the FFN cross second-derivative blocks";
   const index_t L = s.L, d = s.d, f = s.f, e = s.e;
   FiniteRecord finite;  // the values, checked as they are formed
   detail::named(what, [&] {
-    auto w = detail::ffn(Y, W_1, W_2, s);
+    auto w = detail::ffn(Y, W_1, W_2, s, backend);
     engine::Graph<T>& g = *w.graph;
     // The one bilinear term <gF, dR dW_2> pairs W_2 with W_1's factor at the hidden units R:
-    // vec Y_t on W_1's rows and U_t = diag(relu'(H_t)), whose products are the values.
+    // vec Y_t on W_1's rows and G_t = diag(relu'(H_t)), whose products are the values: each
+    // token's (d, f) block is the one row of Y_t (x) diag(G_t).
     g.select({true, false});
     g.push_factors(/*to_output=*/false);
     const engine::Factor<T>& factor = g.factor(w.hidden, g.whole(detail::kW1));
-    Buffer<T> values_buffer(dense ? L * d * f : 0);
+    if (factor.form != engine::Form::diagonal || factor.right)
+      throw std::logic_error("ffn_cross_hessian: W_1's factor after the activation is a diagonal");
+    BackendBuffer<T> values_buffer(backend, dense ? L * d * f : 0);
     T* values = dense ? values_buffer.data() : out;
-    blockhess::detail::parallel_for(L, d * f, [&](index_t t) {
-      Buffer<T> mask(f);
-      detail::factor_diagonal(factor, t, f, mask.data());
-      const T* y = factor.vec->data() + t * d;
-      T* o = values + t * d * f;
-      for (index_t b = 0; b < d; ++b)
-        for (index_t k = 0; k < f; ++k) o[b * f + k] = y[b] * mask[k];
-      finite.check(o, d * f);
-    });
-    if (!dense) return;
-    // The paper's layout: row (t e + c) d f + b f + k holds the value at column k e + c.
-    blockhess::detail::parallel_for(L * e, d * f * f * e, [&](index_t te) {
-      const index_t t = te / e, c = te % e;
-      for (index_t bk = 0; bk < d * f; ++bk) {
-        T* row = out + (te * d * f + bk) * f * e;
-        std::fill_n(row, f * e, T(0));
-        row[(bk % f) * e + c] = values[t * d * f + bk];
-      }
-    });
+    finite.note(engine::outer_rows(backend, L, factor.vec->data(), factor.U->data(), engine::rows::FactorLayout::by_rows,
+                                   1, factor.split, values, d * f));
+    if (dense) backend.run(engine::rows::CrossLayoutRows<T>{values, out, d, f, e}, L * e * d * f);
   });
   finite.require<T>(what);
 }

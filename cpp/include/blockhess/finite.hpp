@@ -43,24 +43,34 @@ bool is_finite(T x) {
   return (Bits::of(x) & Bits::exponent) != Bits::exponent;
 }
 
-// True when none of the n values is Inf or NaN. The exponent field (all ones exactly for Inf and
-// NaN) lies in the high 32-bit word of a double and in the word of a float; the loop keeps the
-// largest masked word, a plain unsigned 32-bit max that vectorises on every x86-64 level.
+// The exponent field of T in the 32-bit word of a value that holds it: all ones exactly for Inf
+// and NaN. That word is the high one of a double and the word of a float.
 template <class T>
-bool all_finite(const T* values, index_t n) {
-  constexpr std::uint32_t exponent = sizeof(T) == 8 ? 0x7ff00000u : 0x7f800000u;
+constexpr std::uint32_t kExponentMask = sizeof(T) == 8 ? 0x7ff00000u : 0x7f800000u;
+
+// The largest of `largest` and the n values' exponent fields: kExponentMask<T> exactly when one of
+// them is Inf or NaN. The loop keeps the largest masked word, a plain unsigned 32-bit max that
+// vectorises on every x86-64 level; it runs on the GPU too (the engine's row operations).
+template <class T>
+BLOCKHESS_HD std::uint32_t largest_exponent(const T* values, index_t n, std::uint32_t largest = 0) {
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
   constexpr std::size_t high_word = 0;
 #else
   constexpr std::size_t high_word = sizeof(T) == 8 ? 4 : 0;
 #endif
-  std::uint32_t largest = 0;
   for (index_t k = 0; k < n; ++k) {
     std::uint32_t word;
-    std::memcpy(&word, reinterpret_cast<const char*>(values + k) + high_word, 4);
-    largest = std::max(largest, word & exponent);
+    memcpy(&word, reinterpret_cast<const char*>(values + k) + high_word, 4);
+    word &= kExponentMask<T>;
+    largest = word > largest ? word : largest;
   }
-  return largest != exponent;
+  return largest;
+}
+
+// True when none of the n values is Inf or NaN.
+template <class T>
+bool all_finite(const T* values, index_t n) {
+  return largest_exponent(values, n) != kExponentMask<T>;
 }
 
 // The error for a stage that came out Inf or NaN from finite inputs.
@@ -92,6 +102,10 @@ class FiniteRecord {
   template <class T>
   void check(const T* values, index_t n) {
     if (!all_finite(values, n)) ok_.store(false, std::memory_order_relaxed);
+  }
+  // What a check elsewhere found (a backend's all_finite).
+  void note(bool finite) {
+    if (!finite) ok_.store(false, std::memory_order_relaxed);
   }
   bool ok() const { return ok_.load(std::memory_order_relaxed); }
 

@@ -40,9 +40,49 @@ void jacobian_by_tangents(const Graph<T>& g, int p, T* J, FiniteRecord* finite) 
   note_finite(finite, J, m * np);
 }
 
-// dZ/dW_p: (tokens width(Z), n_p), row t w + a, column p's flat index. Each token's rows are
-// written once, piece by piece (a split parameter's pieces write their own columns of every row),
-// and checked into `finite` (when given) while they are in cache.
+// U_t = G_t R_t for every token, (tokens, width, n_mat) row by row: a factor with a right factor
+// (an attention's, whose push runs on the host) as FactorOuterRows reads it.
+template <class T>
+Buffer<T> with_right_applied(const Factor<T>& f, index_t tokens) {
+  const index_t size = f.width * f.n_mat();
+  Buffer<T> U(static_cast<size_t>(tokens * size));
+  blockhess::detail::parallel_for(tokens, size * f.cols(), [&](index_t t) {
+    Mat<T> Ut;
+    f.materialise(t, Ut);  // row-major
+    std::copy_n(Ut.data(), size, U.data() + t * size);
+  });
+  return U;
+}
+
+// Rows t width + a of `out` (row_length long) = vec_t (x) U_t[a, :] at the columns `s` places
+// them in (rows::FactorOuterRows), vec null for U_t alone, on `backend`; whether every value
+// written is finite, where `check`.
+template <class T>
+bool outer_rows(const Backend<T>& backend, index_t tokens, const T* vec, const T* U, rows::FactorLayout layout,
+                index_t width, const kron::Split& s, T* out, index_t row_length, bool check = true) {
+  BackendBuffer<T> marks(backend, check ? tokens : 0);
+  const index_t n_vec = vec ? s.n_vec() : 1, offset = vec ? s.offset : 0, stride = vec ? s.row_stride() : s.n_mat();
+  backend.run(rows::FactorOuterRows<T>{vec, U, layout, width, n_vec, s.n_mat(), out, row_length, offset, stride,
+                                       s.vec_on_first || !vec, check ? marks.data() : nullptr},
+              tokens);
+  return !check || backend.all_finite(marks.data(), tokens);
+}
+
+// The rows of dZ/dW_p that factor f at the output gives (its piece's columns), row length n_p;
+// vec null: U_t alone, (tokens, width, n_mat) (an FFN's Kronecker factor).
+template <class T>
+bool factor_rows(const Graph<T>& g, const Factor<T>& f, const T* vec, T* J, index_t row_length, bool check = true) {
+  if (!f.right)
+    return outer_rows(g.backend(), g.tokens(), vec, moving_data(f), layout_of(f), f.width, f.split, J, row_length, check);
+  g.require_host("a Jacobian through an attention's right factors");
+  const Buffer<T> U = with_right_applied(f, g.tokens());
+  return outer_rows(g.backend(), g.tokens(), vec, U.data(), rows::FactorLayout::by_rows, f.width, f.split, J, row_length,
+                    check);
+}
+
+// dZ/dW_p: (tokens width(Z), n_p), row t w + a, column p's flat index, on g's backend. Each piece
+// of a split parameter writes its own columns of every row; a piece that does not move the output
+// (a key bias) leaves its columns 0. Checked into `finite` (when given) where written.
 template <class T>
 void jacobian(Graph<T>& g, int p, T* J, FiniteRecord* finite = nullptr) {
   std::vector<bool> only(static_cast<size_t>(g.num_params()), false);
@@ -55,50 +95,33 @@ void jacobian(Graph<T>& g, int p, T* J, FiniteRecord* finite = nullptr) {
     jacobian_by_tangents(g, p, J, finite);
     return;
   }
-  const index_t w = g.width(g.output()), np = g.parameter(p).size();
+  const index_t np = g.parameter(p).size();
   std::vector<const Factor<T>*> moving;
   for (int piece : g.pieces_of(p))
     if (g.factor(g.output(), piece).present) moving.push_back(&g.factor(g.output(), piece));
-  // A piece that does not move the output (a key bias) leaves its columns 0.
-  const bool partial = moving.size() != g.pieces_of(p).size();
-  blockhess::detail::parallel_for(g.tokens(), w * np, [&](index_t t) {
-    T* rows = J + t * w * np;
-    if (partial) std::fill_n(rows, w * np, T(0));
-    Mat<T> U;
-    for (const Factor<T>* f : moving) {
-      f->materialise(t, U);  // (w, n_mat), row-major
-      const kron::Split& s = f->split;
-      const index_t no = s.n_vec(), nr = s.n_mat(), stride = s.row_stride();
-      const T* v = f->vec->data() + t * no;
-      for (index_t a = 0; a < w; ++a) {
-        T* row = rows + a * np + s.offset;
-        const T* u = U.data() + a * nr;
-        if (s.vec_on_first)  // W[o, r]: runs of r
-          for (index_t o = 0; o < no; ++o)
-            for (index_t r = 0; r < nr; ++r) row[o * stride + r] = v[o] * u[r];
-        else  // W[r, o]: runs of o
-          for (index_t r = 0; r < nr; ++r)
-            for (index_t o = 0; o < no; ++o) row[r * stride + o] = v[o] * u[r];
-      }
-    }
-    note_finite(finite, rows, w * np);
-  });
+  if (moving.size() != g.pieces_of(p).size()) g.backend().run(rows::Zero<T>{J}, g.tokens() * g.width(g.output()) * np);
+  for (const Factor<T>* f : moving) {
+    const bool ok = factor_rows(g, *f, f->vec->data(), J, np, finite != nullptr);
+    if (finite) finite->note(ok);
+  }
 }
 
 // The output's tangents along `count` tangents of the input value x, no parameter moving:
 // seed(k, dX) writes the k-th tangent of x (tokens, width(x)), then take(k, dZ) reads the output's
-// (null where x does not reach it). The tangents run in parallel, one Tangent per thread, each
-// computed the same way whichever thread runs it; work: the multiply-adds of one.
+// (null where x does not reach it), both in the backend's memory. On the host the tangents run in
+// parallel, one Tangent per thread, each computed the same way whichever thread runs it (work:
+// the multiply-adds of one); on a GPU one after another on its stream.
 template <class T, class Seed, class Take>
 void input_tangents(const Graph<T>& g, int x, index_t count, index_t work, Seed&& seed, Take&& take) {
-  const int slots = parallel::num_threads();
+  const bool host = g.backend().host_addressable();
+  const int slots = host ? parallel::num_threads() : 1;
   std::vector<Tangent<T>> tangents(static_cast<size_t>(slots));
-  std::vector<Buffer<T>> dX(static_cast<size_t>(slots));
-  const bool parallel = count * work >= blockhess::detail::kParallelWorkThreshold;
+  std::vector<BackendBuffer<T>> dX(static_cast<size_t>(slots));
+  const bool parallel = host && count * work >= blockhess::detail::kParallelWorkThreshold;
   const index_t chunk = blockhess::detail::chunk_size(count, work, slots);
   blockhess::detail::parallel_for_slots(count, parallel, chunk, slots, [&](index_t k, int slot) {
-    Buffer<T>& in = dX[static_cast<size_t>(slot)];
-    in.resize(static_cast<size_t>(g.tokens() * g.width(x)));
+    BackendBuffer<T>& in = dX[static_cast<size_t>(slot)];
+    in.resize(g.backend(), g.tokens() * g.width(x));
     seed(k, in.data());
     take(k, g.jvp_input(tangents[static_cast<size_t>(slot)], x, in.data()));
   });

@@ -208,7 +208,7 @@ Site<T> site_at_cut(Graph<T>& g, int cut, bool functional, const std::vector<Sit
   std::vector<Site<T>> above = functional ? g.curvature_after(cut).sites : std::vector<Site<T>>{};
   above.insert(above.end(), outer.begin(), outer.end());
   g.push_factors_through(-1);
-  g.set_factor(c, 0, entering<T>(kron::Split{1, w, true}, std::make_shared<const Buffer<T>>(n, T(1)), w));
+  g.set_factor(c, 0, entering<T>(kron::Split{1, w, true}, filled(g.backend(), n, T(1)), w));
   g.push_factors_after(cut);
   auto omega = std::make_shared<Buffer<T>>(static_cast<size_t>(n * w * w), T(0));
   for (const Site<T>& s : detail::settle_sites(g, std::move(above))) {

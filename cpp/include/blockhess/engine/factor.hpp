@@ -20,9 +20,12 @@
 #include <stdexcept>
 #include <vector>
 
+#include "blockhess/backend.hpp"
+#include "blockhess/backend_buffer.hpp"
 #include "blockhess/buffer.hpp"
 #include "blockhess/config.hpp"
 #include "blockhess/eigen.hpp"
+#include "blockhess/engine/rows.hpp"
 #include "blockhess/kron_sum.hpp"
 #include "blockhess/parallel.hpp"
 #include "blockhess/parallel_product.hpp"
@@ -50,15 +53,52 @@ struct FactorsDoNotReach : std::invalid_argument {
   using std::invalid_argument::invalid_argument;
 };
 
+// A factor's array: in the graph's backend's memory, where the pushes that run on every backend
+// (a linear map, a pointwise map, a sum, an entering parameter's vec) form it, or in host memory,
+// where the pushes that still run on the host do (docs/backends.md).
+template <class T>
+class FactorArray {
+ public:
+  explicit FactorArray(BackendBuffer<T>&& on_backend) : on_backend_(std::move(on_backend)) {}
+  explicit FactorArray(Buffer<T>&& on_host) : on_host_(std::move(on_host)) {}
+  const T* data() const { return on_host_.empty() ? on_backend_.data() : on_host_.data(); }
+  // Entry k, read on the host: host-addressable memory only.
+  const T& operator[](index_t k) const { return data()[k]; }
+
+ private:
+  BackendBuffer<T> on_backend_;
+  Buffer<T> on_host_;
+};
+
+template <class T>
+using SharedArray = std::shared_ptr<const FactorArray<T>>;
+
+template <class T>
+SharedArray<T> shared_array(Buffer<T>&& on_host) {
+  return std::make_shared<const FactorArray<T>>(std::move(on_host));
+}
+template <class T>
+SharedArray<T> shared_array(BackendBuffer<T>&& on_backend) {
+  return std::make_shared<const FactorArray<T>>(std::move(on_backend));
+}
+
+// n values `value` in the backend's memory: the vec [1] of a bias, of gamma and beta.
+template <class T>
+SharedArray<T> filled(const Backend<T>& backend, index_t n, T value) {
+  BackendBuffer<T> b(backend, n);
+  backend.run(rows::Fill<T>{b.data(), value}, n);
+  return shared_array(std::move(b));
+}
+
 template <class T>
 struct Factor {
   bool present = false;
   kron::Split split;                     // which index of the parameter vec sits on
-  std::shared_ptr<const Buffer<T>> vec;  // (tokens, split.n_vec())
+  SharedArray<T> vec;                    // (tokens, split.n_vec())
   Form form = Form::dense;
   index_t width = 0;                     // rows of G_t: the width of the value
-  std::shared_ptr<const Buffer<T>> U;    // G_t. dense: (tokens, cols(), width), i.e. G_t^T; diagonal: (tokens, cols())
-  std::shared_ptr<const Buffer<T>> right;  // R_t: (tokens, inner, n_mat), or null for R_t = I
+  SharedArray<T> U;                      // G_t. dense: (tokens, cols(), width), i.e. G_t^T; diagonal: (tokens, cols())
+  SharedArray<T> right;                  // R_t: (tokens, inner, n_mat), or null for R_t = I
   index_t inner = 0;
 
   index_t n_mat() const { return split.n_mat(); }
@@ -100,7 +140,7 @@ struct Factor {
 
 // A parameter entering at a value of `width` columns: U_t = I, vec as given.
 template <class T>
-Factor<T> entering(const kron::Split& split, std::shared_ptr<const Buffer<T>> vec, index_t width) {
+Factor<T> entering(const kron::Split& split, SharedArray<T> vec, index_t width) {
   Factor<T> f;
   f.present = true;
   f.split = split;
@@ -113,7 +153,7 @@ Factor<T> entering(const kron::Split& split, std::shared_ptr<const Buffer<T>> ve
 
 // The same parameter moved to a new value: same vec and R_t, a new G_t.
 template <class T>
-Factor<T> moved(const Factor<T>& from, Form form, index_t width, std::shared_ptr<const Buffer<T>> G) {
+Factor<T> moved(const Factor<T>& from, Form form, index_t width, SharedArray<T> G) {
   Factor<T> f = from;
   f.form = form;
   f.width = width;
@@ -122,7 +162,25 @@ Factor<T> moved(const Factor<T>& from, Form form, index_t width, std::shared_ptr
 }
 template <class T>
 Factor<T> moved(const Factor<T>& from, Form form, index_t width, Buffer<T>&& G) {
-  return moved(from, form, width, std::make_shared<const Buffer<T>>(std::move(G)));
+  return moved(from, form, width, shared_array(std::move(G)));
+}
+template <class T>
+Factor<T> moved(const Factor<T>& from, Form form, index_t width, BackendBuffer<T>&& G) {
+  return moved(from, form, width, shared_array(std::move(G)));
+}
+
+// How a row operation reads a factor's G_t (rows/factors.hpp).
+template <class T>
+rows::FactorLayout layout_of(const Factor<T>& f) {
+  switch (f.form) {
+    case Form::identity: return rows::FactorLayout::identity;
+    case Form::diagonal: return rows::FactorLayout::diagonal;
+    default: return rows::FactorLayout::by_columns;
+  }
+}
+template <class T>
+const T* moving_data(const Factor<T>& f) {
+  return f.form == Form::identity ? nullptr : f.U->data();
 }
 
 namespace detail {
@@ -148,7 +206,7 @@ std::vector<size_t> first_alike(const std::vector<const Factor<T>*>& in) {
 
 // G'_t = M_t G_t for every factor in `in` (one per piece; absent ones stay absent), with M_t
 // the (w_out, w_in) Jacobian of a node on its input: matrix_of(t) returns it (or one shared
-// matrix), formed once per token for all the pieces.
+// matrix), formed once per token for all the pieces, on the host (a LayerNorm's push).
 template <class T, class MatrixOf>
 std::vector<Factor<T>> left_multiply(const std::vector<const Factor<T>*>& in, index_t tokens, index_t w_out,
                                      MatrixOf&& matrix_of) {
@@ -180,46 +238,42 @@ std::vector<Factor<T>> left_multiply(const std::vector<const Factor<T>*>& in, in
       }
     }
   });
-  std::vector<std::shared_ptr<const Buffer<T>>> shared(in.size());
-  for (size_t p : formed) shared[p] = std::make_shared<const Buffer<T>>(std::move(G[p]));
+  std::vector<SharedArray<T>> shared(in.size());
+  for (size_t p : formed) shared[p] = shared_array(std::move(G[p]));
   for (size_t p = 0; p < in.size(); ++p)
     if (in[p]->present) out[p] = moved(*in[p], Form::dense, w_out, shared[first[p]]);
   return out;
 }
 
 // G'_t = W^T G_t for every factor in `in`, with one weight W (w_in, w_out) for every token (a
-// linear map): for a dense G_t, all tokens' G'_t^T = G_t^T W at once.
+// linear map), on `backend`: for a dense G_t, all tokens' G'_t^T = G_t^T W in one product.
 template <class T>
 std::vector<Factor<T>> left_multiply_weight(const Backend<T>& backend, const std::vector<const Factor<T>*>& in,
                                             index_t tokens, const T* weight, index_t w_in, index_t w_out) {
   std::vector<Factor<T>> out(in.size());
   const std::vector<size_t> first = detail::first_alike(in);
-  const MapC<T> W(weight, w_in, w_out);
-  std::vector<std::shared_ptr<const Buffer<T>>> shared(in.size());
+  std::vector<SharedArray<T>> shared(in.size());
   for (size_t p = 0; p < in.size(); ++p) {
     if (!in[p]->present || first[p] != p) continue;
     const Factor<T>& f = *in[p];
     const index_t r = f.cols();
-    Buffer<T> G(static_cast<size_t>(tokens * r * w_out));
-    MapM<T> Gt(G.data(), tokens * r, w_out);  // the G'_t^T, token after token
-    if (f.form == Form::dense) {
-      product(backend, Gt, MapC<T>(f.U->data(), tokens * r, w_in), W, T(1), false);
-    } else {  // G_t = diag(delta_t) (or I): G'_t^T = diag(delta_t) W
-      blockhess::detail::parallel_for(tokens, r * w_out, [&](index_t t) {
-        for (index_t k = 0; k < r; ++k)
-          Gt.row(t * r + k) = (f.form == Form::identity ? T(1) : f.diagonal_t(t)[k]) * W.row(k);
-      });
-    }
-    shared[p] = std::make_shared<const Buffer<T>>(std::move(G));
+    BackendBuffer<T> G(backend, tokens * r * w_out);  // the G'_t^T, token after token
+    if (f.form == Form::dense)
+      product(backend, MapM<T>(G.data(), tokens * r, w_out), MapC<T>(f.U->data(), tokens * r, w_in),
+              MapC<T>(weight, w_in, w_out), T(1), false);
+    else  // G_t = diag(delta_t) (or I): G'_t^T = diag(delta_t) W
+      backend.run(rows::WeightRows<T>{moving_data(f), weight, G.data(), r, w_out}, tokens * r);
+    shared[p] = shared_array(std::move(G));
   }
   for (size_t p = 0; p < in.size(); ++p)
     if (in[p]->present) out[p] = moved(*in[p], Form::dense, w_out, shared[first[p]]);
   return out;
 }
 
-// G'_t = diag(m_t) G_t for a per-token mask or scale m (tokens, width): a pointwise map.
+// G'_t = diag(m_t) G_t for a per-token mask or scale m (tokens, width): a pointwise map, on `backend`.
 template <class T>
-std::vector<Factor<T>> scale_rows(const std::vector<const Factor<T>*>& in, index_t tokens, const T* m) {
+std::vector<Factor<T>> scale_rows(const Backend<T>& backend, const std::vector<const Factor<T>*>& in, index_t tokens,
+                                  const T* m) {
   std::vector<Factor<T>> out(in.size());
   const std::vector<size_t> first = detail::first_alike(in);
   for (size_t p = 0; p < in.size(); ++p) {
@@ -230,27 +284,19 @@ std::vector<Factor<T>> scale_rows(const std::vector<const Factor<T>*>& in, index
     }
     const Factor<T>& f = *in[p];
     const index_t r = f.cols(), w = f.width;
-    if (f.form == Form::dense) {
-      Buffer<T> G(static_cast<size_t>(tokens * w * r));
-      blockhess::detail::parallel_for(tokens, w * r, [&](index_t t) {
-        const Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, 1>> mt(m + t * w, w);
-        ColMapM<T>(G.data() + t * w * r, w, r).noalias() = mt.asDiagonal() * f.dense(t);
-      });
-      out[p] = moved(f, Form::dense, w, std::move(G));
-      continue;
-    }
-    Buffer<T> D(static_cast<size_t>(tokens * r));
-    for (index_t t = 0; t < tokens; ++t)
-      for (index_t k = 0; k < r; ++k) D[t * r + k] = m[t * w + k] * (f.form == Form::identity ? T(1) : f.diagonal_t(t)[k]);
-    out[p] = moved(f, Form::diagonal, w, std::move(D));
+    const bool dense = f.form == Form::dense;
+    BackendBuffer<T> G(backend, tokens * r * (dense ? w : 1));
+    backend.run(rows::ScaleFactorRows<T>{m, moving_data(f), G.data(), w, r, dense}, tokens * r);
+    out[p] = moved(f, dense ? Form::dense : Form::diagonal, w, std::move(G));
   }
   return out;
 }
 
-// The factors of a sum of two values, piece by piece: a piece reaching both (along two paths
-// from where it entered, so with the same vec and R_t) moves the sum by G_a + G_b.
+// The factors of a sum of two values, piece by piece, on `backend`: a piece reaching both (along
+// two paths from where it entered, so with the same vec and R_t) moves the sum by G_a + G_b.
 template <class T>
-std::vector<Factor<T>> add(const std::vector<const Factor<T>*>& a, const std::vector<const Factor<T>*>& b, index_t tokens) {
+std::vector<Factor<T>> add(const Backend<T>& backend, const std::vector<const Factor<T>*>& a,
+                           const std::vector<const Factor<T>*>& b, index_t tokens) {
   std::vector<Factor<T>> out(a.size());
   for (size_t p = 0; p < a.size(); ++p) {
     if (!a[p]->present || !b[p]->present) {
@@ -268,15 +314,9 @@ std::vector<Factor<T>> add(const std::vector<const Factor<T>*>& a, const std::ve
         out[p] = moved(fa, Form::dense, fa.width, out[q].U), shared = true;
     if (shared) continue;
     const index_t r = fa.cols(), w = fa.width;
-    Buffer<T> G(static_cast<size_t>(tokens * w * r));
-    blockhess::detail::parallel_for(tokens, w * r, [&](index_t t) {
-      ColMapM<T> sum(G.data() + t * w * r, w, r);
-      ColMat<T> scratch;
-      if (fa.form == Form::dense) sum = fa.dense(t);
-      else fa.materialise_moving(t, scratch), sum = scratch;
-      if (fb.form == Form::dense) sum += fb.dense(t);
-      else fb.materialise_moving(t, scratch), sum += scratch;
-    });
+    BackendBuffer<T> G(backend, tokens * w * r);
+    backend.run(rows::AddFactors<T>{moving_data(fa), layout_of(fa), moving_data(fb), layout_of(fb), G.data(), w, r},
+                tokens * r);
     out[p] = moved(fa, Form::dense, w, std::move(G));
   }
   return out;

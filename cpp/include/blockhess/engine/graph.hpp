@@ -199,7 +199,8 @@ class Graph {
   void require_host(const char* what) const {
     if (!backend_->host_addressable())
       throw std::invalid_argument(std::string("engine: ") + what + " runs on the host so far; on this backend the "
-                                  "loss, its gradient and Hessian-vector products run (docs/backends.md)");
+                                  "forward pass, the loss, its gradient, Hessian-vector products and the factors of "
+                                  "linear and pointwise maps run (docs/backends.md)");
   }
   index_t samples() const { return B_; }
   index_t tokens_per_sample() const { return L_; }
@@ -290,11 +291,11 @@ class Graph {
   const T* value(int v) const { return values_[static_cast<size_t>(v)].data(); }
   // to = from, n values in the backend's memory.
   void copy(const T* from, T* to, index_t n) const { backend_->run(rows::WriteEntries<T>{from, to, false}, n); }
-  // A host copy of value v: the vectors of a factor that enters at it (factor.hpp).
-  std::shared_ptr<const Buffer<T>> value_copy(int v) const {
-    require_host("a parameter's tangent factors");
-    const T* x = value(v);
-    return std::make_shared<const Buffer<T>>(x, x + tokens() * width(v));
+  // A copy of value v in the backend's memory: the vectors of a factor that enters at it (factor.hpp).
+  SharedArray<T> value_copy(int v) const {
+    BackendBuffer<T> x(*backend_, tokens() * width(v));
+    copy(value(v), x.data(), tokens() * width(v));
+    return shared_array(std::move(x));
   }
   T* value_out(int v) {  // sized for the node that writes it, uninitialised
     BackendBuffer<T>& b = values_[static_cast<size_t>(v)];
@@ -404,8 +405,9 @@ class Graph {
 
   // The tangent factors of the selected parameters at every value, up to the output's producer's
   // input (to_output: at the output too; sites at the output are pulled back instead).
+  // The pushes of a linear map, a pointwise map and a sum run on any backend; the other nodes'
+  // refuse a backend the host cannot address (docs/backends.md).
   void push_factors(bool to_output) {
-    require_host("a parameter's tangent factors");
     fresh_factors();
     push_nodes(0, to_output);
   }
@@ -460,7 +462,6 @@ class Graph {
   // push_factors(false) in two parts around a cut: through the nodes up to `last` from no factors
   // (nothing above it moves), then through the nodes after it onto the factors already there.
   void push_factors_through(int last) {
-    require_host("a parameter's tangent factors");
     fresh_factors();
     for (int k = 0; k <= last; ++k) nodes_[static_cast<size_t>(k)]->push(*this);
   }
@@ -539,7 +540,6 @@ class Graph {
   // The forward tangent of every value for the tangent dX of the input value x, no parameter
   // moving (the forward half of hvp): returns the output's tangent, or null where x does not reach it.
   const T* jvp_input(Tangent<T>& tg, int x, const T* dX) const {
-    require_host("a Jacobian with respect to the input");
     start(tg);
     const index_t n = tokens() * width(x);
     copy(dX, tg.out(x, n), n);

@@ -44,6 +44,25 @@ template <class T>
 struct GatherRows;
 template <class T>
 struct ScatterRows;
+// the tangent factors' (rows/factors.hpp)
+template <class T>
+struct Fill;
+template <class T>
+struct WeightRows;
+template <class T>
+struct ScaleFactorRows;
+template <class T>
+struct AddFactors;
+template <class T>
+struct FactorOuterRows;
+template <class T>
+struct CrossLayoutRows;
+template <class T>
+struct BlockDiagonalRows;
+template <class T>
+struct UnitColumn;
+template <class T>
+struct WriteStrided;
 // the pointwise activation's (rows/pointwise.hpp)
 template <class T>
 struct ActivationForward;
@@ -96,6 +115,15 @@ struct SoftmaxCotangentTangentRows;
   X(ClassTokenRows)               \
   X(GatherRows)                   \
   X(ScatterRows)                  \
+  X(Fill)                         \
+  X(WeightRows)                   \
+  X(ScaleFactorRows)              \
+  X(AddFactors)                   \
+  X(FactorOuterRows)              \
+  X(CrossLayoutRows)              \
+  X(BlockDiagonalRows)            \
+  X(UnitColumn)                   \
+  X(WriteStrided)                 \
   X(ActivationForward)            \
   X(ActivationCotangentTangent)   \
   X(NormalizeRows)                \

@@ -3,6 +3,7 @@
 
 #include "blockhess/engine/row_ops.hpp"
 #include "blockhess/engine/rows/entries.hpp"
+#include "blockhess/engine/rows/factors.hpp"
 #include "blockhess/engine/rows/heads.hpp"
 #include "blockhess/engine/rows/norm.hpp"
 #include "blockhess/engine/rows/pointwise.hpp"

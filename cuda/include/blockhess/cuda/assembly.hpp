@@ -66,21 +66,12 @@ void flag_nonfinite(const T* H, index_t n, index_t ld, unsigned* flag, std::uint
 template <class T>
 void mirror_upper(T* H, index_t n, index_t ld, std::uintptr_t stream);
 
-// Block-diagonal dense matrix (tokens r, tokens c) from blocks (tokens, r, c).
-template <class T>
-void blockdiag_dense(const T* blocks, index_t tokens, index_t r, index_t c, T* out, std::uintptr_t stream);
-
 // dF/dX of single-head attention, (L dv, L d), from the forward quantities (docs/derivation.md §3.3):
 //   out[t dv + a, u d + b] = A[t,u] W_V[b,a] + (c A[t,u] (V[u,a] - F[t,a])) Qt[t,b] + delta_tu D[t,a,b]
 // with A (L, L), W_V (d, dv), V and F (L, dv), Qt = Q W_K^T (L, d), D (L, dv, d), c = 1/sqrt(d_k).
 template <class T>
 void attention_dx(const T* A, const T* WV, const T* V, const T* F, const T* Qt, const T* D, index_t L, index_t d,
                   index_t dv, T c, T* out, std::uintptr_t stream);
-
-// d2 FFN / dW_1 dW_2 in the paper's layout ((L e d f), f e) from its nonzero values C (L, d, f):
-//   out[((t e + c) d + b) f + g, g e + c] = C[t, b, g], zeros elsewhere.
-template <class T>
-void ffn_cross_dense(const T* C, index_t L, index_t d, index_t f, index_t e, T* out, std::uintptr_t stream);
 
 }  // namespace assembly
 }  // namespace blockhess::cuda

@@ -162,9 +162,10 @@ class AttentionNode final : public Node<T> {
 
   void push(Graph<T>& g) const override {
     const index_t B = g.samples(), L = g.tokens_per_sample(), n = g.tokens(), d = g.width(x());
+    g.require_host("an attention's tangent factors");
     const T* F = g.value(this->output);
-    auto ones = std::make_shared<const Buffer<T>>(n, T(1));
-    std::shared_ptr<const Buffer<T>> x_rows;
+    const SharedArray<T> ones = filled(g.backend(), n, T(1));
+    SharedArray<T> x_rows;
     for (index_t i = 0; i < heads_; ++i) {
       const bool query_side = g.selected(wq()) || (biased() && g.selected(bq()));
       const bool keys = g.selected(wk()), values = g.selected(wv()) || (biased() && g.selected(bv()));
@@ -180,11 +181,11 @@ class AttentionNode final : public Node<T> {
         for (index_t t = 0; t < n; ++t)
           for (index_t c = 0; c < dv_; ++c) E[(t * dv_ + c) * hv_ + i * dv_ + c] = T(1);  // column c: row i d_v + c
         head_rows.form = Form::dense;
-        head_rows.U = std::make_shared<const Buffer<T>>(std::move(E));
+        head_rows.U = shared_array(std::move(E));
       }
       auto with_right = [&](Buffer<T>&& R) {
         Factor<T> f = head_rows;
-        f.right = std::make_shared<const Buffer<T>>(std::move(R)), f.inner = dv_;
+        f.right = shared_array(std::move(R)), f.inner = dv_;
         return f;
       };
       if (query_side || keys) {
@@ -228,7 +229,7 @@ class AttentionNode final : public Node<T> {
             for (index_t c = 0; c < dk_; ++c) sq[t * dk_ + c] = s_ * Q_[t * hk_ + i * dk_ + c];
           Factor<T> f = with_right(std::move(Mk));
           f.split = g.split_of(g.pieces_of(wk())[i], false);
-          f.vec = std::make_shared<const Buffer<T>>(std::move(sq));
+          f.vec = shared_array(std::move(sq));
           g.set_factor(this->output, g.pieces_of(wk())[i], std::move(f));
         }
       }
@@ -241,7 +242,7 @@ class AttentionNode final : public Node<T> {
           product(g.backend(), MapM<T>(AX.data() + b * L * d, L, d), MapC<T>(weights(b, i, L), L, L), sample_x(g, b), T(1), false);
         const int piece = g.pieces_of(wv())[i];
         at_V.split = g.split_of(piece, true);
-        at_V.vec = std::make_shared<const Buffer<T>>(std::move(AX));
+        at_V.vec = shared_array(std::move(AX));
         g.set_factor(this->output, piece, at_V);
       }
       if (biased() && g.selected(bv())) {
@@ -569,7 +570,7 @@ class AttentionNode final : public Node<T> {
     m.at_F.vec = in.vec;
     m.at_F.form = Form::dense;
     m.at_F.width = hv_;
-    m.at_F.U = std::make_shared<const Buffer<T>>(std::move(UF));
+    m.at_F.U = shared_array(std::move(UF));
     return m;
   }
 

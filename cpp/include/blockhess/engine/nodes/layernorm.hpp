@@ -71,9 +71,10 @@ class NormNode final : public Node<T> {
 
   void push(Graph<T>& g) const override {
     const index_t n = g.tokens(), d = width(g);
+    g.require_host("a LayerNorm's tangent factors");
     g.set_factors(this->output, left_multiply(g.factors(in()), n, d, [&](index_t t) { return jacobian(g, t, true); }));
     if (!affine()) return;
-    auto ones = std::make_shared<const Buffer<T>>(n, T(1));
+    const SharedArray<T> ones = filled(g.backend(), n, T(1));
     if (g.selected(gamma_param())) {
       const Factor<T> entered = entering<T>(kron::Split{1, d, true}, ones, d);
       g.set_factor(this->output, g.whole(gamma_param()), moved(entered, Form::diagonal, d, Buffer<T>(normalized_.data(), normalized_.data() + normalized_.size())));

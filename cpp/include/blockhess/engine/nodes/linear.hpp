@@ -56,7 +56,7 @@ class LinearNode final : public Node<T> {
                    entering<T>(kron::Split{w_in(g), w_out(g), true}, g.value_copy(in()), w_out(g)));
     if (has_bias() && g.selected(bias_param()))
       g.set_factor(this->output, g.whole(bias_param()),
-                   entering<T>(kron::Split{1, w_out(g), true}, std::make_shared<const Buffer<T>>(n, T(1)), w_out(g)));
+                   entering<T>(kron::Split{1, w_out(g), true}, filled(g.backend(), n, T(1)), w_out(g)));
   }
 
   void curvature(const Graph<T>& g, Terms<T>& terms) const override {

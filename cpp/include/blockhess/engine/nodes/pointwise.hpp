@@ -34,7 +34,7 @@ class PointwiseNode final : public Node<T> {
   }
 
   void push(Graph<T>& g) const override {
-    g.set_factors(this->output, scale_rows(g.factors(in()), g.tokens(), first_.data()));
+    g.set_factors(this->output, scale_rows(g.backend(), g.factors(in()), g.tokens(), first_.data()));
   }
 
   void curvature(const Graph<T>& g, Terms<T>& terms) const override {

@@ -30,7 +30,7 @@ class ResidualNode final : public Node<T> {
   }
 
   void push(Graph<T>& g) const override {
-    g.set_factors(this->output, add(g.factors(this->inputs[0]), g.factors(this->inputs[1]), g.tokens()));
+    g.set_factors(this->output, add(g.backend(), g.factors(this->inputs[0]), g.factors(this->inputs[1]), g.tokens()));
   }
 
   void curvature(const Graph<T>&, Terms<T>&) const override {}

@@ -46,6 +46,7 @@ class UnembeddingNode final : public Node<T> {
     bool any = false;
     for (const Factor<T>* f : g.factors(in())) any = any || f->present;
     if (!any) return;
+    g.require_host("the LM head's tangent factors");
     Buffer<T> transposed(static_cast<size_t>(d(g) * vocab(g)));  // W_E^T, (d, vocab) row-major
     MapM<T>(transposed.data(), d(g), vocab(g)) = W(g).transpose();
     g.set_factors(this->output, left_multiply_weight(g.backend(), g.factors(in()), g.tokens(), transposed.data(), d(g), vocab(g)));

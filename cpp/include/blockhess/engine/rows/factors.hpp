@@ -1,0 +1,258 @@
+// Row operations (engine/row_ops.hpp) on the per-token tangent factors (engine/factor.hpp): the
+// pushes through a linear map, a pointwise map and a sum, and the Jacobians read from a factor.
+//
+// A factor's G_t is the identity, a diagonal (tokens, cols) or dense, stored column by column
+// (tokens, cols, width): entry (i, c) of G_t at (t cols + c) width + i. Each op computes what the
+// host's per-token Eigen expressions did, one multiply or one add an entry, so the host's results
+// keep their bits.
+#pragma once
+
+#include <cstdint>
+
+#include "blockhess/config.hpp"
+#include "blockhess/finite.hpp"
+
+namespace blockhess::engine::rows {
+
+// How a factor's G_t (or U_t) is laid out, for the ops that read it.
+enum class FactorLayout : int {
+  identity = 0,   // G_t = I
+  diagonal = 1,   // (tokens, cols): the diagonals
+  by_columns = 2, // (tokens, cols, width): G_t column by column, as a dense factor keeps it
+  by_rows = 3,    // (tokens, width, cols): U_t row by row (U_t = G_t R_t formed on the host)
+};
+
+// Entry (i, c) of token t's G_t (width rows, cols columns) in `layout`.
+template <class T>
+BLOCKHESS_HD T factor_entry(FactorLayout layout, const T* G, index_t t, index_t i, index_t c, index_t width,
+                            index_t cols) {
+  switch (layout) {
+    case FactorLayout::identity: return i == c ? T(1) : T(0);
+    case FactorLayout::diagonal: return i == c ? G[t * cols + c] : T(0);
+    case FactorLayout::by_columns: return G[(t * cols + c) * width + i];
+    default: return G[(t * width + i) * cols + c];
+  }
+}
+
+// out = value: a bias's vec [1].
+template <class T>
+struct Fill {
+  T* out;
+  T value;
+  index_t cost() const { return 1; }
+  BLOCKHESS_HD void operator()(index_t begin, index_t end) const {
+    for (index_t k = begin; k < end; ++k) out[k] = value;
+  }
+};
+
+// G'_t^T = diag(d_t) W for G_t = diag(d_t) (D, (tokens, cols)) or the identity (D null), W
+// (cols, w_out) row-major: a linear map's push of an identity or diagonal factor. An item is a row
+// t cols + k of the (tokens cols, w_out) result.
+template <class T>
+struct WeightRows {
+  const T* D;
+  const T* W;
+  T* out;
+  index_t cols, w_out;
+  index_t cost() const { return w_out; }
+  BLOCKHESS_HD void operator()(index_t begin, index_t end) const {
+    for (index_t row = begin; row < end; ++row) {
+      const T scale = D ? D[row] : T(1);
+      const T* w = W + (row % cols) * w_out;
+      T* o = out + row * w_out;
+      for (index_t j = 0; j < w_out; ++j) o[j] = scale * w[j];
+    }
+  }
+};
+
+// G'_t = diag(m_t) G_t for a per-token mask or scale m (tokens, width): a pointwise map's push.
+// by_columns: G (tokens, cols, width) dense, an item a column (t, c), the result dense; else G_t
+// the identity (G null) or diagonal (G (tokens, cols)), an item an entry (t, k) of the result's
+// diagonal.
+template <class T>
+struct ScaleFactorRows {
+  const T* m;
+  const T* G;
+  T* out;
+  index_t width, cols;
+  bool by_columns;
+  index_t cost() const { return by_columns ? width : 1; }
+  BLOCKHESS_HD void operator()(index_t begin, index_t end) const {
+    for (index_t item = begin; item < end; ++item) {
+      const index_t t = item / cols;
+      if (by_columns) {
+        const T* mt = m + t * width;
+        for (index_t i = 0; i < width; ++i) out[item * width + i] = mt[i] * G[item * width + i];
+      } else {
+        out[item] = m[t * width + item % cols] * (G ? G[item] : T(1));
+      }
+    }
+  }
+};
+
+// G_t = A_t + B_t, dense (tokens, cols, width), each of A_t, B_t in its layout: the push of a sum
+// of two values that a parameter reaches along two paths. An item is a column (t, c): the dense
+// sides' entries added (an identity's or diagonal's zeros as +0, as the host materialised them),
+// then the entry on the diagonal.
+template <class T>
+struct AddFactors {
+  const T* A;
+  FactorLayout a_layout;
+  const T* B;
+  FactorLayout b_layout;
+  T* out;
+  index_t width, cols;
+  index_t cost() const { return width; }
+  BLOCKHESS_HD void operator()(index_t begin, index_t end) const {
+    const bool a_dense = a_layout == FactorLayout::by_columns, b_dense = b_layout == FactorLayout::by_columns;
+    for (index_t item = begin; item < end; ++item) {
+      const index_t t = item / cols, c = item % cols;
+      T* o = out + item * width;
+      const T* a = a_dense ? A + item * width : nullptr;
+      const T* b = b_dense ? B + item * width : nullptr;
+      if (a_dense && b_dense)
+        for (index_t i = 0; i < width; ++i) o[i] = a[i] + b[i];
+      else if (a_dense)
+        for (index_t i = 0; i < width; ++i) o[i] = a[i] + T(0);
+      else if (b_dense)
+        for (index_t i = 0; i < width; ++i) o[i] = T(0) + b[i];
+      else
+        for (index_t i = 0; i < width; ++i) o[i] = T(0);
+      if ((!a_dense || !b_dense) && c < width)
+        o[c] = factor_entry(a_layout, A, t, c, c, width, cols) + factor_entry(b_layout, B, t, c, c, width, cols);
+    }
+  }
+};
+
+// The rows of a Jacobian that a factor gives, token by token (docs/derivation.md §4.2): row
+// t width + a of `out`, whose rows are row_length long, holds vec_t (x) U_t[a, :] at the columns
+// of the parameter's block (kron::Split: offset, stride, vec_on_first), entry by entry
+// vec_t[o] U_t[a, r] (vec null: U_t[a, r]). marks[t] (marks null: no check) is 0, or a value of
+// token t's that is Inf or NaN: the result's finiteness, checked where it is written. An item is a
+// token; its scratch holds one row of U_t, so that the inner loops run over contiguous entries.
+template <class T>
+struct FactorOuterRows {
+  const T* vec;
+  const T* U;
+  FactorLayout layout;
+  index_t width, n_vec, n_mat;
+  T* out;
+  index_t row_length, offset, stride;
+  bool vec_on_first;
+  T* marks;
+  index_t cost() const { return width * n_vec * n_mat; }
+  index_t scratch_size() const { return n_mat; }
+  BLOCKHESS_HD void operator()(index_t begin, index_t end, T* u) const {
+    for (index_t t = begin; t < end; ++t) {
+      const T* v = vec ? vec + t * n_vec : nullptr;
+      for (index_t a = 0; a < width; ++a) {
+        for (index_t r = 0; r < n_mat; ++r) u[r] = factor_entry(layout, U, t, a, r, width, n_mat);
+        T* row = out + (t * width + a) * row_length + offset;
+        if (!v)  // n_vec is 1
+          for (index_t r = 0; r < n_mat; ++r) row[r] = u[r];
+        else if (vec_on_first)  // W[o, r]: runs of r
+          for (index_t o = 0; o < n_vec; ++o) scaled(row + o * stride, u, v[o], n_mat);
+        else  // W[r, o]: runs of o
+          for (index_t r = 0; r < n_mat; ++r) scaled(row + r * stride, v, u[r], n_vec);
+      }
+      if (!marks) continue;
+      marks[t] = T(0);
+      if (largest_written(t) == kExponentMask<T>) mark_non_finite(t);
+    }
+  }
+
+ private:
+  // run[k] = x[k] s for k < n.
+  BLOCKHESS_HD static void scaled(T* run, const T* x, T s, index_t n) {
+    for (index_t k = 0; k < n; ++k) run[k] = x[k] * s;
+  }
+
+  // The largest exponent field among token t's entries (finite.hpp), while they are in cache: its
+  // rows at once where the parameter fills them, each row's block where it is contiguous, else (a
+  // piece of a split parameter, whose columns interleave with the other pieces', not written yet)
+  // run by run.
+  BLOCKHESS_HD std::uint32_t largest_written(index_t t) const {
+    const index_t run_length = vec_on_first ? n_mat : n_vec, runs = vec_on_first ? n_vec : n_mat;
+    const T* rows = out + t * width * row_length + offset;
+    if (stride == run_length && runs * run_length == row_length) return largest_exponent(rows, width * row_length);
+    std::uint32_t largest = 0;
+    for (index_t a = 0; a < width; ++a)
+      for (index_t k = 0; k < (stride == run_length ? 1 : runs); ++k)
+        largest = largest_exponent(rows + a * row_length + k * stride, stride == run_length ? runs * run_length : run_length,
+                                   largest);
+    return largest;
+  }
+
+  // marks[t] = one of token t's entries that is Inf or NaN (rare: an error follows).
+  BLOCKHESS_HD void mark_non_finite(index_t t) const {
+    for (index_t a = 0; a < width; ++a)
+      for (index_t o = 0; o < n_vec; ++o)
+        for (index_t r = 0; r < n_mat; ++r) {
+          const T* x = out + (t * width + a) * row_length + offset + (vec_on_first ? o * stride + r : r * stride + o);
+          if (largest_exponent(x, 1) == kExponentMask<T>) marks[t] = *x;
+        }
+  }
+};
+
+// The FFN's dense cross second derivative from its values C (L, d f) (docs/derivation.md §3.4,
+// erratum E4): row (t e + c) d f + j of `out`, f e entries, is zero but for entry (j mod f) e + c,
+// which is C[t, j]. An item is a row.
+template <class T>
+struct CrossLayoutRows {
+  const T* C;
+  T* out;
+  index_t d, f, e;
+  index_t cost() const { return f * e; }
+  BLOCKHESS_HD void operator()(index_t begin, index_t end) const {
+    const index_t df = d * f;
+    for (index_t row = begin; row < end; ++row) {
+      const index_t te = row / df, j = row % df;
+      T* o = out + row * f * e;
+      for (index_t k = 0; k < f * e; ++k) o[k] = T(0);
+      o[(j % f) * e + te % e] = C[(te / e) * df + j];
+    }
+  }
+};
+
+// The dense (tokens r, tokens c) block-diagonal matrix of blocks (tokens, r, c): row q holds row q
+// of its token's block at that token's columns, zeros elsewhere. An item is a row.
+template <class T>
+struct BlockDiagonalRows {
+  const T* blocks;
+  T* out;
+  index_t tokens, r, c;
+  index_t cost() const { return tokens * c; }
+  BLOCKHESS_HD void operator()(index_t begin, index_t end) const {
+    for (index_t row = begin; row < end; ++row) {
+      T* o = out + row * tokens * c;
+      const index_t at = (row / r) * c;
+      for (index_t k = 0; k < tokens * c; ++k) o[k] = k >= at && k < at + c ? blocks[row * c + k - at] : T(0);
+    }
+  }
+};
+
+// out (rows, width) = 1 in column `column`, 0 elsewhere: the tangent that moves one feature of
+// every token at once.
+template <class T>
+struct UnitColumn {
+  T* out;
+  index_t width, column;
+  index_t cost() const { return 1; }
+  BLOCKHESS_HD void operator()(index_t begin, index_t end) const {
+    for (index_t k = begin; k < end; ++k) out[k] = k % width == column ? T(1) : T(0);
+  }
+};
+
+// out[k stride] = x[k]: a tangent written as a column of a matrix `stride` wide.
+template <class T>
+struct WriteStrided {
+  const T* x;
+  T* out;
+  index_t stride;
+  index_t cost() const { return 1; }
+  BLOCKHESS_HD void operator()(index_t begin, index_t end) const {
+    for (index_t k = begin; k < end; ++k) out[k * stride] = x[k];
+  }
+};
+
+}  // namespace blockhess::engine::rows
