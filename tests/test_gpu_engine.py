@@ -94,6 +94,32 @@ def test_the_ffn_sublayer_on_the_gpu_backend_is_the_hosts(results, case, dtype):
         np.testing.assert_array_equal(gpu, host)
 
 
+def _jacobian_keys():
+    return [(spec, name, dtype) for spec in engine_cases.JACOBIAN_SPECS
+            for name in engine_cases.BlockParams.random(engine_cases.SPECS[spec], d=6, d_k=4, d_ff=7).names
+            for dtype in engine_cases.DTYPES]
+
+
+@pytest.mark.parametrize("spec,name,dtype", _jacobian_keys(), ids=lambda *a: "-".join(map(str, a)))
+def test_a_blocks_jacobian_runs_on_the_gpu_backend_where_its_factors_do(results, spec, name, dtype):
+    """dZ/dW of a block on the GPU backend, device memory closed to the host: the factors pushed
+    through the linear maps, the activation, the residual sums and the norms there, equal to the
+    host's to rounding (and the host's are blockhess.block_jacobian's). Only the parameters whose
+    factors an attention's push forms (its own; pre-LN, the norm before it) are refused, with the
+    error that says so."""
+    key = f"jacobian-{spec}-{name}-{dtype}"
+    host, gpu, public = (results[f"{key}/{where}"] for where in ("host", "gpu", "public"))
+    tol = 1e-12 if dtype == "f64" else 1e-5
+    assert _relative(host, public) < tol
+    attention_side = name in ("W_Q", "b_Q", "W_K", "b_K", "W_V", "b_V") or (
+        engine_cases.SPECS[spec].norm_position == "pre" and name in ("gamma_1", "beta_1"))
+    if attention_side:
+        assert gpu.size == 0, "refused: its factors are the attention's"
+        return
+    assert gpu.shape == host.shape and np.isfinite(gpu).all() and np.abs(gpu).max() > 0
+    assert _relative(gpu, host) < tol
+
+
 def test_the_hessian_vector_product_moves_with_its_part(results):
     """The full product is the outer plus the functional one, on the GPU as on the host (the parts
     are not all the same product)."""
@@ -113,12 +139,12 @@ def test_host_code_touching_the_gpus_memory_faults_on_the_emulator(library):
 
 
 def test_what_still_runs_on_the_host_refuses_the_gpu_backend(library):
-    """A LayerNorm's factors (and an attention's, the curvature's terms) still run on the host: on
-    the GPU backend they refuse with a clear error that says what runs there (docs/backends.md),
-    never read device memory."""
+    """An attention's factors (and the curvature's terms) still run on the host: on the GPU backend
+    they refuse with a clear error that says what runs there (docs/backends.md), never read device
+    memory."""
     lib = ctypes.CDLL(str(library))
     message = ctypes.create_string_buffer(512)
     assert lib.gpu_graph_refuses_factors(message, ctypes.c_long(512)) == 1
     text = message.value.decode()
-    assert text.startswith("engine: a LayerNorm's tangent factors runs on the host so far"), text
+    assert text.startswith("engine: an attention's tangent factors runs on the host so far"), text
     assert "Hessian-vector products" in text and "linear and pointwise maps" in text, text

@@ -7,14 +7,16 @@
 #include <memory>
 #include <vector>
 
+#include "blockhess/backend_buffer.hpp"
 #include "blockhess/blocks/family.hpp"
 #include "blockhess/components.hpp"
 #include "blockhess/cpu_backend.hpp"
 #include "blockhess/cuda/backend.hpp"
 #include "blockhess/engine/graph.hpp"
 #include "blockhess/heads.hpp"
+#include "blockhess/engine/derivatives.hpp"
 #include "blockhess/engine/loss.hpp"
-#include "blockhess/engine/nodes/layernorm.hpp"
+#include "blockhess/engine/nodes/attention.hpp"
 #include "blockhess/engine/rows.hpp"
 
 namespace {
@@ -246,29 +248,49 @@ namespace {
 // grad and, for the Hessian's part (0 full, 1 outer, 2 functional) over every parameter, H v into
 // hv. spec: the 17 codes of spec.py's BlockSpec._core() (model.py's ModelSpec's); weights: one per
 // parameter, in the core's order.
+// A block of the family and its stack from spec, the 17 codes of spec.py's BlockSpec._core()
+// (model.py's ModelSpec's).
+blockhess::block::Spec spec_of(const long* spec) {
+  namespace block = blockhess::block;
+  block::Spec s;
+  s.norm_position = static_cast<block::NormPosition>(spec[0]);
+  s.norm = static_cast<block::Norm>(spec[1]);
+  s.norm_affine = spec[2] != 0, s.bias = spec[3] != 0, s.heads = spec[4], s.out_proj = spec[5] != 0;
+  s.activation = blockhess::activation::from_code(static_cast<int>(spec[6]));
+  s.causal = spec[7] != 0, s.attention_only = spec[8] != 0;
+  return s;
+}
+blockhess::block::Stack stack_of(const long* spec) {
+  return {spec[9], spec[10] != 0, spec[11], spec[12], spec[13] != 0, spec[14], spec[15], spec[16] != 0};
+}
+
+// The graph of that block or model at X or (a language model) the token ids, in the host's
+// memory, on `backend`, after its forward pass; weights: one per parameter, in the core's order.
+template <class T>
+std::unique_ptr<blockhess::engine::Graph<T>> wired(const blockhess::Backend<T>& backend, const long* spec, long B, long L,
+                                                   long d, long dk, long dv, long dff, double eps, const T* X,
+                                                   const std::int64_t* ids, const T* const* weights, long n_weights) {
+  auto g = std::make_unique<blockhess::engine::Graph<T>>(B, L, backend);
+  blockhess::blocks::wire_stack(*g, spec_of(spec), blockhess::block::Dims{L, d, dk, dff, dv}, stack_of(spec),
+                                blockhess::blocks::Input<T>{X, ids}, std::vector<const T*>(weights, weights + n_weights),
+                                static_cast<T>(eps));
+  g->forward();
+  return g;
+}
+
 template <class T>
 int block_loss_hvp(int gpu, const long* spec, long B, long L, long d, long dk, long dv, long dff, double eps,
                    const T* X, const std::int64_t* ids, const T* const* weights, long n_weights, int loss,
                    const T* target, const std::int64_t* classes, int part, const T* v, T* value, T* grad, T* hv,
                    char* message, long message_size) {
-  namespace block = blockhess::block;
   namespace engine = blockhess::engine;
   try {
-    block::Spec s;
-    s.norm_position = static_cast<block::NormPosition>(spec[0]);
-    s.norm = static_cast<block::Norm>(spec[1]);
-    s.norm_affine = spec[2] != 0, s.bias = spec[3] != 0, s.heads = spec[4], s.out_proj = spec[5] != 0;
-    s.activation = blockhess::activation::from_code(static_cast<int>(spec[6]));
-    s.causal = spec[7] != 0, s.attention_only = spec[8] != 0;
-    const block::Stack stack{spec[9], spec[10] != 0, spec[11], spec[12], spec[13] != 0, spec[14], spec[15], spec[16] != 0};
-    const block::Dims D{L, d, dk, dff, dv};
     std::unique_ptr<blockhess::cuda::CudaBackend<T>> device;
     if (gpu) device = std::make_unique<blockhess::cuda::CudaBackend<T>>(0);
     const blockhess::Backend<T>& backend = gpu ? *device : blockhess::cpu_backend<T>();
-    engine::Graph<T> g(B, L, backend);
-    blockhess::blocks::wire_stack(g, s, D, stack, blockhess::blocks::Input<T>{X, ids},
-                                  std::vector<const T*>(weights, weights + n_weights), static_cast<T>(eps));
-    g.forward();
+    const auto graph = wired(backend, spec, B, L, d, dk, dv, dff, eps, X, ids, weights, n_weights);
+    engine::Graph<T>& g = *graph;
+    const blockhess::block::Stack stack = stack_of(spec);
     blockhess::heads::Target<T> t;
     t.loss = loss;
     t.values = target;
@@ -299,14 +321,52 @@ int block_loss_hvp(int gpu, const long* spec, long B, long L, long d, long dk, l
 BLOCKHESS_ENGINE_PROBE(_f64, double)
 BLOCKHESS_ENGINE_PROBE(_f32, float)
 
-// 1 with the message where a part of the engine that still runs on the host (a LayerNorm's
+namespace {
+
+// dZ/dW_p of that block or model (one sample), (L width(Z), n_p), into J (host memory; on the GPU
+// written in device memory and copied back): its factors pushed on the backend.
+template <class T>
+int block_jacobian(int gpu, const long* spec, long L, long d, long dk, long dv, long dff, double eps, const T* X,
+                   const T* const* weights, long n_weights, int p, T* J, long n, char* message, long message_size) {
+  try {
+    std::unique_ptr<blockhess::cuda::CudaBackend<T>> device;
+    if (gpu) device = std::make_unique<blockhess::cuda::CudaBackend<T>>(0);
+    const blockhess::Backend<T>& backend = gpu ? *device : blockhess::cpu_backend<T>();
+    const auto g = wired(backend, spec, 1, L, d, dk, dv, dff, eps, X, nullptr, weights, n_weights);
+    blockhess::BackendBuffer<T> result(backend, n);
+    blockhess::FiniteRecord finite;
+    blockhess::engine::jacobian(*g, p, result.data(), &finite);
+    finite.require<T>("the block Jacobian");
+    backend.download(J, result.data(), sizeof(T) * static_cast<size_t>(n));
+    return 0;
+  } catch (const std::exception& e) {
+    return failed(e, message, message_size);
+  }
+}
+
+}  // namespace
+
+#define BLOCKHESS_JACOBIAN_PROBE(suffix, T)                                                                        \
+  extern "C" __attribute__((visibility("default"))) int block_jacobian##suffix(                                    \
+      int gpu, const long* spec, long L, long d, long dk, long dv, long dff, double eps, const T* X,               \
+      const T* const* weights, long n_weights, int p, T* J, long n, char* message, long message_size) {            \
+    return block_jacobian<T>(gpu, spec, L, d, dk, dv, dff, eps, X, weights, n_weights, p, J, n, message,          \
+                             message_size);                                                                        \
+  }
+BLOCKHESS_JACOBIAN_PROBE(_f64, double)
+BLOCKHESS_JACOBIAN_PROBE(_f32, float)
+
+// 1 with the message where a part of the engine that still runs on the host (an attention's
 // factors) refuses a graph on the GPU backend, 0 where it does not.
 extern "C" __attribute__((visibility("default"))) int gpu_graph_refuses_factors(char* message, long message_size) {
   namespace engine = blockhess::engine;
   const blockhess::cuda::CudaBackend<double> gpu(0);
-  engine::Graph<double> graph(1, 1, gpu);
+  engine::Graph<double> graph(1, 2, gpu);
   const int x = graph.input(nullptr, 3);
-  graph.set_output(graph.add(std::make_unique<engine::NormNode<double, engine::LayerNormRows>>(1e-5), {x}, {}, 3));
+  std::vector<int> weights;  // wired for their shapes only, never read
+  for (const char* name : {"W_Q", "W_K", "W_V"}) weights.push_back(graph.param(name, 3, 2, nullptr, engine::Storage::borrow));
+  graph.set_output(graph.add(std::make_unique<engine::AttentionNode<double>>(), {x}, weights, 2));
+  graph.select({true, false, false});  // W_Q's factors, which the attention forms
   try {
     graph.push_factors(/*to_output=*/true);
     return 0;

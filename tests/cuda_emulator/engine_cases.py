@@ -185,9 +185,53 @@ def ffn_public(what: int, kind: int, dtype: str) -> np.ndarray:
     return np.asarray(result).reshape(-1)
 
 
+# Blocks whose Jacobians run on the GPU backend where the factors do: every parameter but an
+# attention's own and (pre-LN) the norm before it, whose factors the attention's push forms on
+# the host still.
+JACOBIAN_SPECS = ("paper", "gpt2", "rmsnorm", "attention_only")
+REFUSED = "an attention's tangent factors runs on the host so far"
+
+
+def jacobian_run(lib, spec: str, param: str, dtype: str, gpu: int):
+    """dZ/dW of one sample through backend_probe.cpp's block_jacobian, or None where it is refused."""
+    dt = DTYPES[dtype]
+    params = BlockParams.random(SPECS[spec], d=D, d_k=4, d_ff=7, seed=3, dtype=dt)
+    X = np.random.default_rng(5).standard_normal((L, D)).astype(dt)
+    weights = [np.ascontiguousarray(w, dtype=dt) for w in params.arrays]
+    codes = np.array([int(c) for c in SPECS[spec]._core()], dtype=np.int64)
+    shapes = dict(zip(params.names, params.shapes))
+    heads = codes[4]
+    p = list(params.names).index(param)
+    J = np.full((L * D, weights[p].size), np.nan, dt)
+    message = ctypes.create_string_buffer(512)
+    P = ctypes.c_void_p
+    table = (P * len(weights))(*[w.ctypes.data for w in weights])
+    status = getattr(lib, "block_jacobian_" + dtype)(
+        ctypes.c_int(gpu), codes.ctypes.data_as(P), ctypes.c_long(L), ctypes.c_long(D),
+        ctypes.c_long(shapes["W_Q"][1] // heads), ctypes.c_long(shapes["W_V"][1] // heads),
+        ctypes.c_long(shapes["W_1"][1] if "W_1" in shapes else 0), ctypes.c_double(SPECS[spec].eps),
+        X.ctypes.data_as(P), table, ctypes.c_long(len(weights)), ctypes.c_int(p), J.ctypes.data_as(P),
+        ctypes.c_long(J.size), message, ctypes.c_long(512))
+    if status != 0:
+        if gpu and REFUSED in message.value.decode():
+            return None
+        raise RuntimeError(f"the Jacobian of {spec} by {param} on {'the GPU' if gpu else 'the host'}: "
+                           f"{message.value.decode()}")
+    public = blockhess.block_jacobian(X, params, param)
+    return J, np.asarray(public)
+
+
 def main(library: str, out: str) -> None:
     lib = ctypes.CDLL(library)
     results = {}
+    for spec in JACOBIAN_SPECS:
+        for param in BlockParams.random(SPECS[spec], d=D, d_k=4, d_ff=7, seed=3).names:
+            for dtype in DTYPES:
+                on_host, by_public = jacobian_run(lib, spec, param, dtype, 0)
+                on_gpu = jacobian_run(lib, spec, param, dtype, 1)
+                key = f"jacobian-{spec}-{param}-{dtype}"
+                results[f"{key}/host"], results[f"{key}/public"] = on_host, by_public
+                results[f"{key}/gpu"] = np.array([]) if on_gpu is None else on_gpu[0]
     for what, kind, case in FFN_CASES:
         for dtype in DTYPES:
             for where, gpu in (("host", 0), ("gpu", 1)):

@@ -23,11 +23,23 @@ class CpuBackend final : public Backend<T> {
     matrix_product<T>(C, A, B, alpha, accumulate);
   }
 
-  // One product after another: each splits over the threads itself (matrix_product).
+  // Products too small to split (a norm's Jacobians a token) over the threads, one a thread;
+  // larger ones (an attention's heads) one after another, each split over the threads itself
+  // (matrix_product). Either way each product is the Eigen call gemm() makes: the same bits.
   void gemm_batched(index_t count, MatrixView<T> C, index_t c_step, MatrixView<const T> A, index_t a_step,
                     MatrixView<const T> B, index_t b_step, T alpha, bool accumulate) const override {
-    for (index_t k = 0; k < count; ++k, C.data += c_step, A.data += a_step, B.data += b_step)
-      matrix_product<T>(C, A, B, alpha, accumulate);
+    const auto one = [&](index_t k) {
+      MatrixView<T> c = C;
+      MatrixView<const T> a = A, b = B;
+      c.data += k * c_step, a.data += k * a_step, b.data += k * b_step;
+      matrix_product<T>(c, a, b, alpha, accumulate);
+    };
+    const index_t work = C.rows * C.cols * A.cols;
+    if (work < blockhess::detail::kParallelWorkThreshold) {
+      blockhess::detail::parallel_for(count, work, one);
+      return;
+    }
+    for (index_t k = 0; k < count; ++k) one(k);
   }
 
 #define BLOCKHESS_RUN_ON_HOST(Op) \

@@ -49,7 +49,7 @@ void normalize(const T* u, index_t L, index_t d, T eps, T* n, T* r) {
 
 // J = diag(gamma) J0 (gamma may be null).
 template <class T>
-void jacobian_row(const T* n, T r, const T* gamma, index_t d, T* J) {
+BLOCKHESS_HD void jacobian_row(const T* n, T r, const T* gamma, index_t d, T* J) {
   const T inv_d = T(1) / static_cast<T>(d);
   for (index_t a = 0; a < d; ++a) {
     const T scale = (gamma ? gamma[a] : T(1)) / r;

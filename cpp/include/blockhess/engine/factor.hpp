@@ -16,6 +16,7 @@
 #pragma once
 
 #include <Eigen/Core>
+#include <algorithm>
 #include <memory>
 #include <stdexcept>
 #include <vector>
@@ -204,44 +205,49 @@ std::vector<size_t> first_alike(const std::vector<const Factor<T>*>& in) {
 
 }  // namespace detail
 
-// G'_t = M_t G_t for every factor in `in` (one per piece; absent ones stay absent), with M_t
-// the (w_out, w_in) Jacobian of a node on its input: matrix_of(t) returns it (or one shared
-// matrix), formed once per token for all the pieces, on the host (a LayerNorm's push).
-template <class T, class MatrixOf>
-std::vector<Factor<T>> left_multiply(const std::vector<const Factor<T>*>& in, index_t tokens, index_t w_out,
-                                     MatrixOf&& matrix_of) {
+// G'_t = J_t G_t for every factor in `in` (one per piece; absent ones stay absent), with J_t the
+// (w, w) Jacobian of a norm on its input, on `backend`: jacobians(t0, n, J) writes those of tokens
+// [t0, t0 + n) into J, row-major, in the backend's memory. A dense G_t is one product a token (a
+// batch), the others are columns of J_t (rows::JacobianColumns). The Jacobians are formed a chunk
+// of tokens at a time, the chunk's at most as many entries as the narrowest factor's G' (a (w, w)
+// matrix a token outweighs a factor of fewer than w columns).
+template <class T, class Jacobians>
+std::vector<Factor<T>> left_multiply_jacobians(const Backend<T>& backend, const std::vector<const Factor<T>*>& in,
+                                               index_t tokens, index_t w, Jacobians&& jacobians) {
   std::vector<Factor<T>> out(in.size());
   const std::vector<size_t> first = detail::first_alike(in);
-  std::vector<Buffer<T>> G(in.size());
+  std::vector<BackendBuffer<T>> G(in.size());
   std::vector<size_t> formed;  // the distinct G_t, mapped below
-  index_t work = 0;
+  index_t narrowest = w;
   for (size_t p = 0; p < in.size(); ++p)
     if (in[p]->present && first[p] == p) {
       formed.push_back(p);
-      G[p].resize(static_cast<size_t>(tokens * w_out * in[p]->cols()));
-      work += w_out * in[p]->width * in[p]->cols();
+      G[p].resize(backend, tokens * in[p]->cols() * w);
+      narrowest = std::min(narrowest, in[p]->cols());
     }
-  if (work == 0) return out;
-  blockhess::detail::parallel_for(tokens, work, [&](index_t t) {
-    const auto& M = matrix_of(t);  // (w_out, w_in)
+  if (formed.empty()) return out;
+  const index_t chunk = std::max<index_t>(1, tokens * narrowest / w);
+  BackendBuffer<T> J(backend, std::min(chunk, tokens) * w * w);
+  for (index_t t0 = 0; t0 < tokens; t0 += chunk) {
+    const index_t n = std::min(chunk, tokens - t0);
+    jacobians(t0, n, J.data());
     for (size_t p : formed) {
       const Factor<T>& f = *in[p];
       const index_t r = f.cols();
-      ColMapM<T> o(G[p].data() + t * w_out * r, w_out, r);
-      if (f.form == Form::dense) {
-        o.noalias() = M * f.dense(t);
-      } else if (f.form == Form::identity) {
-        o = M;
-      } else {
-        const T* dg = f.diagonal_t(t);
-        for (index_t k = 0; k < r; ++k) o.col(k) = M.col(k) * dg[k];
-      }
+      T* Gp = G[p].data() + t0 * r * w;
+      if (f.form == Form::dense)  // G'_t^T = G_t^T J_t^T, each (r, w) row-major
+        backend.gemm_batched(n, MatrixView<T>{Gp, r, w, w, true}, r * w,
+                             MatrixView<const T>{f.U->data() + t0 * r * w, r, w, w, true}, r * w,
+                             MatrixView<const T>{J.data(), w, w, w, false}, w * w, T(1), false);
+      else
+        backend.run(rows::JacobianColumns<T>{J.data(), f.form == Form::diagonal ? f.U->data() + t0 * r : nullptr, Gp, w, r},
+                    n * r);
     }
-  });
+  }
   std::vector<SharedArray<T>> shared(in.size());
   for (size_t p : formed) shared[p] = shared_array(std::move(G[p]));
   for (size_t p = 0; p < in.size(); ++p)
-    if (in[p]->present) out[p] = moved(*in[p], Form::dense, w_out, shared[first[p]]);
+    if (in[p]->present) out[p] = moved(*in[p], Form::dense, w, shared[first[p]]);
   return out;
 }
 

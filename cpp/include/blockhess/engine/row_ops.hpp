@@ -54,6 +54,8 @@ struct ScaleFactorRows;
 template <class T>
 struct AddFactors;
 template <class T>
+struct JacobianColumns;
+template <class T>
 struct FactorOuterRows;
 template <class T>
 struct CrossLayoutRows;
@@ -71,6 +73,8 @@ struct ActivationCotangentTangent;
 // the row norms' (rows/norm.hpp)
 template <class T>
 struct NormalizeRows;
+template <class T>
+struct NormJacobianRows;
 template <class T>
 struct ScaleColumns;
 template <class T>
@@ -119,6 +123,7 @@ struct SoftmaxCotangentTangentRows;
   X(WeightRows)                   \
   X(ScaleFactorRows)              \
   X(AddFactors)                   \
+  X(JacobianColumns)              \
   X(FactorOuterRows)              \
   X(CrossLayoutRows)              \
   X(BlockDiagonalRows)            \
@@ -127,6 +132,7 @@ struct SoftmaxCotangentTangentRows;
   X(ActivationForward)            \
   X(ActivationCotangentTangent)   \
   X(NormalizeRows)                \
+  X(NormJacobianRows)             \
   X(ScaleColumns)                 \
   X(NormTangentRows)              \
   X(NormVjpRows)                  \

@@ -162,6 +162,11 @@ class AttentionNode final : public Node<T> {
 
   void push(Graph<T>& g) const override {
     const index_t B = g.samples(), L = g.tokens_per_sample(), n = g.tokens(), d = g.width(x());
+    mixed_.clear();
+    bool moves = false;  // a selected parameter of its own, or a factor at its input
+    for (int p : this->params) moves = moves || g.selected(p);
+    for (const Factor<T>* f : g.factors(x())) moves = moves || f->present;
+    if (!moves) return;
     g.require_host("an attention's tangent factors");
     const T* F = g.value(this->output);
     const SharedArray<T> ones = filled(g.backend(), n, T(1));
@@ -252,7 +257,6 @@ class AttentionNode final : public Node<T> {
         g.set_factor(this->output, piece, at_V);
       }
     }
-    mixed_.clear();
     if (!g.varies(x())) return;
     for (int f = 0; f < g.num_pieces(); ++f)
       if (g.factor(x(), f).present) {

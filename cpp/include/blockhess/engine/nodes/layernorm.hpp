@@ -71,13 +71,17 @@ class NormNode final : public Node<T> {
 
   void push(Graph<T>& g) const override {
     const index_t n = g.tokens(), d = width(g);
-    g.require_host("a LayerNorm's tangent factors");
-    g.set_factors(this->output, left_multiply(g.factors(in()), n, d, [&](index_t t) { return jacobian(g, t, true); }));
+    const Backend<T>& backend = g.backend();
+    g.set_factors(this->output, left_multiply_jacobians(backend, g.factors(in()), n, d, [&](index_t t0, index_t count, T* J) {
+      backend.run(rows::NormJacobianRows<T>{n_t(g, t0), sigma_.data() + t0, gamma_or_null(g), J, d, Rows::rms}, count);
+    }));
     if (!affine()) return;
-    const SharedArray<T> ones = filled(g.backend(), n, T(1));
-    if (g.selected(gamma_param())) {
+    const SharedArray<T> ones = filled(backend, n, T(1));
+    if (g.selected(gamma_param())) {  // vec [1], G_t = diag(n_t)
+      BackendBuffer<T> normalized(backend, n * d);
+      g.copy(normalized_.data(), normalized.data(), n * d);
       const Factor<T> entered = entering<T>(kron::Split{1, d, true}, ones, d);
-      g.set_factor(this->output, g.whole(gamma_param()), moved(entered, Form::diagonal, d, Buffer<T>(normalized_.data(), normalized_.data() + normalized_.size())));
+      g.set_factor(this->output, g.whole(gamma_param()), moved(entered, Form::diagonal, d, std::move(normalized)));
     }
     if (has_beta() && g.selected(beta_param()))
       g.set_factor(this->output, g.whole(beta_param()), entering<T>(kron::Split{1, d, true}, ones, d));
@@ -116,6 +120,11 @@ class NormNode final : public Node<T> {
   Footprint footprint(const Graph<T>& g) const override {
     const index_t n = g.tokens(), d = width(g), rows = 5 * d * parallel::num_threads();
     return {n * (1 + d), 2 * d * parallel::num_threads(), n * d + rows, n * (1 + d * d)};
+  }
+  // push(): the Jacobians it maps a factor of r columns with, a chunk of tokens at a time
+  // (factor.hpp's left_multiply_jacobians).
+  index_t passing_factor(const Graph<T>& g, index_t r) const override {
+    return g.tokens() * width(g) * std::min(width(g), r);
   }
   bool token_local() const override { return true; }
   bool pulls_sites() const override { return !affine(); }

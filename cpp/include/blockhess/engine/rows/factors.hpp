@@ -90,6 +90,28 @@ struct ScaleFactorRows {
   }
 };
 
+// G'_t = J_t G_t for G_t the identity (D null) or diag(D_t) (D (tokens, cols)), with J (tokens,
+// width, width) row-major: a norm's push of such a factor (a dense G_t is one product a token).
+// An item is a column (t, c) of G'_t: column c of J_t, times D_t[c].
+template <class T>
+struct JacobianColumns {
+  const T* J;
+  const T* D;
+  T* out;
+  index_t width, cols;
+  index_t cost() const { return width; }
+  BLOCKHESS_HD void operator()(index_t begin, index_t end) const {
+    for (index_t item = begin; item < end; ++item) {
+      const T* Jt = J + (item / cols) * width * width + item % cols;
+      T* o = out + item * width;
+      if (D)
+        for (index_t i = 0; i < width; ++i) o[i] = Jt[i * width] * D[item];
+      else
+        for (index_t i = 0; i < width; ++i) o[i] = Jt[i * width];
+    }
+  }
+};
+
 // G_t = A_t + B_t, dense (tokens, cols, width), each of A_t, B_t in its layout: the push of a sum
 // of two values that a parameter reaches along two paths. An item is a column (t, c): the dense
 // sides' entries added (an identity's or diagonal's zeros as +0, as the host materialised them),

@@ -26,6 +26,25 @@ struct NormalizeRows {
   }
 };
 
+// J_t = diag(gamma) J0_t (gamma null: J0_t), token t's (d, d) Jacobian of its norm, row-major,
+// token after token: what a norm's push maps the factors with.
+template <class T>
+struct NormJacobianRows {
+  const T* n;
+  const T* scale;
+  const T* gamma;
+  T* J;
+  index_t d;
+  bool rms;
+  index_t cost() const { return d * d; }
+  BLOCKHESS_HD void operator()(index_t begin, index_t end) const {
+    for (index_t t = begin; t < end; ++t) {
+      if (rms) rmsnorm::jacobian_row(n + t * d, scale[t], gamma, d, J + t * d * d);
+      else layernorm::jacobian_row(n + t * d, scale[t], gamma, d, J + t * d * d);
+    }
+  }
+};
+
 // y = gamma * n entry by entry (an item is an entry here): a norm's scale; its shift beta is
 // AddBias after it, not fused, so that the host rounds the product before the sum as it always has.
 template <class T>
