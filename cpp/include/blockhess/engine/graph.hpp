@@ -405,8 +405,8 @@ class Graph {
 
   // The tangent factors of the selected parameters at every value, up to the output's producer's
   // input (to_output: at the output too; sites at the output are pulled back instead).
-  // The pushes of a linear map, a pointwise map and a sum run on any backend; the other nodes'
-  // refuse a backend the host cannot address (docs/backends.md).
+  // The pushes of a linear map, a pointwise map, a sum and a norm run on any backend; an
+  // attention's and the LM head's refuse a backend the host cannot address (docs/backends.md).
   void push_factors(bool to_output) {
     fresh_factors();
     push_nodes(0, to_output);
