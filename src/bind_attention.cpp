@@ -3,19 +3,14 @@
 #include "binding.hpp"
 
 #include "blockhess/components.hpp"
+#include "sublayer_shapes.hpp"
 
 namespace blockhess::bind {
 namespace {
 
 template <class T>
 components::AttentionDims dims_of(const carray<T>& X, const carray<T>& WQ, const carray<T>& WK, const carray<T>& WV) {
-  if (X.ndim() != 2 || WQ.ndim() != 2 || WV.ndim() != 2)
-    throw std::invalid_argument("attention: X, W_Q, W_K and W_V must be 2-D");
-  const components::AttentionDims s{X.shape(0), X.shape(1), WQ.shape(1), WV.shape(1)};
-  require_shape(WQ, {s.d, s.dk}, "W_Q");
-  require_shape(WK, {s.d, s.dk}, "W_K");
-  require_shape(WV, {s.d, s.dv}, "W_V");
-  return s;
+  return attention_dims(dims(X), dims(WQ), dims(WK), dims(WV));
 }
 
 template <class T>
@@ -24,7 +19,7 @@ void bind_for(py::module_& m) {
       "attention_forward",
       [](const carray<T>& X, const carray<T>& WQ, const carray<T>& WK, const carray<T>& WV, carray<T>& out) {
         const auto s = dims_of(X, WQ, WK, WV);
-        require_shape(out, {s.L, s.dv}, "out");
+        require_shape_of(dims(out), attention_forward_shape(s), "out");
         const T *x = X.data(), *wq = WQ.data(), *wk = WK.data(), *wv = WV.data();
         T* o = mutable_ptr(out);
         py::gil_scoped_release release;
@@ -39,9 +34,8 @@ void bind_for(py::module_& m) {
       [](const carray<T>& X, const carray<T>& WQ, const carray<T>& WK, const carray<T>& WV, int wrt,
          carray<T>& out) {
         const auto s = dims_of(X, WQ, WK, WV);
-        if (wrt < 0 || wrt > 3) throw std::invalid_argument("attention_jacobian: wrt must be 0..3");
+        require_shape_of(dims(out), attention_jacobian_shape(s, wrt), "out");
         const auto w = static_cast<components::AttentionWrt>(wrt);
-        require_shape(out, {s.L * s.dv, components::columns(s, w)}, "out");
         const T *x = X.data(), *wq = WQ.data(), *wk = WK.data(), *wv = WV.data();
         T* o = mutable_ptr(out);
         py::gil_scoped_release release;

@@ -4,19 +4,14 @@
 #include "binding.hpp"
 
 #include "blockhess/components.hpp"
-#include "ffn_shapes.hpp"
+#include "sublayer_shapes.hpp"
 
 namespace blockhess::bind {
 namespace {
 
 template <class T>
-std::vector<index_t> shape(const carray<T>& a) {
-  return std::vector<index_t>(a.shape(), a.shape() + a.ndim());
-}
-
-template <class T>
 components::FfnDims dims_of(const carray<T>& Y, const carray<T>& W1, const carray<T>& W2) {
-  return ffn_dims(shape(Y), shape(W1), shape(W2));
+  return ffn_dims(dims(Y), dims(W1), dims(W2));
 }
 
 template <class T>
@@ -25,7 +20,7 @@ void bind_for(py::module_& m) {
       "ffn_forward",
       [](const carray<T>& Y, const carray<T>& W1, const carray<T>& W2, carray<T>& out) {
         const auto s = dims_of(Y, W1, W2);
-        require_shape_of(shape(out), ffn_forward_shape(s), "out");
+        require_shape_of(dims(out), ffn_forward_shape(s), "out");
         const T *y = Y.data(), *w1 = W1.data(), *w2 = W2.data();
         T* o = mutable_ptr(out);
         py::gil_scoped_release release;
@@ -34,12 +29,12 @@ void bind_for(py::module_& m) {
       py::arg("Y").noconvert(), py::arg("W_1").noconvert(), py::arg("W_2").noconvert(),
       py::arg("out").noconvert());
 
-  // kind (components::FfnJacobian): ffn_shapes.hpp lists each result's shape.
+  // kind (components::FfnJacobian): sublayer_shapes.hpp lists each result's shape.
   m.def(
       "ffn_jacobian",
       [](const carray<T>& Y, const carray<T>& W1, const carray<T>& W2, int kind, carray<T>& out) {
         const auto s = dims_of(Y, W1, W2);
-        require_shape_of(shape(out), ffn_jacobian_shape(s, kind), "out");
+        require_shape_of(dims(out), ffn_jacobian_shape(s, kind), "out");
         const T *y = Y.data(), *w1 = W1.data(), *w2 = W2.data();
         T* o = mutable_ptr(out);
         py::gil_scoped_release release;
@@ -48,12 +43,12 @@ void bind_for(py::module_& m) {
       py::arg("Y").noconvert(), py::arg("W_1").noconvert(), py::arg("W_2").noconvert(), py::arg("kind"),
       py::arg("out").noconvert());
 
-  // kind (components::FfnCross): ffn_shapes.hpp.
+  // kind (components::FfnCross): sublayer_shapes.hpp.
   m.def(
       "ffn_cross_hessian",
       [](const carray<T>& Y, const carray<T>& W1, const carray<T>& W2, int kind, carray<T>& out) {
         const auto s = dims_of(Y, W1, W2);
-        require_shape_of(shape(out), ffn_cross_shape(s, kind), "out");
+        require_shape_of(dims(out), ffn_cross_shape(s, kind), "out");
         const T *y = Y.data(), *w1 = W1.data(), *w2 = W2.data();
         T* o = mutable_ptr(out);
         py::gil_scoped_release release;

@@ -37,8 +37,12 @@ inline void require_shape_of(const std::vector<index_t>& shape, const std::vecto
   if (shape != expected) throw std::invalid_argument(std::string("blockhess: array '") + name + "' has the wrong shape");
 }
 template <class T>
+std::vector<index_t> dims(const carray<T>& a) {
+  return std::vector<index_t>(a.shape(), a.shape() + a.ndim());
+}
+template <class T>
 void require_shape(const carray<T>& a, std::initializer_list<index_t> shape, const char* name) {
-  require_shape_of(std::vector<index_t>(a.shape(), a.shape() + a.ndim()), shape, name);
+  require_shape_of(dims(a), shape, name);
 }
 
 template <class T>

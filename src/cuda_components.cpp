@@ -1,7 +1,8 @@
-// The FFN sublayer on device arrays, bound into _cuda: its forward pass, Jacobians and cross second
-// derivative (components.hpp) on the GPU backend (cuda::CudaBackend) on the caller's stream, the
-// same engine and checks as _core's bindings (bind_ffn.cpp, ffn_shapes.hpp). A result is complete
-// when the call returns: its finiteness is read back.
+// The sublayers on device arrays, bound into _cuda: the attention's forward pass and Jacobians, the
+// FFN's forward pass, Jacobians and cross second derivative (components.hpp) on the GPU backend
+// (cuda::CudaBackend) on the caller's stream, the same engine and checks as _core's bindings
+// (bind_attention.cpp, bind_ffn.cpp, sublayer_shapes.hpp). A result is complete when the call
+// returns: its finiteness is read back.
 #include <cstdint>
 #include <string>
 
@@ -9,14 +10,22 @@
 #include "blockhess/components.hpp"
 #include "blockhess/cuda/backend.hpp"
 #include "device_arg.hpp"
-#include "ffn_shapes.hpp"
+#include "sublayer_shapes.hpp"
 
 namespace blockhess::bind {
 namespace {
 
 using ptr = std::uintptr_t;
 
-// The sizes of an FFN call on device arrays, its result's shape checked against shape(sizes).
+// The sizes of a sublayer's call on device arrays, its result's shape checked against shape(sizes).
+template <class Shape>
+components::AttentionDims checked(const DeviceArg& X, const DeviceArg& WQ, const DeviceArg& WK, const DeviceArg& WV,
+                                  const DeviceArg& out, Shape&& shape) {
+  const components::AttentionDims s = attention_dims(X.second, WQ.second, WK.second, WV.second);
+  if (out.first == 0) throw std::invalid_argument("blockhess._cuda: out is null");
+  require_shape_of(out.second, shape(s), "out");
+  return s;
+}
 template <class Shape>
 components::FfnDims checked(const DeviceArg& Y, const DeviceArg& W1, const DeviceArg& W2, const DeviceArg& out,
                             Shape&& shape) {
@@ -30,6 +39,29 @@ template <class T>
 void bind_for(py::module_& m, const std::string& suffix) {
   const auto name = [&](const char* base) { return std::string(base) + suffix; };
   using py::arg;
+  m.def(
+      name("attention_forward").c_str(),
+      [](const DeviceArg& X, const DeviceArg& WQ, const DeviceArg& WK, const DeviceArg& WV, const DeviceArg& out,
+         ptr stream) {
+        const auto s = checked(X, WQ, WK, WV, out, attention_forward_shape);
+        py::gil_scoped_release release;
+        const cuda::CudaBackend<T> backend(stream);
+        components::attention_forward(device_data<T>(X), device_data<T>(WQ), device_data<T>(WK), device_data<T>(WV), s,
+                                      device_out<T>(out), backend);
+      },
+      arg("X"), arg("W_Q"), arg("W_K"), arg("W_V"), arg("out"), arg("stream"));
+  m.def(
+      name("attention_jacobian").c_str(),
+      [](const DeviceArg& X, const DeviceArg& WQ, const DeviceArg& WK, const DeviceArg& WV, int wrt,
+         const DeviceArg& out, ptr stream) {
+        const auto s = checked(X, WQ, WK, WV, out,
+                               [wrt](const components::AttentionDims& s) { return attention_jacobian_shape(s, wrt); });
+        py::gil_scoped_release release;
+        const cuda::CudaBackend<T> backend(stream);
+        components::attention_jacobian(device_data<T>(X), device_data<T>(WQ), device_data<T>(WK), device_data<T>(WV), s,
+                                       static_cast<components::AttentionWrt>(wrt), device_out<T>(out), backend);
+      },
+      arg("X"), arg("W_Q"), arg("W_K"), arg("W_V"), arg("wrt"), arg("out"), arg("stream"));
   m.def(
       name("ffn_forward").c_str(),
       [](const DeviceArg& Y, const DeviceArg& W1, const DeviceArg& W2, const DeviceArg& out, ptr stream) {

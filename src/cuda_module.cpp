@@ -139,24 +139,6 @@ void bind_for(py::module_& m, const std::string& suffix) {
       name("commutation_dense").c_str(),
       [](index_t rows, index_t n, ptr out, ptr stream) { bc::assembly::commutation_dense<T>(rows, n, P<T>(out), stream); },
       arg("m"), arg("n"), arg("out"), arg("stream"), nogil);
-  m.def(
-      name("token_kron").c_str(),
-      [](index_t tokens, index_t R, index_t n_first, index_t n_second, bool vec_on_first, ptr u, ptr M, double scale,
-         ptr out, ptr stream) {
-        bc::assembly::token_kron<T>(tokens, R, bc::Split{n_first, n_second, vec_on_first}, C<T>(u), C<T>(M),
-                                    static_cast<T>(scale), P<T>(out), stream);
-      },
-      arg("tokens"), arg("R"), arg("n_first"), arg("n_second"), arg("vec_on_first"), arg("u"), arg("M"),
-      arg("scale"), arg("out"), arg("stream"), nogil);
-  m.def(
-      name("attention_dx").c_str(),
-      [](ptr A, ptr WV, ptr V, ptr F, ptr Qt, ptr D, index_t L, index_t d, index_t dv, double c, ptr out,
-         ptr stream) {
-        bc::assembly::attention_dx<T>(C<T>(A), C<T>(WV), C<T>(V), C<T>(F), C<T>(Qt), C<T>(D), L, d, dv,
-                                      static_cast<T>(c), P<T>(out), stream);
-      },
-      arg("A"), arg("W_V"), arg("V"), arg("F"), arg("Qt"), arg("D"), arg("L"), arg("d"), arg("dv"), arg("c"),
-      arg("out"), arg("stream"), nogil);
 }
 
 }  // namespace

@@ -110,8 +110,8 @@ def test_cuda_module_imports_and_counts_devices():
     for name in ("layernorm_forward", "layernorm_jacobian_blocks", "layernorm_jacobian_dense", "layernorm_hessian_blocks",
                  "layernorm_hessian_dense", "layernorm_hessian_contract", "softmax_forward", "softmax_jacobian_blocks",
                  "softmax_jacobian_dense", "softmax_hessian_blocks", "softmax_hessian_dense",
-                 "softmax_hessian_contract", "softmax_vjp", "commute", "commutation_dense", "token_kron",
-                 "attention_dx", "loss_hessian", "block_output_hessian", "ffn_forward", "ffn_jacobian",
+                 "softmax_hessian_contract", "softmax_vjp", "commute", "commutation_dense", "loss_hessian",
+                 "block_output_hessian", "attention_forward", "attention_jacobian", "ffn_forward", "ffn_jacobian",
                  "ffn_cross_hessian"):
         for suffix in ("_f32", "_f64"):
             assert callable(getattr(mod, name + suffix)), name + suffix
@@ -152,8 +152,8 @@ def test_launchers_refuse_bad_sizes_before_launching():
         mod.layernorm_jacobian_blocks_f32(0, 2, 3, 0.0, 0, 7, 0, 0, 0)
     with pytest.raises(ValueError, match="m, n"):
         mod.commute_f64(0, 0, 2, 1, 0, 0)
-    with pytest.raises(ValueError, match="identity"):
-        mod.token_kron_f64(2, 3, 2, 4, True, 0, 0, 1.0, 0, 0)
+    with pytest.raises(ValueError, match="wrt must be 0..3"):
+        mod.attention_jacobian_f64((8, (2, 3)), (8, (3, 2)), (8, (3, 2)), (8, (3, 2)), 4, (8, (4, 6)), 0)
 
 
 def _fake_calls():

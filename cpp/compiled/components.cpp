@@ -7,7 +7,7 @@ namespace blockhess::components {
   template void attention_forward<T>(const T*, const T*, const T*, const T*, const AttentionDims&, T*,         \
                                      const Backend<T>&);                                                      \
   template void attention_jacobian<T>(const T*, const T*, const T*, const T*, const AttentionDims&,           \
-                                      AttentionWrt, T*);                                                      \
+                                      AttentionWrt, T*, const Backend<T>&);                                   \
   template void ffn_forward<T>(const T*, const T*, const T*, const FfnDims&, T*, const Backend<T>&);          \
   template void ffn_jacobian<T>(const T*, const T*, const T*, const FfnDims&, FfnJacobian, T*,                \
                                 const Backend<T>&);                                                           \

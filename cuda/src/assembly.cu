@@ -45,24 +45,6 @@ __global__ void commutation_ones_kernel(index_t m, index_t n, T* K) {
   }
 }
 
-template <class T>
-__global__ void token_kron_kernel(index_t rows, index_t R, std::uint32_t n_second, bool vec_on_first,
-                                  index_t n_vec, index_t n_mat, std::uint32_t ncols, const T* u, const T* M,
-                                  T scale, T* out) {
-  for (index_t row = blockIdx.x; row < rows; row += gridDim.x) {
-    const index_t t = row / R, a = row - t * R;
-    const T* ut = u + t * n_vec;
-    const T* Mta = M ? M + (t * R + a) * n_mat : nullptr;
-    T* o = out + row * static_cast<index_t>(ncols);
-    for (std::uint32_t col = blockIdx.y * blockDim.x + threadIdx.x; col < ncols; col += gridDim.y * blockDim.x) {
-      std::uint32_t ov, r;
-      split_index(col, n_second, vec_on_first, ov, r);
-      const T m = Mta ? Mta[r] : (static_cast<index_t>(r) == a ? T(1) : T(0));
-      o[col] = scale * ut[ov] * m;
-    }
-  }
-}
-
 // A Split as the kernels use it: 32-bit sizes (the launchers check them) and the flat index.
 struct SplitArgs {
   std::uint32_t size, n_second, n_vec, n_mat;
@@ -162,25 +144,6 @@ __global__ void mirror_kernel(T* H, index_t n, index_t ld) {
   }
 }
 
-template <class T>
-__global__ void attention_dx_kernel(const T* A, const T* WV, const T* V, const T* F, const T* Qt, const T* D,
-                                    index_t L, std::uint32_t d, index_t dv, T c, T* out) {
-  const std::uint32_t ncols = static_cast<std::uint32_t>(L) * d;
-  for (index_t row = blockIdx.x; row < L * dv; row += gridDim.x) {
-    const index_t t = row / dv, a = row - t * dv;
-    const T fa = F[t * dv + a];
-    T* o = out + row * static_cast<index_t>(ncols);
-    for (std::uint32_t col = blockIdx.y * blockDim.x + threadIdx.x; col < ncols; col += gridDim.y * blockDim.x) {
-      const std::uint32_t u = col / d, b = col - u * d;
-      const T w = A[t * L + u];
-      const T g = c * w * (V[u * dv + a] - fa);
-      T v = w * WV[static_cast<index_t>(b) * dv + a] + g * Qt[t * d + b];
-      if (static_cast<index_t>(u) == t) v += D[(t * dv + a) * d + b];
-      o[col] = v;
-    }
-  }
-}
-
 void require_u32(index_t n, const char* what) {
   detail::require(n >= 0 && n < static_cast<index_t>(std::numeric_limits<std::uint32_t>::max()),
                   std::string(what) + ": a dimension of " + std::to_string(n) + " is too large");
@@ -221,19 +184,6 @@ void commutation_dense(index_t m, index_t n, T* K, std::uintptr_t stream) {
   detail::check(cudaMemsetAsync(K, 0, sizeof(T) * static_cast<size_t>(N * N), s), "commutation_dense memset");
   commutation_ones_kernel<T><<<detail::elementwise_blocks(N), kMaxThreads, 0, s>>>(m, n, K);
   detail::check_launch("commutation_dense");
-}
-
-template <class T>
-void token_kron(index_t tokens, index_t R, Split s, const T* u, const T* M, T scale, T* out, std::uintptr_t stream) {
-  check_split(s, "token_kron");
-  detail::require(tokens >= 1 && R >= 1, "token_kron: tokens and R must be >= 1");
-  detail::require(M != nullptr || R == n_mat(s), "token_kron: an identity M needs R == n_mat");
-  const index_t ncols = split_size(s), rows = tokens * R;
-  const dim3 grid(detail::grid_x(rows), col_tiles(ncols, rows));
-  token_kron_kernel<T><<<grid, kMaxThreads, 0, detail::as_stream(stream)>>>(
-      rows, R, static_cast<std::uint32_t>(s.n_second), s.vec_on_first, n_vec(s), n_mat(s),
-      static_cast<std::uint32_t>(ncols), u, M, scale, out);
-  detail::check_launch("token_kron");
 }
 
 // Row stride of a split's parameter: 0 stands for the whole parameter (n_second).
@@ -308,31 +258,16 @@ void mirror_upper(T* H, index_t n, index_t ld, std::uintptr_t stream) {
   detail::check_launch("mirror_upper");
 }
 
-template <class T>
-void attention_dx(const T* A, const T* WV, const T* V, const T* F, const T* Qt, const T* D, index_t L, index_t d,
-                  index_t dv, T c, T* out, std::uintptr_t stream) {
-  detail::require(L >= 1 && d >= 1 && dv >= 1, "attention_dx: sizes must be >= 1");
-  require_u32(L * d, "attention_dx");
-  const index_t rows = L * dv, ncols = L * d;
-  const dim3 grid(detail::grid_x(rows), col_tiles(ncols, rows));
-  attention_dx_kernel<T><<<grid, kMaxThreads, 0, detail::as_stream(stream)>>>(
-      A, WV, V, F, Qt, D, L, static_cast<std::uint32_t>(d), dv, c, out);
-  detail::check_launch("attention_dx");
-}
-
 #define BLOCKHESS_INSTANTIATE(T)                                                                                   \
   template void commute<T>(const T*, index_t, index_t, index_t, T*, std::uintptr_t);                               \
   template void commutation_dense<T>(index_t, index_t, T*, std::uintptr_t);                                        \
-  template void token_kron<T>(index_t, index_t, Split, const T*, const T*, T, T*, std::uintptr_t);                 \
   template void kron_accumulate<T>(index_t, Split, const T*, Split, const T*, const T*, T, T*, index_t, bool,      \
                                    std::uintptr_t);                                                                \
   template void kron_accumulate_diagonal<T>(index_t, Split, const T*, Split, const T*, const T*, T, T*, index_t,   \
                                             std::uintptr_t);                                                       \
   template void gram_upper_accumulate<T>(index_t, index_t, const T*, const T*, T*, index_t, std::uintptr_t);       \
   template void flag_nonfinite<T>(const T*, index_t, index_t, unsigned*, std::uintptr_t);                          \
-  template void mirror_upper<T>(T*, index_t, index_t, std::uintptr_t);                                             \
-  template void attention_dx<T>(const T*, const T*, const T*, const T*, const T*, const T*, index_t, index_t,      \
-                                index_t, T, T*, std::uintptr_t);
+  template void mirror_upper<T>(T*, index_t, index_t, std::uintptr_t);
 BLOCKHESS_INSTANTIATE(float)
 BLOCKHESS_INSTANTIATE(double)
 #undef BLOCKHESS_INSTANTIATE

@@ -11,8 +11,8 @@ block_output_hessian) run their per-token work on the host from copies of the (s
 (P, P) assembly on the GPU (_cuda's bindings, cuda/'s DeviceHessian); its Jacobians run on the
 host from copies and are copied back (_backend.engine_on_host); its forward pass, loss, gradient
 and Hessian-vector products run on the GPU backend (_gpu_launch's engine_* calls), and so do the
-FFN sublayer's functions (_cuda's ffn_* bindings: the engine's factors on the GPU backend). The
-other component functions are written here over CuPy: per-token, structured steps go to the
+attention's and the FFN's functions (_cuda's attention_* and ffn_* bindings: the engine's factors on
+the GPU backend). The other component functions are written here over CuPy: per-token, structured steps go to the
 blockhess kernels (through :mod:`blockhess._gpu_launch`), dense matrix products to cuBLAS through
 CuPy. Nothing here synchronises, except the checks that must raise in Python: the zero-variance
 test of LayerNorm rows (one reduction) and the results' finiteness (the engine's bindings read
@@ -25,7 +25,6 @@ without a GPU.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
@@ -46,10 +45,6 @@ def _same_device(*arrays: Any) -> None:
         raise ValueError(f"inputs live on different GPUs (devices {sorted(ids)}); move them to one device first")
 
 
-def _c(a: Any) -> Any:
-    return _xp(a).ascontiguousarray(a)
-
-
 def _check_sigma(sigma: Any) -> None:
     """The CPU core's zero-variance error, from the row standard deviations the kernels wrote."""
     positive = sigma > 0
@@ -59,11 +54,6 @@ def _check_sigma(sigma: Any) -> None:
             f"layernorm: row {row} has zero variance (it is constant up to rounding at its scale); "
             "pass eps > 0 to make LayerNorm differentiable there"
         )
-
-
-def _outer(u: Any, v: Any) -> Any:
-    """Per-row outer products (n, p) x (n, q) -> (n, p, q)."""
-    return u[:, :, None] * v[:, None, :]
 
 
 # ---- LayerNorm (kinds as src/bind_layernorm.cpp) --------------------------------------------------
@@ -160,47 +150,23 @@ def kron_apply(A: Any, B: Any, X: Any, out: Any) -> None:
         out.reshape(p, q)[...] = (A @ X) @ B.T if p * n * (m + q) <= m * q * (n + p) else A @ (X @ B.T)
 
 
-# ---- attention (wrt codes W_Q, W_K, W_V, X as src/bind_attention.cpp) ------------------------------
-
-
-def _attention_forward(X: Any, W_Q: Any, W_K: Any, W_V: Any):
-    c = 1.0 / math.sqrt(W_Q.shape[1])
-    Q, K, V = X @ W_Q, X @ W_K, X @ W_V
-    A = _softmax_rows(_c(c * (Q @ K.T)))
-    return c, Q, K, V, A, A @ V
+# ---- attention (wrt codes as src/sublayer_shapes.hpp): the engine on the GPU backend --------------
 
 
 def attention_forward(X: Any, W_Q: Any, W_K: Any, W_V: Any, out: Any) -> None:
     _same_device(X, W_Q, W_K, W_V, out)
     with _device(out):
-        out[...] = _attention_forward(X, W_Q, W_K, W_V)[-1]
-    require_finite(out, "the attention output")
+        _k.attention_forward(X, W_Q, W_K, W_V, out)  # checked finite
 
 
 def attention_jacobian(X: Any, W_Q: Any, W_K: Any, W_V: Any, wrt: int, out: Any) -> None:
-    """dF/d(wrt) (L d_v, n_wrt), with the per-token forms of docs/derivation.md §3.3."""
+    """dF/d(wrt) (L d_v, n_wrt): the engine's factors (W_Q, W_K, W_V) or its closed form (X)."""
     _same_device(X, W_Q, W_K, W_V, out)
-    (L, d), dk, dv = X.shape, W_Q.shape[1], W_V.shape[1]
     with _device(out):
-        c, Q, K, V, A, F = _attention_forward(X, W_Q, W_K, W_V)
-        if wrt == 0:  # W_Q
-            # M_t[a,k] = sum_s A[t,s] V[s,a] (K[s,k] - Kbar_t[k]);  J[t dv + a, b dk + k] = c X[t,b] M_t[a,k]
-            M = (A @ _outer(V, K).reshape(L, dv * dk)).reshape(L, dv, dk) - _outer(F, A @ K)
-            _k.token_kron(X, _c(M), (d, dk, True), c, out)
-        elif wrt == 1:  # W_K
-            # N_t[a,b] = sum_s A[t,s] V[s,a] (X[s,b] - Xbar_t[b]);  J[t dv + a, b dk + k] = c q_t[k] N_t[a,b]
-            N = (A @ _outer(V, X).reshape(L, dv * d)).reshape(L, dv, d) - _outer(F, A @ X)
-            _k.token_kron(_c(Q), _c(N), (d, dk, False), c, out)
-        elif wrt == 2:  # W_V
-            _k.token_kron(_c(A @ X), None, (d, dv, True), 1.0, out)
-        else:  # X
-            Qt, Kt = _c(Q @ W_K.T), K @ W_Q.T  # row t: W_K q_t;  row s: W_Q k_s
-            D = c * ((A @ _outer(V, Kt).reshape(L, dv * d)).reshape(L, dv, d) - _outer(F, A @ Kt))
-            _k.attention_dx(A, W_V, _c(V), _c(F), Qt, _c(D), c, out)
-    require_finite(out, "the attention Jacobian with respect to " + ("W_Q", "W_K", "W_V", "X")[wrt])
+        _k.attention_jacobian(X, W_Q, W_K, W_V, wrt, out)  # checked finite
 
 
-# ---- FFN (kinds as src/ffn_shapes.hpp): the engine on the GPU backend ----------------------------
+# ---- FFN (kinds as src/sublayer_shapes.hpp): the engine on the GPU backend ----------------------------
 
 
 def ffn_forward(Y: Any, W_1: Any, W_2: Any, out: Any) -> None:

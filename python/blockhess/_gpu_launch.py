@@ -18,7 +18,6 @@ from . import _backend
 
 _SUFFIX = {np.dtype(np.float32): "_f32", np.dtype(np.float64): "_f64"}
 
-Split = tuple[int, int, bool]  # (n_first, n_second, vec_on_first), as blockhess::cuda::Split
 
 
 def _stream() -> int:
@@ -151,32 +150,6 @@ def commutation_dense(m: int, n: int, out) -> None:
     _fn("commutation_dense", out.dtype)(m, n, _ptr(out), _stream())
 
 
-def _n_vec(s: Split) -> int:
-    return s[0] if s[2] else s[1]
-
-
-def _n_mat(s: Split) -> int:
-    return s[1] if s[2] else s[0]
-
-
-def token_kron(u, M, split: Split, scale: float, out) -> None:
-    """out[t R + a, flat(o, r)] = scale u[t, o] M[t, a, r]; M None means M_t = I (R = n_mat)."""
-    tokens = int(u.shape[0])
-    R = _n_mat(split) if M is None else int(M.shape[1])
-    _check(u.dtype, (u, (tokens, _n_vec(split))), (M, (tokens, R, _n_mat(split))), (out, (tokens * R, split[0] * split[1])))
-    _fn("token_kron", u.dtype)(tokens, R, split[0], split[1], bool(split[2]), _ptr(u), _ptr(M), float(scale), _ptr(out), _stream())
-
-
-def attention_dx(A, W_V, V, F, Qt, D, c: float, out) -> None:
-    """dF/dX (L dv, L d) of single-head attention from its forward quantities (see assembly.hpp)."""
-    L = int(A.shape[0])
-    d, dv = W_V.shape
-    _check(A.dtype, (A, (L, L)), (W_V, None), (V, (L, dv)), (F, (L, dv)), (Qt, (L, d)), (D, (L, dv, d)), (out, (L * dv, L * d)))
-    _fn("attention_dx", A.dtype)(
-        _ptr(A), _ptr(W_V), _ptr(V), _ptr(F), _ptr(Qt), _ptr(D), L, d, dv, float(c), _ptr(out), _stream()
-    )
-
-
 def synchronize() -> None:
     _backend._cuda.synchronize(_stream())
 
@@ -210,6 +183,17 @@ def _device_arg(a: Any) -> tuple[int, tuple[int, ...]] | None:
     return _ptr(a), tuple(int(n) for n in a.shape)
 
 
+def attention_forward(X, W_Q, W_K, W_V, out) -> None:
+    """softmax(X W_Q W_K^T X^T / sqrt(d_k)) X W_V into the device array out, on the GPU backend; done
+    (and checked finite) when this returns."""
+    _fn("attention_forward", out.dtype)(*map(_device_arg, (X, W_Q, W_K, W_V, out)), _stream())
+
+
+def attention_jacobian(X, W_Q, W_K, W_V, wrt: int, out) -> None:
+    """The attention's Jacobian with respect to ``wrt`` (src/sublayer_shapes.hpp) into out, on the GPU backend."""
+    _fn("attention_jacobian", out.dtype)(*map(_device_arg, (X, W_Q, W_K, W_V)), wrt, _device_arg(out), _stream())
+
+
 def ffn_forward(Y, W_1, W_2, out) -> None:
     """relu(Y W_1) W_2 into the device array out, on the GPU backend; done (and checked finite) when
     this returns."""
@@ -217,7 +201,7 @@ def ffn_forward(Y, W_1, W_2, out) -> None:
 
 
 def ffn_jacobian(Y, W_1, W_2, kind: int, out) -> None:
-    """The FFN's Jacobian or Kronecker factor of ``kind`` (src/ffn_shapes.hpp) into out, on the GPU backend."""
+    """The FFN's Jacobian or Kronecker factor of ``kind`` (src/sublayer_shapes.hpp) into out, on the GPU backend."""
     _fn("ffn_jacobian", out.dtype)(*map(_device_arg, (Y, W_1, W_2)), kind, _device_arg(out), _stream())
 
 

@@ -356,17 +356,23 @@ int block_jacobian(int gpu, const long* spec, long L, long d, long dk, long dv, 
 BLOCKHESS_JACOBIAN_PROBE(_f64, double)
 BLOCKHESS_JACOBIAN_PROBE(_f32, float)
 
-// 1 with the message where a part of the engine that still runs on the host (an attention's
-// factors) refuses a graph on the GPU backend, 0 where it does not.
+// 1 with the message where a part of the engine that still runs on the host (an attention's mixing
+// of its moving input's factors: a norm's gamma before it) refuses a graph on the GPU backend, 0
+// where it does not.
 extern "C" __attribute__((visibility("default"))) int gpu_graph_refuses_factors(char* message, long message_size) {
   namespace engine = blockhess::engine;
   const blockhess::cuda::CudaBackend<double> gpu(0);
   engine::Graph<double> graph(1, 2, gpu);
-  const int x = graph.input(nullptr, 3);
-  std::vector<int> weights;  // wired for their shapes only, never read
-  for (const char* name : {"W_Q", "W_K", "W_V"}) weights.push_back(graph.param(name, 3, 2, nullptr, engine::Storage::borrow));
-  graph.set_output(graph.add(std::make_unique<engine::AttentionNode<double>>(), {x}, weights, 2));
-  graph.select({true, false, false});  // W_Q's factors, which the attention forms
+  const double X[6] = {0.3, -1.2, 0.5, 1.1, 0.2, -0.7}, gamma[3] = {1.0, 0.9, 1.2};
+  const double W[6] = {0.4, -0.3, 0.2, 0.5, -0.6, 0.1};
+  const int x = graph.input(X, 3);
+  const int normed = graph.add(std::make_unique<engine::LayerNormNode<double>>(1e-5), {x},
+                               {graph.param("gamma", 1, 3, gamma)}, 3);
+  std::vector<int> weights;
+  for (const char* name : {"W_Q", "W_K", "W_V"}) weights.push_back(graph.param(name, 3, 2, W));
+  graph.set_output(graph.add(std::make_unique<engine::AttentionNode<double>>(), {normed}, weights, 2));
+  graph.forward();
+  graph.select({true, false, false, false});  // gamma, whose factors the attention mixes
   try {
     graph.push_factors(/*to_output=*/true);
     return 0;

@@ -130,7 +130,7 @@ def public(spec: str, loss: str, part: str, dtype: str):
 
 
 # The FFN sublayer's functions (components.hpp): (what, kind, name) with what 0 the output, 1 a
-# Jacobian or Kronecker factor (kinds as src/ffn_shapes.hpp), 2 the cross second derivative.
+# Jacobian or Kronecker factor (kinds as src/sublayer_shapes.hpp), 2 the cross second derivative.
 FFN_L, FFN_D, FFN_F, FFN_E = 4, 3, 5, 2
 FFN_CASES = ([(0, 0, "forward")] + [(1, kind, f"jacobian-{kind}") for kind in range(6)]
              + [(2, kind, f"cross-{kind}") for kind in range(2)])
@@ -185,11 +185,10 @@ def ffn_public(what: int, kind: int, dtype: str) -> np.ndarray:
     return np.asarray(result).reshape(-1)
 
 
-# Blocks whose Jacobians run on the GPU backend where the factors do: every parameter but an
-# attention's own and (pre-LN) the norm before it, whose factors the attention's push forms on
-# the host still.
+# Blocks whose Jacobians run on the GPU backend where the factors do: every parameter but (pre-LN)
+# the norm's before the attention, whose factors the attention mixes on the host still.
 JACOBIAN_SPECS = ("paper", "gpt2", "rmsnorm", "attention_only")
-REFUSED = "an attention's tangent factors runs on the host so far"
+REFUSED = "an attention's mixing of its moving input's factors runs on the host so far"
 
 
 def jacobian_run(lib, spec: str, param: str, dtype: str, gpu: int):

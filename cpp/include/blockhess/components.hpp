@@ -38,15 +38,15 @@ inline index_t columns(const AttentionDims& s, AttentionWrt wrt) {
   return 0;
 }
 
-// F (L, d_v). On `backend`, whose memory holds every array (the host's by default): so the forward
-// passes and the FFN's derivatives; the attention's Jacobians run on the host (their factors).
+// F (L, d_v). Each function here runs on `backend`, whose memory holds every array (the host's by
+// default).
 template <class T>
 void attention_forward(const T* X, const T* W_Q, const T* W_K, const T* W_V, const AttentionDims& s, T* F,
                        const Backend<T>& backend = cpu_backend<T>());
 // J (L d_v, columns(s, wrt)) = dF / d(wrt).
 template <class T>
 void attention_jacobian(const T* X, const T* W_Q, const T* W_K, const T* W_V, const AttentionDims& s,
-                        AttentionWrt wrt, T* J);
+                        AttentionWrt wrt, T* J, const Backend<T>& backend = cpu_backend<T>());
 
 struct FfnDims {
   index_t L, d, f, e;  // tokens, input width, hidden width d_ff, output width

@@ -167,12 +167,12 @@ void attention_forward(const T* X, const T* W_Q, const T* W_K, const T* W_V, con
 
 template <class T>
 void attention_jacobian(const T* X, const T* W_Q, const T* W_K, const T* W_V, const AttentionDims& s,
-                        AttentionWrt wrt, T* J) {
+                        AttentionWrt wrt, T* J, const Backend<T>& backend) {
   static const char* const name[] = {"W_Q", "W_K", "W_V", "X"};
   const std::string what = std::string("the attention Jacobian with respect to ") + name[static_cast<int>(wrt)];
   FiniteRecord finite;  // every entry checked as it is written
   detail::named(what, [&] {
-    auto w = detail::attention(X, W_Q, W_K, W_V, s);
+    auto w = detail::attention(X, W_Q, W_K, W_V, s, backend);
     if (wrt == AttentionWrt::X) w.attention->input_jacobian(*w.graph, 0, J, &finite);  // its closed form
     else engine::jacobian(*w.graph, static_cast<int>(wrt), J, &finite);  // the graph's parameter wrt
   });

@@ -40,17 +40,19 @@ void jacobian_by_tangents(const Graph<T>& g, int p, T* J, FiniteRecord* finite) 
   note_finite(finite, J, m * np);
 }
 
-// U_t = G_t R_t for every token, (tokens, width, n_mat) row by row: a factor with a right factor
-// (an attention's, whose push runs on the host) as FactorOuterRows reads it.
+// U_t = G_t R_t for every token, (tokens, width, n_mat) row by row, as FactorOuterRows reads it,
+// on `backend`: a factor with a right factor (an attention's) whose G_t is dense (one product a
+// token) or diagonal (rows::DiagonalTimesRows). Under the identity U_t is R_t itself.
 template <class T>
-Buffer<T> with_right_applied(const Factor<T>& f, index_t tokens) {
-  const index_t size = f.width * f.n_mat();
-  Buffer<T> U(static_cast<size_t>(tokens * size));
-  blockhess::detail::parallel_for(tokens, size * f.cols(), [&](index_t t) {
-    Mat<T> Ut;
-    f.materialise(t, Ut);  // row-major
-    std::copy_n(Ut.data(), size, U.data() + t * size);
-  });
+BackendBuffer<T> with_right_applied(const Backend<T>& backend, const Factor<T>& f, index_t tokens) {
+  const index_t w = f.width, inner = f.inner, n = f.n_mat();
+  BackendBuffer<T> U(backend, tokens * w * n);
+  if (f.form == Form::dense)  // G_t is kept as G_t^T (inner, w) row-major
+    backend.gemm_batched(tokens, MatrixView<T>{U.data(), w, n, n, true}, w * n,
+                         MatrixView<const T>{f.U->data(), w, inner, w, false}, inner * w,
+                         MatrixView<const T>{f.right->data(), inner, n, n, true}, inner * n, T(1), false);
+  else
+    backend.run(rows::DiagonalTimesRows<T>{f.U->data(), f.right->data(), U.data(), n}, tokens * w);
   return U;
 }
 
@@ -74,8 +76,10 @@ template <class T>
 bool factor_rows(const Graph<T>& g, const Factor<T>& f, const T* vec, T* J, index_t row_length, bool check = true) {
   if (!f.right)
     return outer_rows(g.backend(), g.tokens(), vec, moving_data(f), layout_of(f), f.width, f.split, J, row_length, check);
-  g.require_host("a Jacobian through an attention's right factors");
-  const Buffer<T> U = with_right_applied(f, g.tokens());
+  if (f.form == Form::identity)
+    return outer_rows(g.backend(), g.tokens(), vec, f.right->data(), rows::FactorLayout::by_rows, f.width, f.split, J,
+                      row_length, check);
+  const BackendBuffer<T> U = with_right_applied(g.backend(), f, g.tokens());
   return outer_rows(g.backend(), g.tokens(), vec, U.data(), rows::FactorLayout::by_rows, f.width, f.split, J, row_length,
                     check);
 }

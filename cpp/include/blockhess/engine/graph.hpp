@@ -200,7 +200,8 @@ class Graph {
     if (!backend_->host_addressable())
       throw std::invalid_argument(std::string("engine: ") + what + " runs on the host so far; on this backend the "
                                   "forward pass, the loss, its gradient, Hessian-vector products and the factors of "
-                                  "linear and pointwise maps and norms run (docs/backends.md)");
+                                  "linear and pointwise maps, norms and attentions' own parameters run "
+                                  "(docs/backends.md)");
   }
   index_t samples() const { return B_; }
   index_t tokens_per_sample() const { return L_; }

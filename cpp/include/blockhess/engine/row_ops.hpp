@@ -52,6 +52,8 @@ struct WeightRows;
 template <class T>
 struct ScaleFactorRows;
 template <class T>
+struct DiagonalTimesRows;
+template <class T>
 struct AddFactors;
 template <class T>
 struct JacobianColumns;
@@ -105,6 +107,15 @@ template <class T>
 struct SoftmaxVjpRows;
 template <class T>
 struct SoftmaxCotangentTangentRows;
+// the attention's factors and input Jacobian (rows/attention.hpp)
+template <class T>
+struct WeightedRows;
+template <class T>
+struct HeadRows;
+template <class T>
+struct ScaledColumns;
+template <class T>
+struct AttentionInputRows;
 }  // namespace blockhess::engine::rows
 
 // X(op) for every row operation.
@@ -122,6 +133,7 @@ struct SoftmaxCotangentTangentRows;
   X(Fill)                         \
   X(WeightRows)                   \
   X(ScaleFactorRows)              \
+  X(DiagonalTimesRows)            \
   X(AddFactors)                   \
   X(JacobianColumns)              \
   X(FactorOuterRows)              \
@@ -140,6 +152,10 @@ struct SoftmaxCotangentTangentRows;
   X(SoftmaxRows)                  \
   X(SoftmaxVjpRows)               \
   X(SoftmaxCotangentTangentRows)  \
+  X(WeightedRows)                 \
+  X(HeadRows)                     \
+  X(ScaledColumns)                \
+  X(AttentionInputRows)           \
   X(MseRows)                      \
   X(CrossEntropyRows)             \
   X(ScaleBy)                      \

@@ -2,6 +2,7 @@
 #pragma once
 
 #include "blockhess/engine/row_ops.hpp"
+#include "blockhess/engine/rows/attention.hpp"
 #include "blockhess/engine/rows/entries.hpp"
 #include "blockhess/engine/rows/factors.hpp"
 #include "blockhess/engine/rows/heads.hpp"

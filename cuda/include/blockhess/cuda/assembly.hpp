@@ -1,6 +1,5 @@
-// Structured assembly on the GPU: commutation matrices, per-token Kronecker products (the
-// Jacobians of attention, FFN and the block), per-token Kronecker sums (the blocks of the block
-// Hessian), mirroring of symmetric matrices. Plain C++ launchers, no CUDA types.
+// Structured assembly on the GPU: commutation matrices, per-token Kronecker sums (the blocks of the
+// block Hessian), mirroring of symmetric matrices. Plain C++ launchers, no CUDA types.
 //
 // Device pointers to C-contiguous row-major arrays; asynchronous on `stream`; std::runtime_error on
 // a CUDA error, std::invalid_argument on bad sizes. Large matrix products are not done here (the
@@ -33,13 +32,6 @@ void commute(const T* v, index_t m, index_t n, index_t cols, T* out, std::uintpt
 template <class T>
 void commutation_dense(index_t m, index_t n, T* K, std::uintptr_t stream);
 
-// Per-token Kronecker product, the shape of every Jacobian with respect to a weight matrix:
-//   out[t R + a, flat(o, r)] = scale * u[t, o] * M[t, a, r],   out (tokens R, n_first n_second),
-// flat(o, r) = o n_second + r if s.vec_on_first, else r n_second + o. u (tokens, n_vec),
-// M (tokens, R, n_mat); M == nullptr means M_t = I (then R must equal n_mat).
-template <class T>
-void token_kron(index_t tokens, index_t R, Split s, const T* u, const T* M, T scale, T* out, std::uintptr_t stream);
-
 // Per-token Kronecker sum into a block of a larger matrix (row stride ldH):
 //   H[flat_i(oi, ri), flat_j(oj, rj)] += alpha * sum_t u[t, oi] w[t, oj] Gamma[t, ri, rj]
 // u (tokens, n_vec_i), w (tokens, n_vec_j), Gamma (tokens, n_mat_i, n_mat_j). With upper_only (a
@@ -65,13 +57,6 @@ void flag_nonfinite(const T* H, index_t n, index_t ld, unsigned* flag, std::uint
 // H (n, n, row stride ld): copies the upper triangle onto the lower one, so H is symmetric bit for bit.
 template <class T>
 void mirror_upper(T* H, index_t n, index_t ld, std::uintptr_t stream);
-
-// dF/dX of single-head attention, (L dv, L d), from the forward quantities (docs/derivation.md §3.3):
-//   out[t dv + a, u d + b] = A[t,u] W_V[b,a] + (c A[t,u] (V[u,a] - F[t,a])) Qt[t,b] + delta_tu D[t,a,b]
-// with A (L, L), W_V (d, dv), V and F (L, dv), Qt = Q W_K^T (L, d), D (L, dv, d), c = 1/sqrt(d_k).
-template <class T>
-void attention_dx(const T* A, const T* WV, const T* V, const T* F, const T* Qt, const T* D, index_t L, index_t d,
-                  index_t dv, T c, T* out, std::uintptr_t stream);
 
 }  // namespace assembly
 }  // namespace blockhess::cuda

@@ -31,7 +31,9 @@
 #include "blockhess/engine/graph.hpp"
 #include "blockhess/finite.hpp"
 #include "blockhess/parallel.hpp"
+#include "blockhess/engine/rows/attention.hpp"
 #include "blockhess/engine/rows/entries.hpp"
+#include "blockhess/engine/rows/heads.hpp"
 #include "blockhess/engine/rows/softmax.hpp"
 #include "blockhess/parallel_product.hpp"
 #include "blockhess/softmax.hpp"
@@ -161,15 +163,14 @@ class AttentionNode final : public Node<T> {
   }
 
   void push(Graph<T>& g) const override {
-    const index_t B = g.samples(), L = g.tokens_per_sample(), n = g.tokens(), d = g.width(x());
+    const index_t n = g.tokens(), d = g.width(x());
     mixed_.clear();
     bool moves = false;  // a selected parameter of its own, or a factor at its input
     for (int p : this->params) moves = moves || g.selected(p);
     for (const Factor<T>* f : g.factors(x())) moves = moves || f->present;
     if (!moves) return;
-    g.require_host("an attention's tangent factors");
-    const T* F = g.value(this->output);
-    const SharedArray<T> ones = filled(g.backend(), n, T(1));
+    const Backend<T>& backend = g.backend();
+    const SharedArray<T> ones = filled(backend, n, T(1));
     SharedArray<T> x_rows;
     for (index_t i = 0; i < heads_; ++i) {
       const bool query_side = g.selected(wq()) || (biased() && g.selected(bq()));
@@ -182,69 +183,48 @@ class AttentionNode final : public Node<T> {
       if (heads_ == 1) {
         head_rows.form = Form::identity;
       } else {
-        Buffer<T> E(n * hv_ * dv_, T(0));
-        for (index_t t = 0; t < n; ++t)
-          for (index_t c = 0; c < dv_; ++c) E[(t * dv_ + c) * hv_ + i * dv_ + c] = T(1);  // column c: row i d_v + c
+        BackendBuffer<T> E(backend, n * dv_ * hv_);
+        backend.run(rows::HeadRows<T>{E.data(), hv_, dv_, i}, n * dv_ * hv_);
         head_rows.form = Form::dense;
         head_rows.U = shared_array(std::move(E));
       }
-      auto with_right = [&](Buffer<T>&& R) {
+      auto with_right = [&](BackendBuffer<T>&& R) {
         Factor<T> f = head_rows;
         f.right = shared_array(std::move(R)), f.inner = dv_;
         return f;
       };
-      if (query_side || keys) {
-        // R_t = Mq_t (d_v, d_k) and Mk_t (d_v, d).
-        Buffer<T> Mq(query_side ? n * dv_ * dk_ : 0), Mk(keys ? n * dv_ * d : 0);
-        blockhess::detail::parallel_for(n, L * dv_ * (d + dk_), [&](index_t t) {
-          const index_t b = t / L, r = t % L;
-          const Vec a(weights(b, i, L) + r * L, L);
-          const Mat<T> Va = a.asDiagonal() * v(b, i, L);  // rows a_s v_s
-          const auto Ft = MapC<T>(F + t * hv_ + i * dv_, 1, dv_);
-          // The centred sums as differences of two products formed apart (Kbar, Xbar evaluated
-          // first): where attention is one-hot both are equal and the difference is exactly 0.
-          if (!Mq.empty()) {
-            const Mat<T> Kbar = a.transpose() * k(b, i, L);
-            MapM<T>(Mq.data() + t * dv_ * dk_, dv_, dk_).noalias() = s_ * (Va.transpose() * k(b, i, L) - Ft.transpose() * Kbar);
-          }
-          if (!Mk.empty()) {
-            const Mat<T> Xbar = a.transpose() * sample_x(g, b);
-            MapM<T>(Mk.data() + t * dv_ * d, dv_, d).noalias() = Va.transpose() * sample_x(g, b) - Ft.transpose() * Xbar;
-          }
-        });
-        if (query_side) {
-          Factor<T> at_Q = with_right(std::move(Mq));
-          if (g.selected(wq())) {
-            const int piece = g.pieces_of(wq())[i];
-            at_Q.split = g.split_of(piece, true);
-            if (!x_rows) x_rows = g.value_copy(x());  // one copy, every head's W_Q
-            at_Q.vec = x_rows;
-            g.set_factor(this->output, piece, at_Q);
-          }
-          if (biased() && g.selected(bq())) {  // the same U_t, with vec [1]
-            const int piece = g.pieces_of(bq())[i];
-            at_Q.split = g.split_of(piece, true);
-            at_Q.vec = ones;
-            g.set_factor(this->output, piece, at_Q);
-          }
+      if (query_side) {
+        Factor<T> at_Q = with_right(right_factors(g, i, K_.data() + i * dk_, hk_, dk_, s_));
+        if (g.selected(wq())) {
+          const int piece = g.pieces_of(wq())[i];
+          at_Q.split = g.split_of(piece, true);
+          if (!x_rows) x_rows = g.value_copy(x());  // one copy, every head's W_Q
+          at_Q.vec = x_rows;
+          g.set_factor(this->output, piece, at_Q);
         }
-        if (keys) {
-          Buffer<T> sq(n * dk_);
-          for (index_t t = 0; t < n; ++t)
-            for (index_t c = 0; c < dk_; ++c) sq[t * dk_ + c] = s_ * Q_[t * hk_ + i * dk_ + c];
-          Factor<T> f = with_right(std::move(Mk));
-          f.split = g.split_of(g.pieces_of(wk())[i], false);
-          f.vec = shared_array(std::move(sq));
-          g.set_factor(this->output, g.pieces_of(wk())[i], std::move(f));
+        if (biased() && g.selected(bq())) {  // the same U_t, with vec [1]
+          const int piece = g.pieces_of(bq())[i];
+          at_Q.split = g.split_of(piece, true);
+          at_Q.vec = ones;
+          g.set_factor(this->output, piece, at_Q);
         }
+      }
+      if (keys) {
+        BackendBuffer<T> sq(backend, n * dk_);
+        backend.run(rows::ScaledColumns<T>{Q_.data(), sq.data(), dk_, hk_, i * dk_, s_}, n * dk_);
+        Factor<T> f = with_right(right_factors(g, i, g.value(x()), d, d, T(1)));
+        f.split = g.split_of(g.pieces_of(wk())[i], false);
+        f.vec = shared_array(std::move(sq));
+        g.set_factor(this->output, g.pieces_of(wk())[i], std::move(f));
       }
       if (!values) continue;
       // U_t = G_t itself: R_t = I.
       Factor<T> at_V = head_rows;
       if (g.selected(wv())) {
-        Buffer<T> AX(n * d);
-        for (index_t b = 0; b < B; ++b)
-          product(g.backend(), MapM<T>(AX.data() + b * L * d, L, d), MapC<T>(weights(b, i, L), L, L), sample_x(g, b), T(1), false);
+        BackendBuffer<T> AX(backend, n * d);
+        const index_t L = g.tokens_per_sample();
+        for (index_t b = 0; b < g.samples(); ++b)
+          product(backend, MapM<T>(AX.data() + b * L * d, L, d), MapC<T>(weights(b, i, L), L, L), sample_x(g, b), T(1), false);
         const int piece = g.pieces_of(wv())[i];
         at_V.split = g.split_of(piece, true);
         at_V.vec = shared_array(std::move(AX));
@@ -258,6 +238,9 @@ class AttentionNode final : public Node<T> {
       }
     }
     if (!g.varies(x())) return;
+    bool input_moves = false;
+    for (const Factor<T>* f : g.factors(x())) input_moves = input_moves || f->present;
+    if (input_moves) g.require_host("an attention's mixing of its moving input's factors");
     for (int f = 0; f < g.num_pieces(); ++f)
       if (g.factor(x(), f).present) {
         mixed_.push_back(mix(g, f));
@@ -265,46 +248,57 @@ class AttentionNode final : public Node<T> {
       }
   }
 
-  // dF/dX of sample b in closed form (docs/derivation.md §3.3), after forward: J (L h d_v, L d), row
-  // t h d_v + i d_v + a, column u d + e. X enters V and both sides of T; per head i, with
-  // Qt = Q_i W_K,i^T (row t: W_K,i q_t) and Kt = K_i W_Q,i^T (row r: W_Q,i k_r):
-  //   dF_i[t,a]/dX[u,e] = A_i[t,u] (W_V,i[e,a] + s (V_i[u,a] - F_i[t,a]) Qt[t,e])
-  //                     + [u = t] s sum_r A_i[t,r] (V_i[r,a] - F_i[t,a]) Kt[r,e].
-  // Each row is written once and noted into `finite` while in cache. The forward tangents give the
-  // same columns at L d times the cost.
-  // input_jacobian's working memory beside the graph's: Q W_K^T and K W_Q^T of one sample.
-  index_t input_jacobian_footprint(const Graph<T>& g) const { return 2 * g.tokens_per_sample() * g.width(x()); }
-  void input_jacobian(const Graph<T>& g, index_t b, T* J, FiniteRecord* finite = nullptr) const {
-    const index_t L = g.tokens_per_sample(), d = g.width(x()), cols = L * d;
-    const T* WV = g.weight(wv());
-    const T* F = g.value(this->output) + b * L * hv_;
-    const T* V = V_.data() + b * L * hv_;
-    Buffer<T> Qt(L * d), Kt(L * d);
-    for (index_t i = 0; i < heads_; ++i) {
-      MapM<T>(Qt.data(), L, d).noalias() = q(b, i, L) * W(g, wk()).middleCols(i * dk_, dk_).transpose();
-      MapM<T>(Kt.data(), L, d).noalias() = k(b, i, L) * W(g, wq()).middleCols(i * dk_, dk_).transpose();
-      const T* A = weights(b, i, L);
-      blockhess::detail::parallel_for(L, 2 * dv_ * cols, [&](index_t t) {
-        const T* at = A + t * L;
-        const T* qt = Qt.data() + t * d;
-        for (index_t a = i * dv_; a < (i + 1) * dv_; ++a) {
-          T* row = J + (t * hv_ + a) * cols;
-          const T fa = F[t * hv_ + a];
-          for (index_t u = 0; u < L; ++u) {  // through V and the key side of T
-            const T w = at[u], c = s_ * w * (V[u * hv_ + a] - fa);
-            T* block = row + u * d;
-            for (index_t e = 0; e < d; ++e) block[e] = w * WV[e * hv_ + a] + c * qt[e];
-          }
-          T* own = row + t * d;  // through the query side of T: token t only
-          for (index_t r = 0; r < L; ++r) {
-            const T c = s_ * at[r] * (V[r * hv_ + a] - fa);
-            const T* kr = Kt.data() + r * d;
-            for (index_t e = 0; e < d; ++e) own[e] += c * kr[e];
-          }
-          note_finite(finite, row, cols);
-        }
-      });
+  // Head i's right factors (tokens, d_v, cols), M_t = scale (V_i^T diag(a_t) Y - f_t (a_t^T Y)) for
+  // Y the rows `cols` wide at `y` (`stride` apart, sample after sample): Mq_t with Y = K_i and
+  // scale s, Mk_t with Y = X and scale 1. A chunk of a sample's tokens at a time: their diag(a_t) V_i
+  // (rows::WeightedRows, at most d_k tokens: no more than the sample's Mq_t), one product a token
+  // against Y, the sums a_t^T Y as one product, then f_t (a_t^T Y)^T taken off as a product of depth
+  // 1: the two products are rounded apart, so where attention is one-hot they are equal and M_t is
+  // exactly 0.
+  BackendBuffer<T> right_factors(const Graph<T>& g, index_t i, const T* y, index_t stride, index_t cols,
+                                 T scale) const {
+    const Backend<T>& backend = g.backend();
+    const index_t L = g.tokens_per_sample(), n = g.tokens();
+    const index_t chunk = std::min(L, std::max<index_t>(1, dk_));
+    BackendBuffer<T> M(backend, n * dv_ * cols), Va(backend, chunk * L * dv_), bar(backend, chunk * cols);
+    for (index_t b = 0; b < g.samples(); ++b) {
+      const MapC<T> Y(y + b * L * stride, L, stride);
+      for (index_t t0 = 0; t0 < L; t0 += chunk) {
+        const index_t m = std::min(chunk, L - t0), t = b * L + t0;
+        const T* a = weights(b, i, L) + t0 * L;
+        backend.run(rows::WeightedRows<T>{a, V_.data() + b * L * hv_ + i * dv_, Va.data(), L, dv_, hv_}, m * L);
+        T* Mt = M.data() + t * dv_ * cols;
+        batched_product(backend, m, MapM<T>(Mt, dv_, cols), dv_ * cols, MapC<T>(Va.data(), L, dv_).transpose(),
+                        L * dv_, Y.leftCols(cols), 0, T(1), false);
+        product(backend, MapM<T>(bar.data(), m, cols), MapC<T>(a, m, L), Y.leftCols(cols), T(1), false);
+        batched_product(backend, m, MapM<T>(Mt, dv_, cols), dv_ * cols,
+                        MapC<T>(g.value(this->output) + t * hv_ + i * dv_, 1, dv_).transpose(), hv_,
+                        MapC<T>(bar.data(), 1, cols), cols, T(-1), true);
+      }
     }
+    if (scale != T(1)) backend.run(rows::ScaleBy<T>{scale, M.data(), M.data()}, n * dv_ * cols);
+    return M;
+  }
+
+  // dF/dX of sample b in closed form (docs/derivation.md §3.3), after forward: J (L h d_v, L d), row
+  // t h d_v + i d_v + a, column u d + e. X enters V and both sides of T: head by head, with
+  // Qt = Q_i W_K,i^T and Kt = K_i W_Q,i^T, each row written once and its finiteness marked while in
+  // cache (rows::AttentionInputRows), the marks noted into `finite`. The forward tangents give the
+  // same columns at L d times the cost.
+  // input_jacobian's working memory beside the graph's: Q W_K^T and K W_Q^T of one sample, a mark a row.
+  index_t input_jacobian_footprint(const Graph<T>& g) const { return g.tokens_per_sample() * (2 * g.width(x()) + g.width(this->output)); }
+  void input_jacobian(const Graph<T>& g, index_t b, T* J, FiniteRecord* finite = nullptr) const {
+    const Backend<T>& backend = g.backend();
+    const index_t L = g.tokens_per_sample(), d = g.width(x());
+    BackendBuffer<T> Qt(backend, L * d), Kt(backend, L * d), marks(backend, L * hv_);
+    for (index_t i = 0; i < heads_; ++i) {
+      product(backend, MapM<T>(Qt.data(), L, d), q(b, i, L), W(g, wk()).middleCols(i * dk_, dk_).transpose(), T(1), false);
+      product(backend, MapM<T>(Kt.data(), L, d), k(b, i, L), W(g, wq()).middleCols(i * dk_, dk_).transpose(), T(1), false);
+      backend.run(rows::AttentionInputRows<T>{weights(b, i, L), V_.data() + b * L * hv_, g.value(this->output) + b * L * hv_,
+                                              g.weight(wv()), Qt.data(), Kt.data(), J, marks.data(), L, d, hv_, dv_, i, s_},
+                  L * dv_);
+    }
+    if (finite) finite->note(backend.all_finite(marks.data(), L * hv_));
   }
 
   void curvature(const Graph<T>& g, Terms<T>& terms) const override {

@@ -112,6 +112,21 @@ struct JacobianColumns {
   }
 };
 
+// U_t = diag(D_t) R_t, row by row (tokens, width, n): a diagonal factor's right factor applied, as
+// FactorOuterRows reads it (by_rows). An item is a row (t, a).
+template <class T>
+struct DiagonalTimesRows {
+  const T* D;
+  const T* R;
+  T* U;
+  index_t n;
+  index_t cost() const { return n; }
+  BLOCKHESS_HD void operator()(index_t begin, index_t end) const {
+    for (index_t row = begin; row < end; ++row)
+      for (index_t r = 0; r < n; ++r) U[row * n + r] = D[row] * R[row * n + r];
+  }
+};
+
 // G_t = A_t + B_t, dense (tokens, cols, width), each of A_t, B_t in its layout: the push of a sum
 // of two values that a parameter reaches along two paths. An item is a column (t, c): the dense
 // sides' entries added (an identity's or diagonal's zeros as +0, as the host materialised them),

@@ -63,8 +63,8 @@ struct CrossEntropyRows {
   }
 };
 
-// out = alpha * x entry by entry (an item is an entry): the mean squared error's second
-// derivative, 2/(B L d) I, applied to a tangent.
+// out = alpha * x entry by entry (an item is an entry; in place where out is x): the mean squared
+// error's second derivative, 2/(B L d) I, applied to a tangent; the attention's scale s of Mq_t.
 template <class T>
 struct ScaleBy {
   T alpha;

@@ -1,5 +1,5 @@
-// The FFN's sizes read from its arrays' shapes, and the shape of each result: one reading for
-// _core's bindings (bind_ffn.cpp) and _cuda's (cuda_components.cpp).
+// The sublayers' sizes read from their arrays' shapes, and the shape of each result: one reading for
+// _core's bindings (bind_attention.cpp, bind_ffn.cpp) and _cuda's (cuda_components.cpp).
 #pragma once
 
 #include <stdexcept>
@@ -9,6 +9,26 @@
 #include "blockhess/components.hpp"
 
 namespace blockhess::bind {
+
+inline components::AttentionDims attention_dims(const std::vector<index_t>& X, const std::vector<index_t>& WQ,
+                                                const std::vector<index_t>& WK, const std::vector<index_t>& WV) {
+  if (X.size() != 2 || WQ.size() != 2 || WV.size() != 2)
+    throw std::invalid_argument("attention: X, W_Q, W_K and W_V must be 2-D");
+  const components::AttentionDims s{X[0], X[1], WQ[1], WV[1]};
+  require_shape_of(WQ, {s.d, s.dk}, "W_Q");
+  require_shape_of(WK, {s.d, s.dk}, "W_K");
+  require_shape_of(WV, {s.d, s.dv}, "W_V");
+  return s;
+}
+
+// The attention's F (L, d_v).
+inline std::vector<index_t> attention_forward_shape(const components::AttentionDims& s) { return {s.L, s.dv}; }
+
+// wrt (components::AttentionWrt): 0 = W_Q, 1 = W_K, 2 = W_V, 3 = X; (L d_v, columns(s, wrt))
+inline std::vector<index_t> attention_jacobian_shape(const components::AttentionDims& s, int wrt) {
+  if (wrt < 0 || wrt > 3) throw std::invalid_argument("attention_jacobian: wrt must be 0..3");
+  return {s.L * s.dv, components::columns(s, static_cast<components::AttentionWrt>(wrt))};
+}
 
 inline components::FfnDims ffn_dims(const std::vector<index_t>& Y, const std::vector<index_t>& W1,
                                     const std::vector<index_t>& W2) {
