@@ -94,6 +94,19 @@ def test_the_ffn_sublayer_on_the_gpu_backend_is_the_hosts(results, case, dtype):
         np.testing.assert_array_equal(gpu, host)
 
 
+@pytest.mark.parametrize("dtype", list(engine_cases.DTYPES))
+@pytest.mark.parametrize("case", [c[2] for c in engine_cases.ATTENTION_CASES])
+def test_the_attention_on_the_gpu_backend_is_the_hosts(results, case, dtype):
+    """The attention's output and its Jacobians (its parameters' from the factors its push forms on
+    the GPU backend; its input's closed form, one row operation) with device memory closed to the
+    host: the host's to rounding, and the host's are the public functions'."""
+    name = engine_cases.attention_name(case, dtype)
+    host, gpu, public = (results[f"{name}/{where}"] for where in ("host", "gpu", "public"))
+    assert np.isfinite(gpu).all() and np.abs(gpu).max() > 0
+    tol = 1e-12 if dtype == "f64" else 1e-5
+    assert _relative(gpu, host) < tol and _relative(host, public) < tol
+
+
 def _jacobian_keys():
     return [(spec, name, dtype) for spec in engine_cases.JACOBIAN_SPECS
             for name in engine_cases.BlockParams.random(engine_cases.SPECS[spec], d=6, d_k=4, d_ff=7).names

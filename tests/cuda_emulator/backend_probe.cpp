@@ -33,6 +33,30 @@ blockhess::MatrixView<T> view(T* data, long rows, long cols, long stride, int ro
   return {data, rows, cols, stride, row_major != 0};
 }
 
+// The host backend (gpu = 0), or a GPU backend on `stream`, held by `device`.
+template <class T>
+const blockhess::Backend<T>& backend_for(int gpu, std::unique_ptr<blockhess::cuda::CudaBackend<T>>& device,
+                                         std::uintptr_t stream = 0) {
+  if (!gpu) return blockhess::cpu_backend<T>();
+  device = std::make_unique<blockhess::cuda::CudaBackend<T>>(stream);
+  return *device;
+}
+
+// call(backend, result) on the host backend (gpu = 0), result `out`; or on the GPU backend, result n
+// values of device memory copied back to `out` (host memory).
+template <class T, class Call>
+void into_host(int gpu, T* out, long n, Call&& call) {
+  std::unique_ptr<blockhess::cuda::CudaBackend<T>> device;
+  const blockhess::Backend<T>& backend = backend_for(gpu, device);
+  if (!gpu) {
+    call(backend, out);
+    return;
+  }
+  blockhess::BackendBuffer<T> result(backend, n);
+  call(backend, result.data());
+  backend.download(out, result.data(), sizeof(T) * static_cast<size_t>(n));
+}
+
 template <class T>
 int product(int gpu, long count, T* C, long m, long n, long ldc, long c_step, const T* A, long k, long lda,
             int a_row_major, long a_step, const T* B, long ldb, int b_row_major, long b_step, double alpha,
@@ -41,14 +65,12 @@ int product(int gpu, long count, T* C, long m, long n, long ldc, long c_step, co
     const auto a = view(A, m, k, lda, a_row_major);
     const auto b = view(B, k, n, ldb, b_row_major);
     const auto c = view(C, m, n, ldc, 1);
-    auto run = [&](const blockhess::Backend<T>& backend) {
-      if (count == 1 && c_step == 0 && a_step == 0 && b_step == 0)
-        backend.gemm(c, a, b, static_cast<T>(alpha), accumulate != 0);
-      else
-        backend.gemm_batched(count, c, c_step, a, a_step, b, b_step, static_cast<T>(alpha), accumulate != 0);
-    };
-    if (gpu) run(blockhess::cuda::CudaBackend<T>(stream));
-    else run(blockhess::cpu_backend<T>());
+    std::unique_ptr<blockhess::cuda::CudaBackend<T>> device;
+    const blockhess::Backend<T>& backend = backend_for(gpu, device, stream);
+    if (count == 1 && c_step == 0 && a_step == 0 && b_step == 0)
+      backend.gemm(c, a, b, static_cast<T>(alpha), accumulate != 0);
+    else
+      backend.gemm_batched(count, c, c_step, a, a_step, b, b_step, static_cast<T>(alpha), accumulate != 0);
     return 0;
   } catch (const std::exception& e) {
     return failed(e, message, message_size);
@@ -59,8 +81,8 @@ int product(int gpu, long count, T* C, long m, long n, long ldc, long c_step, co
 template <class T, class Op>
 int run(int gpu, const Op& op, long count, char* message, long message_size) {
   try {
-    if (gpu) blockhess::cuda::CudaBackend<T>(0).run(op, count);
-    else blockhess::cpu_backend<T>().run(op, count);
+    std::unique_ptr<blockhess::cuda::CudaBackend<T>> device;
+    backend_for(gpu, device).run(op, count);
     return 0;
   } catch (const std::exception& e) {
     return failed(e, message, message_size);
@@ -75,8 +97,8 @@ namespace rows = blockhess::engine::rows;
 #define BLOCKHESS_FINITE_PROBE(suffix, T)                                                                  \
   extern "C" __attribute__((visibility("default"))) int all_finite##suffix(int gpu, const T* values, long count, \
                                                                          int* finite) {                     \
-    *finite = gpu ? blockhess::cuda::CudaBackend<T>(0).all_finite(values, count)                            \
-                  : blockhess::cpu_backend<T>().all_finite(values, count);                                  \
+    std::unique_ptr<blockhess::cuda::CudaBackend<T>> device;                                                \
+    *finite = backend_for(gpu, device).all_finite(values, count);                                           \
     return 0;                                                                                               \
   }
 BLOCKHESS_FINITE_PROBE(_f64, double)
@@ -286,8 +308,7 @@ int block_loss_hvp(int gpu, const long* spec, long B, long L, long d, long dk, l
   namespace engine = blockhess::engine;
   try {
     std::unique_ptr<blockhess::cuda::CudaBackend<T>> device;
-    if (gpu) device = std::make_unique<blockhess::cuda::CudaBackend<T>>(0);
-    const blockhess::Backend<T>& backend = gpu ? *device : blockhess::cpu_backend<T>();
+    const blockhess::Backend<T>& backend = backend_for(gpu, device);
     const auto graph = wired(backend, spec, B, L, d, dk, dv, dff, eps, X, ids, weights, n_weights);
     engine::Graph<T>& g = *graph;
     const blockhess::block::Stack stack = stack_of(spec);
@@ -329,15 +350,12 @@ template <class T>
 int block_jacobian(int gpu, const long* spec, long L, long d, long dk, long dv, long dff, double eps, const T* X,
                    const T* const* weights, long n_weights, int p, T* J, long n, char* message, long message_size) {
   try {
-    std::unique_ptr<blockhess::cuda::CudaBackend<T>> device;
-    if (gpu) device = std::make_unique<blockhess::cuda::CudaBackend<T>>(0);
-    const blockhess::Backend<T>& backend = gpu ? *device : blockhess::cpu_backend<T>();
-    const auto g = wired(backend, spec, 1, L, d, dk, dv, dff, eps, X, nullptr, weights, n_weights);
-    blockhess::BackendBuffer<T> result(backend, n);
-    blockhess::FiniteRecord finite;
-    blockhess::engine::jacobian(*g, p, result.data(), &finite);
-    finite.require<T>("the block Jacobian");
-    backend.download(J, result.data(), sizeof(T) * static_cast<size_t>(n));
+    into_host(gpu, J, n, [&](const blockhess::Backend<T>& backend, T* result) {
+      const auto g = wired(backend, spec, 1, L, d, dk, dv, dff, eps, X, nullptr, weights, n_weights);
+      blockhess::FiniteRecord finite;
+      blockhess::engine::jacobian(*g, p, result, &finite);
+      finite.require<T>("the block Jacobian");
+    });
     return 0;
   } catch (const std::exception& e) {
     return failed(e, message, message_size);
@@ -383,35 +401,38 @@ extern "C" __attribute__((visibility("default"))) int gpu_graph_refuses_factors(
 
 namespace {
 
-// The FFN sublayer relu(Y W_1) W_2 (components.hpp) on the host backend (gpu = 0) or the GPU
-// backend (gpu = 1), its inputs in the host's memory: what = 0 its output, 1 its Jacobian or
-// Kronecker factor of `kind`, 2 its cross second derivative of `kind`, into out (n values, host
-// memory; on the GPU written in device memory and copied back).
+// The sublayers (components.hpp) on the host backend (gpu = 0) or the GPU backend (gpu = 1), their
+// inputs in the host's memory, into out (n values, host memory; on the GPU written in device memory
+// and copied back). The FFN relu(Y W_1) W_2: what = 0 its output, 1 its Jacobian or Kronecker factor
+// of `kind`, 2 its cross second derivative of `kind`. The attention: what = 0 its output, 1 its
+// Jacobian with respect to `kind` (components::AttentionWrt).
 template <class T>
 int ffn_component(int gpu, long L, long d, long f, long e, const T* Y, const T* W1, const T* W2, int what, int kind,
                   T* out, long n, char* message, long message_size) {
   namespace components = blockhess::components;
   try {
     const components::FfnDims s{L, d, f, e};
-    auto call = [&](const blockhess::Backend<T>& backend, T* result) {
+    into_host(gpu, out, n, [&](const blockhess::Backend<T>& backend, T* result) {
       if (what == 0) components::ffn_forward(Y, W1, W2, s, result, backend);
       else if (what == 1) components::ffn_jacobian(Y, W1, W2, s, static_cast<components::FfnJacobian>(kind), result, backend);
       else components::ffn_cross_hessian(Y, W1, W2, s, static_cast<components::FfnCross>(kind), result, backend);
-    };
-    if (!gpu) {
-      call(blockhess::cpu_backend<T>(), out);
-      return 0;
-    }
-    const blockhess::cuda::CudaBackend<T> backend(0);
-    T* result = backend.allocate(n);
-    try {
-      call(backend, result);
-      backend.download(out, result, sizeof(T) * static_cast<size_t>(n));
-    } catch (...) {
-      backend.release(result, n);
-      throw;
-    }
-    backend.release(result, n);
+    });
+    return 0;
+  } catch (const std::exception& e) {
+    return failed(e, message, message_size);
+  }
+}
+
+template <class T>
+int attention_component(int gpu, long L, long d, long dk, long dv, const T* X, const T* WQ, const T* WK, const T* WV,
+                        int what, int kind, T* out, long n, char* message, long message_size) {
+  namespace components = blockhess::components;
+  try {
+    const components::AttentionDims s{L, d, dk, dv};
+    into_host(gpu, out, n, [&](const blockhess::Backend<T>& backend, T* result) {
+      if (what == 0) components::attention_forward(X, WQ, WK, WV, s, result, backend);
+      else components::attention_jacobian(X, WQ, WK, WV, s, static_cast<components::AttentionWrt>(kind), result, backend);
+    });
     return 0;
   } catch (const std::exception& e) {
     return failed(e, message, message_size);
@@ -420,14 +441,19 @@ int ffn_component(int gpu, long L, long d, long f, long e, const T* Y, const T* 
 
 }  // namespace
 
-#define BLOCKHESS_FFN_PROBE(suffix, T)                                                                             \
+#define BLOCKHESS_COMPONENT_PROBES(suffix, T)                                                                       \
   extern "C" __attribute__((visibility("default"))) int ffn_component##suffix(                                     \
       int gpu, long L, long d, long f, long e, const T* Y, const T* W1, const T* W2, int what, int kind, T* out,   \
       long n, char* message, long message_size) {                                                                  \
     return ffn_component<T>(gpu, L, d, f, e, Y, W1, W2, what, kind, out, n, message, message_size);               \
+  }                                                                                                                \
+  extern "C" __attribute__((visibility("default"))) int attention_component##suffix(                               \
+      int gpu, long L, long d, long dk, long dv, const T* X, const T* WQ, const T* WK, const T* WV, int what,      \
+      int kind, T* out, long n, char* message, long message_size) {                                                \
+    return attention_component<T>(gpu, L, d, dk, dv, X, WQ, WK, WV, what, kind, out, n, message, message_size);   \
   }
-BLOCKHESS_FFN_PROBE(_f64, double)
-BLOCKHESS_FFN_PROBE(_f32, float)
+BLOCKHESS_COMPONENT_PROBES(_f64, double)
+BLOCKHESS_COMPONENT_PROBES(_f32, float)
 
 // Writes one value of the GPU backend's memory from the host: on the emulator this must fault
 // (its device memory is closed to the host outside device work), or the engine tests above could

@@ -155,18 +155,24 @@ def ffn_size(what: int, kind: int) -> int:
     return (L * d * f, L * e * d * f * f * e)[kind]
 
 
-def ffn_run(lib, what: int, kind: int, dtype: str, gpu: int) -> np.ndarray:
-    Y, W1, W2 = ffn_inputs(dtype)
-    out = np.full(ffn_size(what, kind), np.nan, DTYPES[dtype])
+def component_run(lib, sublayer: str, dims: tuple, inputs: tuple, what: int, kind: int, size: int, dtype: str,
+                  gpu: int) -> np.ndarray:
+    """One of backend_probe.cpp's ffn_component or attention_component into a fresh host array."""
+    out = np.full(size, np.nan, DTYPES[dtype])
     message = ctypes.create_string_buffer(512)
     P = ctypes.c_void_p
-    status = getattr(lib, "ffn_component_" + dtype)(
-        ctypes.c_int(gpu), *(ctypes.c_long(n) for n in (FFN_L, FFN_D, FFN_F, FFN_E)),
-        *(a.ctypes.data_as(P) for a in (Y, W1, W2)), ctypes.c_int(what), ctypes.c_int(kind), out.ctypes.data_as(P),
-        ctypes.c_long(out.size), message, ctypes.c_long(512))
+    status = getattr(lib, f"{sublayer}_component_{dtype}")(
+        ctypes.c_int(gpu), *(ctypes.c_long(n) for n in dims), *(a.ctypes.data_as(P) for a in inputs),
+        ctypes.c_int(what), ctypes.c_int(kind), out.ctypes.data_as(P), ctypes.c_long(out.size), message,
+        ctypes.c_long(512))
     if status != 0:
-        raise RuntimeError(f"ffn {what}/{kind} on {'the GPU' if gpu else 'the host'}: {message.value.decode()}")
+        raise RuntimeError(f"{sublayer} {what}/{kind} on {'the GPU' if gpu else 'the host'}: {message.value.decode()}")
     return out
+
+
+def ffn_run(lib, what: int, kind: int, dtype: str, gpu: int) -> np.ndarray:
+    return component_run(lib, "ffn", (FFN_L, FFN_D, FFN_F, FFN_E), ffn_inputs(dtype), what, kind, ffn_size(what, kind),
+                         dtype, gpu)
 
 
 def ffn_public(what: int, kind: int, dtype: str) -> np.ndarray:
@@ -183,6 +189,37 @@ def ffn_public(what: int, kind: int, dtype: str) -> np.ndarray:
         U, V = blockhess.ffn_jacobian(Y, W1, W2, ("W_1", "W_2")[kind - 4], layout="kron")
         result = V if kind == 4 else U
     return np.asarray(result).reshape(-1)
+
+
+# The attention's functions (components.hpp): (what, kind, name) with what 0 the output, 1 its
+# Jacobian with respect to W_Q, W_K, W_V or X (kind 0..3, as src/sublayer_shapes.hpp).
+ATTENTION_L, ATTENTION_D, ATTENTION_DK, ATTENTION_DV = 4, 3, 2, 5
+ATTENTION_WRT = ("W_Q", "W_K", "W_V", "X")
+ATTENTION_CASES = [(0, 0, "forward")] + [(1, kind, f"jacobian-{wrt}") for kind, wrt in enumerate(ATTENTION_WRT)]
+
+
+def attention_name(case: str, dtype: str) -> str:
+    return f"attention-{case}-{dtype}"
+
+
+def attention_inputs(dtype: str):
+    rng = np.random.default_rng(6)
+    L, d, dk, dv = ATTENTION_L, ATTENTION_D, ATTENTION_DK, ATTENTION_DV
+    return tuple(rng.standard_normal(s).astype(DTYPES[dtype]) for s in ((L, d), (d, dk), (d, dk), (d, dv)))
+
+
+def attention_run(lib, what: int, kind: int, dtype: str, gpu: int) -> np.ndarray:
+    L, d, dk, dv = dims = (ATTENTION_L, ATTENTION_D, ATTENTION_DK, ATTENTION_DV)
+    size = L * dv * (1 if what == 0 else (d * dk, d * dk, d * dv, L * d)[kind])
+    return component_run(lib, "attention", dims, attention_inputs(dtype), what, kind, size, dtype, gpu)
+
+
+def attention_public(what: int, kind: int, dtype: str) -> np.ndarray:
+    """The same through blockhess's public functions."""
+    X, WQ, WK, WV = attention_inputs(dtype)
+    if what == 0:
+        return np.asarray(blockhess.attention(X, WQ, WK, WV)).reshape(-1)
+    return np.asarray(blockhess.attention_jacobian(X, WQ, WK, WV, ATTENTION_WRT[kind])).reshape(-1)
 
 
 # Blocks whose Jacobians run on the GPU backend where the factors do: every parameter but (pre-LN)
@@ -231,11 +268,13 @@ def main(library: str, out: str) -> None:
                 key = f"jacobian-{spec}-{param}-{dtype}"
                 results[f"{key}/host"], results[f"{key}/public"] = on_host, by_public
                 results[f"{key}/gpu"] = np.array([]) if on_gpu is None else on_gpu[0]
-    for what, kind, case in FFN_CASES:
-        for dtype in DTYPES:
-            for where, gpu in (("host", 0), ("gpu", 1)):
-                results[f"{ffn_name(case, dtype)}/{where}"] = ffn_run(lib, what, kind, dtype, gpu)
-            results[f"{ffn_name(case, dtype)}/public"] = ffn_public(what, kind, dtype)
+    for cases, key, run_on, public_of in ((FFN_CASES, ffn_name, ffn_run, ffn_public),
+                                          (ATTENTION_CASES, attention_name, attention_run, attention_public)):
+        for what, kind, case in cases:
+            for dtype in DTYPES:
+                for where, gpu in (("host", 0), ("gpu", 1)):
+                    results[f"{key(case, dtype)}/{where}"] = run_on(lib, what, kind, dtype, gpu)
+                results[f"{key(case, dtype)}/public"] = public_of(what, kind, dtype)
     for case in CASES:
         for where, gpu in (("host", 0), ("gpu", 1)):
             for what, array in zip(("value", "grad", "hv"), run(lib, *case, gpu)):
