@@ -256,9 +256,9 @@ def test_loss_hessian_out_skips_the_budget_but_not_the_checks(rng):
     X, W, target, _ = ref.random_block(rng, 3, 4, 2, 5)
     params = _params(W)
     P = params.size
-    # The caller owns out: only the working memory (about 16 KiB here, a norm's Jacobians that its
-    # push maps the factors with counted for each of them) counts, not the 41 KiB result.
-    with blockhess.memory_budget(24 * 1024):
+    # The caller owns out: only the working memory (15.6 KiB here, a norm's Jacobians that its push
+    # maps the factors with counted once, for the widest) counts, not the 41 KiB result.
+    with blockhess.memory_budget(16 * 1024):
         H = blockhess.loss_hessian(X, target, params, out=np.empty((P, P)))
     with blockhess.memory_budget(1024), pytest.raises(blockhess.OutputTooLargeError, match="working memory"):
         blockhess.loss_hessian(X, target, params, out=np.empty((P, P)))

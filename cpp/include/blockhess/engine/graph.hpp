@@ -172,6 +172,9 @@ class Node {
   // What a factor of r columns from below costs passing through it beside its G_t at the output
   // (attention's mix(): the factor's slabs at Q, K, V and the logits).
   virtual index_t passing_factor(const Graph<T>& /*g*/, index_t /*r*/) const { return 0; }
+  // What its push allocates only while it runs, for every factor passing it at once, when they have
+  // at most r columns (a norm's Jacobians): counted once, not once a factor.
+  virtual index_t push_scratch(const Graph<T>& /*g*/, index_t /*r*/) const { return 0; }
 };
 
 template <class T>

@@ -128,7 +128,7 @@ class WorkingMemory {
     const bool cut = one_group_at_a_time && !(head_ && head_->couples_tokens());
     const std::vector<int> cuts = cut ? g_.token_local_cuts(selected_) : std::vector<int>{};
     std::vector<int> used;  // the cuts the selected groups stop at
-    index_t factors = 0;
+    index_t factors = 0, scratch = 0;
     for (const auto& node : g_.nodes()) {
       index_t entering = 0;
       int last = -1;
@@ -138,16 +138,16 @@ class WorkingMemory {
       const int cut_at = Graph<T>::cut_at_or_after(cuts, last);
       const int stop = cut_at < 0 ? static_cast<int>(g_.nodes().size()) : cut_at;
       if (cut_at >= 0 && std::find(used.begin(), used.end(), stop) == used.end()) used.push_back(stop);
-      const index_t group = entering + downstream(*node, node->factor_columns(g_), stop);
+      const index_t group = entering + downstream(*node, node->factor_columns(g_), stop, scratch);
       factors = one_group_at_a_time ? std::max(factors, group) : factors + group;
     }
     for (int k : used) {
       const Node<T>& at = *g_.nodes()[static_cast<size_t>(k)];
       const index_t w = g_.width(at.output);
       total += g_.tokens() * w * w;
-      factors = std::max(factors, downstream(at, w, static_cast<int>(g_.nodes().size())));
+      factors = std::max(factors, downstream(at, w, static_cast<int>(g_.nodes().size()), scratch));
     }
-    total += factors;
+    total += factors + scratch;
     if (outer && head_->couples_tokens()) {  // assemble.hpp's token-summed Jacobian slabs, a few samples at a time
       const index_t d = g_.width(g_.output());
       total += 2 * std::max<index_t>(1, std::min(g_.samples(), 128 / std::max<index_t>(1, d))) * d * selected_size();
@@ -156,8 +156,9 @@ class WorkingMemory {
   }
 
   // A factor of r columns entering at `from`'s output: its G_t at that value and every value
-  // downstream up to node `last`'s, and what it costs passing each node on the way.
-  index_t downstream(const Node<T>& from, index_t r, int last) const {
+  // downstream up to node `last`'s, and what it costs passing each node on the way; `scratch`
+  // becomes at least each of those nodes' push scratch (Node::push_scratch), held one push at a time.
+  index_t downstream(const Node<T>& from, index_t r, int last, index_t& scratch) const {
     std::vector<char> reached(static_cast<size_t>(g_.num_values()), 0);
     reached[static_cast<size_t>(from.output)] = 1;
     index_t total = g_.tokens() * r * g_.width(from.output);
@@ -168,6 +169,7 @@ class WorkingMemory {
       if (!moved) continue;
       reached[static_cast<size_t>(node->output)] = 1;
       total += g_.tokens() * r * g_.width(node->output) + node->passing_factor(g_, r);
+      scratch = std::max(scratch, node->push_scratch(g_, r));
     }
     return total;
   }

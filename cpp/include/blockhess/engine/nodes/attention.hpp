@@ -95,12 +95,15 @@ class AttentionNode final : public Node<T> {
     return {rows + weights, rows + 2 * weights, 2 * rows + weights + 2 * L * L, n * (1 + hv + heads_ * g.width(x()))};
   }
   // Every parameter moves its head's rows of F: one (h d_v, d_v) G_t per head (push()); W_Q and W_K
-  // bring their R_t, W_K its scaled queries, W_V its A X rows.
+  // bring their R_t (and right_factors()' rows of a chunk of tokens while it forms them), W_K its
+  // scaled queries, W_V its A X rows.
   index_t factor_columns(const Graph<T>& g) const override { return g.width(this->output); }
   index_t entering_factor(const Graph<T>& g, int p) const override {
-    const index_t n = g.tokens(), hv = g.width(this->output), hk = g.parameter(wq()).cols;
-    if (p == wq()) return n * hv * (hk / heads_);
-    if (p == wk()) return n * (hv * g.width(x()) + hk);
+    const index_t n = g.tokens(), L = g.tokens_per_sample(), d = g.width(x()), hv = g.width(this->output);
+    const index_t dk = g.parameter(wq()).cols / heads_, dv = hv / heads_;
+    const index_t chunk = std::min(L, std::max<index_t>(1, dk)) * (L * dv + std::max(d, dk));
+    if (p == wq()) return n * hv * dk + chunk;
+    if (p == wk()) return n * (hv * d + dk * heads_) + chunk;
     if (p == wv()) return n * heads_ * g.width(x());
     return n;
   }

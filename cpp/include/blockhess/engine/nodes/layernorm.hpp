@@ -121,9 +121,9 @@ class NormNode final : public Node<T> {
     const index_t n = g.tokens(), d = width(g), rows = 5 * d * parallel::num_threads();
     return {n * (1 + d), 2 * d * parallel::num_threads(), n * d + rows, n * (1 + d * d)};
   }
-  // push(): the Jacobians it maps a factor of r columns with, a chunk of tokens at a time
-  // (factor.hpp's left_multiply_jacobians).
-  index_t passing_factor(const Graph<T>& g, index_t r) const override {
+  // push(): the Jacobians it maps the factors with, a chunk of tokens at a time, the chunk no larger
+  // than the narrowest factor's result (factor.hpp's left_multiply_jacobians).
+  index_t push_scratch(const Graph<T>& g, index_t r) const override {
     return g.tokens() * width(g) * std::min(width(g), r);
   }
   bool token_local() const override { return true; }
