@@ -62,12 +62,12 @@ BackendBuffer<T> with_right_applied(const Backend<T>& backend, const Factor<T>& 
 template <class T>
 bool outer_rows(const Backend<T>& backend, index_t tokens, const T* vec, const T* U, rows::FactorLayout layout,
                 index_t width, const kron::Split& s, T* out, index_t row_length, bool check = true) {
-  BackendBuffer<T> marks(backend, check ? tokens : 0);
+  BackendBuffer<T> marks(backend, check ? tokens * width : 0);
   const index_t n_vec = vec ? s.n_vec() : 1, offset = vec ? s.offset : 0, stride = vec ? s.row_stride() : s.n_mat();
   backend.run(rows::FactorOuterRows<T>{vec, U, layout, width, n_vec, s.n_mat(), out, row_length, offset, stride,
                                        s.vec_on_first || !vec, check ? marks.data() : nullptr},
-              tokens);
-  return !check || backend.all_finite(marks.data(), tokens);
+              tokens * width);
+  return !check || backend.all_finite(marks.data(), tokens * width);
 }
 
 // The rows of dZ/dW_p that factor f at the output gives (its piece's columns), row length n_p;

@@ -164,9 +164,10 @@ struct AddFactors {
 // The rows of a Jacobian that a factor gives, token by token (docs/derivation.md §4.2): row
 // t width + a of `out`, whose rows are row_length long, holds vec_t (x) U_t[a, :] at the columns
 // of the parameter's block (kron::Split: offset, stride, vec_on_first), entry by entry
-// vec_t[o] U_t[a, r] (vec null: U_t[a, r]). marks[t] (marks null: no check) is 0, or a value of
-// token t's that is Inf or NaN: the result's finiteness, checked where it is written. An item is a
-// token; its scratch holds one row of U_t, so that the inner loops run over contiguous entries.
+// vec_t[o] U_t[a, r] (vec null: U_t[a, r]). An item is a row (t, a), so that a GPU runs a thread a
+// row, not a token; its scratch holds that row of U_t, so that the inner loops run over contiguous
+// entries. marks[t width + a] (marks null: no check) is then 0, or one of the row's entries that is
+// Inf or NaN: the result's finiteness, checked where it is written.
 template <class T>
 struct FactorOuterRows {
   const T* vec;
@@ -177,24 +178,23 @@ struct FactorOuterRows {
   index_t row_length, offset, stride;
   bool vec_on_first;
   T* marks;
-  index_t cost() const { return width * n_vec * n_mat; }
+  index_t cost() const { return n_vec * n_mat; }
   index_t scratch_size() const { return n_mat; }
   BLOCKHESS_HD void operator()(index_t begin, index_t end, T* u) const {
-    for (index_t t = begin; t < end; ++t) {
+    for (index_t item = begin; item < end; ++item) {
+      const index_t t = item / width, a = item % width;
       const T* v = vec ? vec + t * n_vec : nullptr;
-      for (index_t a = 0; a < width; ++a) {
-        for (index_t r = 0; r < n_mat; ++r) u[r] = factor_entry(layout, U, t, a, r, width, n_mat);
-        T* row = out + (t * width + a) * row_length + offset;
-        if (!v)  // n_vec is 1
-          for (index_t r = 0; r < n_mat; ++r) row[r] = u[r];
-        else if (vec_on_first)  // W[o, r]: runs of r
-          for (index_t o = 0; o < n_vec; ++o) scaled(row + o * stride, u, v[o], n_mat);
-        else  // W[r, o]: runs of o
-          for (index_t r = 0; r < n_mat; ++r) scaled(row + r * stride, v, u[r], n_vec);
-      }
+      for (index_t r = 0; r < n_mat; ++r) u[r] = factor_entry(layout, U, t, a, r, width, n_mat);
+      T* row = out + item * row_length + offset;
+      if (!v)  // n_vec is 1
+        for (index_t r = 0; r < n_mat; ++r) row[r] = u[r];
+      else if (vec_on_first)  // W[o, r]: runs of r
+        for (index_t o = 0; o < n_vec; ++o) scaled(row + o * stride, u, v[o], n_mat);
+      else  // W[r, o]: runs of o
+        for (index_t r = 0; r < n_mat; ++r) scaled(row + r * stride, v, u[r], n_vec);
       if (!marks) continue;
-      marks[t] = T(0);
-      if (largest_written(t) == kExponentMask<T>) mark_non_finite(t);
+      marks[item] = T(0);
+      if (largest_written(row) == kExponentMask<T>) mark_non_finite(item, row);
     }
   }
 
@@ -204,30 +204,24 @@ struct FactorOuterRows {
     for (index_t k = 0; k < n; ++k) run[k] = x[k] * s;
   }
 
-  // The largest exponent field among token t's entries (finite.hpp), while they are in cache: its
-  // rows at once where the parameter fills them, each row's block where it is contiguous, else (a
-  // piece of a split parameter, whose columns interleave with the other pieces', not written yet)
-  // run by run.
-  BLOCKHESS_HD std::uint32_t largest_written(index_t t) const {
+  // The largest exponent field among the entries written from `row` (finite.hpp), while they are in
+  // cache: at once where its runs are contiguous, else (a piece of a split parameter, whose columns
+  // interleave with the other pieces', not written yet) run by run.
+  BLOCKHESS_HD std::uint32_t largest_written(const T* row) const {
     const index_t run_length = vec_on_first ? n_mat : n_vec, runs = vec_on_first ? n_vec : n_mat;
-    const T* rows = out + t * width * row_length + offset;
-    if (stride == run_length && runs * run_length == row_length) return largest_exponent(rows, width * row_length);
+    if (stride == run_length) return largest_exponent(row, runs * run_length);
     std::uint32_t largest = 0;
-    for (index_t a = 0; a < width; ++a)
-      for (index_t k = 0; k < (stride == run_length ? 1 : runs); ++k)
-        largest = largest_exponent(rows + a * row_length + k * stride, stride == run_length ? runs * run_length : run_length,
-                                   largest);
+    for (index_t k = 0; k < runs; ++k) largest = largest_exponent(row + k * stride, run_length, largest);
     return largest;
   }
 
-  // marks[t] = one of token t's entries that is Inf or NaN (rare: an error follows).
-  BLOCKHESS_HD void mark_non_finite(index_t t) const {
-    for (index_t a = 0; a < width; ++a)
-      for (index_t o = 0; o < n_vec; ++o)
-        for (index_t r = 0; r < n_mat; ++r) {
-          const T* x = out + (t * width + a) * row_length + offset + (vec_on_first ? o * stride + r : r * stride + o);
-          if (largest_exponent(x, 1) == kExponentMask<T>) marks[t] = *x;
-        }
+  // marks[item] = one of the row's entries that is Inf or NaN (rare: an error follows).
+  BLOCKHESS_HD void mark_non_finite(index_t item, const T* row) const {
+    for (index_t o = 0; o < n_vec; ++o)
+      for (index_t r = 0; r < n_mat; ++r) {
+        const T* x = row + (vec_on_first ? o * stride + r : r * stride + o);
+        if (largest_exponent(x, 1) == kExponentMask<T>) marks[item] = *x;
+      }
   }
 };
 
