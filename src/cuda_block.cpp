@@ -132,6 +132,23 @@ void bind_for(py::module_& m, const char* suffix) {
       },
       py::arg("X"), py::arg("spec"), py::arg("weights"), py::arg("eps"), py::arg("out"), py::arg("stream"));
 
+  // dZ/dW_p of one sample into the device array at out (L width(Z), n_p), on the GPU backend, queued
+  // on `stream`; RunsOnHost (blockhess._cuda.RunsOnHost) where a part of it runs on the host still.
+  m.def(
+      (std::string("block_jacobian") + suffix).c_str(),
+      [](const DeviceArg& X, const SpecTuple& spec, const std::vector<DeviceArg>& W, T eps, int param, ptr out,
+         ptr stream) {
+        py::gil_scoped_release release;
+        const DeviceProblem<T> d = device_problem<T>(X, spec, W, stream);
+        if (d.problem.B != 1) throw std::invalid_argument("block_jacobian: one sample only");
+        if (param < 0 || param >= static_cast<int>(d.problem.shapes().size()))
+          throw std::invalid_argument("block_jacobian: bad param");
+        if (out == 0) throw std::invalid_argument("blockhess._cuda: out is null");
+        d.problem.evaluate(eps).jacobian(param, reinterpret_cast<T*>(out));
+      },
+      py::arg("X"), py::arg("spec"), py::arg("weights"), py::arg("eps"), py::arg("param"), py::arg("out"),
+      py::arg("stream"));
+
   // The loss on device arrays, and its gradient (every parameter, P entries) into the device array
   // at grad (0: the loss alone); queued on `stream`, done when it returns (the loss is read back).
   m.def(
@@ -251,6 +268,7 @@ void bind_for(py::module_& m, const char* suffix) {
 void bind_block_device(py::module_& m) {
   // This module's non_finite_error is its own type: it becomes blockhess.NonFiniteError here too.
   py::register_local_exception_translator(translate_non_finite_error);
+  py::register_local_exception<engine::RunsOnHost>(m, "RunsOnHost", PyExc_ValueError);
   bind_for<float>(m, "_f32");
   bind_for<double>(m, "_f64");
 }

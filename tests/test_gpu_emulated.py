@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import blockhess
-from blockhess import _core, _gpu
+from blockhess import _core, _gpu, _gpu_launch
 
 pytestmark = kernel_emulation.needs_emulator
 
@@ -414,6 +414,41 @@ def _engine_inputs(rng, name: str, loss: str):
         if loss == "next_token":
             target[1, 3] = -100  # an ignored label
     return X, target, head
+
+
+@pytest.mark.parametrize("name", ["paper", "gpt2", "rmsnorm-silu"])
+def test_block_jacobians_run_on_the_gpu_engine_where_their_factors_do(device, kernels, monkeypatch, rng, name):
+    """block_jacobian on GPU arrays is _cuda's block_jacobian, the engine on the GPU backend, for
+    every parameter whose factors run there; where a part still runs on the host (an attention
+    mixing a moving input's factors: a pre-LN block's first norm's) the binding says so
+    (RunsOnHost) and the Jacobian is the host engine's on copies. Either way the result is on the
+    device and equal to the host's."""
+    spec = GPU_ENGINE_SPECS[name]
+    params = blockhess.BlockParams.random(spec, d=6, d_k=4, d_ff=7, seed=5)
+    dparams = blockhess.BlockParams.from_arrays(spec, {n: device(a) for n, a in zip(params.names, params.arrays)})
+    X = rng.standard_normal((5, 6))
+    done_on_device = []
+    original = _gpu_launch.engine_block_jacobian
+    monkeypatch.setattr(_gpu_launch, "engine_block_jacobian",
+                        lambda *args: done_on_device.append(original(*args)) or done_on_device[-1])
+    on_device = []
+    for wrt in params.names:
+        kernels.calls.clear()
+        got, want = blockhess.block_jacobian(device(X), dparams, wrt), blockhess.block_jacobian(X, params, wrt)
+        assert isinstance(got, cupy_emulation.DevArray) and kernels.calls == ["block_jacobian"], kernels.calls
+        assert rel(got, want) <= TOL or not np.abs(want).max(), wrt
+        if done_on_device[-1]:
+            on_device.append(wrt)
+    refused = {"gamma_1", "beta_1"} if spec.norm_position == "pre" else set()
+    assert set(params.names) - set(on_device) == refused, on_device
+
+
+def test_another_error_of_the_gpu_block_jacobian_is_not_taken_for_a_host_fallback(device, kernels, rng):
+    params = blockhess.BlockParams.random(GPU_ENGINE_SPECS["paper"], d=6, d_k=4, d_ff=7, seed=5)
+    out = np.empty((30, params.sizes[0]))
+    with pytest.raises(ValueError, match="one sample only"):
+        _gpu_launch.engine_block_jacobian(rng.standard_normal((2, 5, 6)), params.spec._core(), params.arrays, 0.0, 0,
+                                          out)
 
 
 @pytest.mark.parametrize("name,loss", GPU_ENGINE_CASES)

@@ -8,15 +8,15 @@ stream, and checks its result finite as the core does (NonFiniteError naming the
 
 The block's and its family's results are the engine's: its Hessians (loss_hessian,
 block_output_hessian) run their per-token work on the host from copies of the (small) inputs and the
-(P, P) assembly on the GPU (_cuda's bindings, cuda/'s DeviceHessian); its Jacobians run on the
-host from copies and are copied back (_backend.engine_on_host); its forward pass, loss, gradient
-and Hessian-vector products run on the GPU backend (_gpu_launch's engine_* calls), and so do the
-attention's and the FFN's functions (_cuda's attention_* and ffn_* bindings: the engine's factors on
-the GPU backend). The other component functions are written here over CuPy: per-token, structured steps go to the
-blockhess kernels (through :mod:`blockhess._gpu_launch`), dense matrix products to cuBLAS through
-CuPy. Nothing here synchronises, except the checks that must raise in Python: the zero-variance
-test of LayerNorm rows (one reduction) and the results' finiteness (the engine's bindings read
-theirs back).
+(P, P) assembly on the GPU (_cuda's bindings, cuda/'s DeviceHessian); its forward pass, loss,
+gradient, Hessian-vector products and Jacobians run on the GPU backend (_gpu_launch's engine_*
+calls; a Jacobian that runs on the host so far, on host copies: _backend.engine_on_host), and so do
+the attention's and the FFN's functions (_cuda's attention_* and ffn_* bindings: the engine's
+factors on the GPU backend). The other component functions are written here over CuPy: per-token,
+structured steps go to the blockhess kernels (through :mod:`blockhess._gpu_launch`), dense matrix
+products to cuBLAS through CuPy. Nothing here synchronises, except the checks that must raise in
+Python: the zero-variance test of LayerNorm rows (one reduction) and the results' finiteness (the
+engine's bindings read theirs back).
 
 The code only uses array operations that NumPy and CuPy share, so the tests run it on NumPy arrays
 with the real kernels and bindings compiled for the CPU (tests/kernel_emulation.py) on machines
@@ -194,7 +194,7 @@ def ffn_cross_hessian(Y: Any, W_1: Any, W_2: Any, kind: int, out: Any) -> None:
 #
 # Every block of the family: the engine's Hessians run their per-token work on the host from copies
 # of the inputs and assemble on the device (block_output_hessian, loss_hessian); the rest of the
-# engine's calls are in _gpu_launch (engine_*) and block.py's Jacobians (_backend.engine_on_host).
+# engine's calls are in _gpu_launch (engine_*).
 
 
 def block_output_hessian(X3: Any, spec: tuple, weights: list[Any], eps: float, i: int, j: int, out: Any) -> None:

@@ -218,6 +218,21 @@ def engine_block_forward(X3, spec, weights, eps, out) -> None:
                                     _stream())
 
 
+def engine_block_jacobian(X3, spec, weights, eps, p, out) -> bool:
+    """dZ/dW_p of one sample into the device array out, on the GPU backend, queued on the current
+    stream: True, or False where a part of it still runs on the host (the binding's RunsOnHost,
+    docs/backends.md; matched by name, since each build of _cuda has its own class)."""
+    _check(out.dtype, (out, None))
+    try:
+        _fn("block_jacobian", out.dtype)(_device_arg(X3), spec, [_device_arg(w) for w in weights], float(eps), p,
+                                         _ptr(out), _stream())
+    except ValueError as e:
+        if type(e).__name__ != "RunsOnHost":
+            raise
+        return False
+    return True
+
+
 def engine_loss_gradient(X3, spec, weights, eps, kind, values, classes, head, grad) -> float:
     """The loss of a block or model and its gradient into the device array grad (P,) (None: the loss
     alone), on the GPU backend; every argument a device array (or a code; head (W_C, b_C) or

@@ -47,6 +47,13 @@ class Graph;
 // are the same bits.
 enum class Storage { copy, borrow };
 
+// What Graph::require_host throws: a part of the engine that still runs on the host, asked of a
+// backend whose memory the host cannot address (a caller may then run the call on host copies).
+class RunsOnHost : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
 // A parameter, or one block of its columns, with its own tangent factors (factor.hpp).
 struct Piece {
   int param = -1;
@@ -197,11 +204,11 @@ class Graph {
   Graph& operator=(const Graph&) = delete;
 
   const Backend<T>& backend() const { return *backend_; }
-  // Refuses (std::invalid_argument) a backend whose memory the host cannot address for `what`, a
-  // part of the engine that still runs on the host (docs/backends.md).
+  // Refuses (RunsOnHost) a backend whose memory the host cannot address for `what`, a part of the
+  // engine that still runs on the host (docs/backends.md).
   void require_host(const char* what) const {
     if (!backend_->host_addressable())
-      throw std::invalid_argument(std::string("engine: ") + what + " runs on the host so far; on this backend the "
+      throw RunsOnHost(std::string("engine: ") + what + " runs on the host so far; on this backend the "
                                   "forward pass, the loss, its gradient, Hessian-vector products and the factors of "
                                   "linear and pointwise maps, norms and attentions' own parameters run "
                                   "(docs/backends.md)");
