@@ -101,7 +101,7 @@ class AttentionNode final : public Node<T> {
   index_t entering_factor(const Graph<T>& g, int p) const override {
     const index_t n = g.tokens(), L = g.tokens_per_sample(), d = g.width(x()), hv = g.width(this->output);
     const index_t dk = g.parameter(wq()).cols / heads_, dv = hv / heads_;
-    const index_t chunk = std::min(L, std::max<index_t>(1, dk)) * (L * dv + std::max(d, dk));
+    const index_t chunk = right_factor_chunk(L, dk) * (L * dv + std::max(d, dk));
     if (p == wq()) return n * hv * dk + chunk;
     if (p == wk()) return n * (hv * d + dk * heads_) + chunk;
     if (p == wv()) return n * heads_ * g.width(x());
@@ -168,10 +168,10 @@ class AttentionNode final : public Node<T> {
   void push(Graph<T>& g) const override {
     const index_t n = g.tokens(), d = g.width(x());
     mixed_.clear();
-    bool moves = false;  // a selected parameter of its own, or a factor at its input
+    bool input_moves = false, moves = false;  // a factor at its input; or a selected parameter of its own
+    for (const Factor<T>* f : g.factors(x())) input_moves = input_moves || f->present;
     for (int p : this->params) moves = moves || g.selected(p);
-    for (const Factor<T>* f : g.factors(x())) moves = moves || f->present;
-    if (!moves) return;
+    if (!moves && !input_moves) return;
     const Backend<T>& backend = g.backend();
     const SharedArray<T> ones = filled(backend, n, T(1));
     SharedArray<T> x_rows;
@@ -241,8 +241,6 @@ class AttentionNode final : public Node<T> {
       }
     }
     if (!g.varies(x())) return;
-    bool input_moves = false;
-    for (const Factor<T>* f : g.factors(x())) input_moves = input_moves || f->present;
     if (input_moves) g.require_host("an attention's mixing of its moving input's factors");
     for (int f = 0; f < g.num_pieces(); ++f)
       if (g.factor(x(), f).present) {
@@ -251,10 +249,14 @@ class AttentionNode final : public Node<T> {
       }
   }
 
+  // The tokens right_factors() forms at a time: at most d_k, so that their diag(a_t) V_i rows are no
+  // more than the sample's Mq_t.
+  static index_t right_factor_chunk(index_t L, index_t dk) { return std::min(L, std::max<index_t>(1, dk)); }
+
   // Head i's right factors (tokens, d_v, cols), M_t = scale (V_i^T diag(a_t) Y - f_t (a_t^T Y)) for
   // Y the rows `cols` wide at `y` (`stride` apart, sample after sample): Mq_t with Y = K_i and
   // scale s, Mk_t with Y = X and scale 1. A chunk of a sample's tokens at a time: their diag(a_t) V_i
-  // (rows::WeightedRows, at most d_k tokens: no more than the sample's Mq_t), one product a token
+  // (rows::WeightedRows, right_factor_chunk() tokens), one product a token
   // against Y, the sums a_t^T Y as one product, then f_t (a_t^T Y)^T taken off as a product of depth
   // 1: the two products are rounded apart, so where attention is one-hot they are equal and M_t is
   // exactly 0.
@@ -262,7 +264,7 @@ class AttentionNode final : public Node<T> {
                                  T scale) const {
     const Backend<T>& backend = g.backend();
     const index_t L = g.tokens_per_sample(), n = g.tokens();
-    const index_t chunk = std::min(L, std::max<index_t>(1, dk_));
+    const index_t chunk = right_factor_chunk(L, dk_);
     BackendBuffer<T> M(backend, n * dv_ * cols), Va(backend, chunk * L * dv_), bar(backend, chunk * cols);
     for (index_t b = 0; b < g.samples(); ++b) {
       const MapC<T> Y(y + b * L * stride, L, stride);
