@@ -416,13 +416,15 @@ def _engine_inputs(rng, name: str, loss: str):
     return X, target, head
 
 
-@pytest.mark.parametrize("name", ["paper", "gpt2", "rmsnorm-silu"])
+@pytest.mark.parametrize("name", ["paper", "gpt2", "rmsnorm-silu", "2-layer stack"])
 def test_block_jacobians_run_on_the_gpu_engine_where_their_factors_do(device, kernels, monkeypatch, rng, name):
     """block_jacobian on GPU arrays is _cuda's block_jacobian, the engine on the GPU backend, for
-    every parameter whose factors run there; where a part still runs on the host (an attention
-    mixing a moving input's factors: a pre-LN block's first norm's) the binding says so
-    (RunsOnHost) and the Jacobian is the host engine's on copies. Either way the result is on the
-    device and equal to the host's."""
+    every parameter whose factors reach the output: every one of a block (a pre-LN block's first
+    norm's mixed by the attention there), and a stack's lower layer's norms and biases (their vec
+    [1], mixed by the upper attention; b_Q's right factor applied there and kept on the residual
+    path, the two added as U_t). Where they do not (a lower layer's weights: forward tangents, on
+    the host so far) the binding says so (RunsOnHost) and the Jacobian is the host engine's on
+    copies. Either way the result is on the device and equal to the host's."""
     spec = GPU_ENGINE_SPECS[name]
     params = blockhess.BlockParams.random(spec, d=6, d_k=4, d_ff=7, seed=5)
     dparams = blockhess.BlockParams.from_arrays(spec, {n: device(a) for n, a in zip(params.names, params.arrays)})
@@ -439,7 +441,7 @@ def test_block_jacobians_run_on_the_gpu_engine_where_their_factors_do(device, ke
         assert rel(got, want) <= TOL or not np.abs(want).max(), wrt
         if done_on_device[-1]:
             on_device.append(wrt)
-    refused = {"gamma_1", "beta_1"} if spec.norm_position == "pre" else set()
+    refused = {n for n in params.names if n.startswith("h.0.W_")}
     assert set(params.names) - set(on_device) == refused, on_device
 
 

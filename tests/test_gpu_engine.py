@@ -107,25 +107,22 @@ def test_the_attention_on_the_gpu_backend_is_the_hosts(results, case, dtype):
     assert _relative(gpu, host) < tol and _relative(host, public) < tol
 
 
-def _jacobian_keys():
-    return [(spec, name, dtype) for spec in engine_cases.JACOBIAN_SPECS
-            for name in engine_cases.BlockParams.random(engine_cases.SPECS[spec], d=6, d_k=4, d_ff=7).names
-            for dtype in engine_cases.DTYPES]
-
-
-@pytest.mark.parametrize("spec,name,dtype", _jacobian_keys(), ids=lambda *a: "-".join(map(str, a)))
+@pytest.mark.parametrize("spec,name,dtype", [(*key, dtype) for key in engine_cases.jacobian_keys()
+                                             for dtype in engine_cases.DTYPES], ids=lambda *a: "-".join(map(str, a)))
 def test_a_blocks_jacobian_runs_on_the_gpu_backend_where_its_factors_do(results, spec, name, dtype):
-    """dZ/dW of a block on the GPU backend, device memory closed to the host: the factors pushed
-    formed by the attention and pushed through the linear maps, the activation, the residual sums
-    and the norms there, equal to the host's to rounding (and the host's are
-    blockhess.block_jacobian's). Only the parameters whose factors an attention mixes (pre-LN, the
-    norm's before it) are refused, with the error that says so."""
+    """dZ/dW of a block or a language model on the GPU backend, device memory closed to the host:
+    the factors formed by the attention and pushed through the linear maps, the activation, the
+    residual sums, the norms and the LM head there, equal to the host's to rounding (and the
+    host's are blockhess.block_jacobian's). A moving input's factors (a pre-LN block's first
+    norm's; a lower layer's norm and biases, b_Q's right factor and all) are mixed by the
+    attention there too (its mix()); a lower layer's weight, whose factors no attention can mix,
+    is refused with the error that says so (forward tangents, on the host so far)."""
     key = f"jacobian-{spec}-{name}-{dtype}"
     host, gpu, public = (results[f"{key}/{where}"] for where in ("host", "gpu", "public"))
     tol = 1e-12 if dtype == "f64" else 1e-5
     assert _relative(host, public) < tol
-    if engine_cases.SPECS[spec].norm_position == "pre" and name in ("gamma_1", "beta_1"):
-        assert gpu.size == 0, "refused: the attention mixes its factors"
+    if spec == "lm" and name.startswith("h.0.W_"):
+        assert gpu.size == 0, "refused: by forward tangents"
         return
     assert gpu.shape == host.shape and np.isfinite(gpu).all()
     if name == "b_K":  # moves every logit of a row alike, which softmax ignores: exactly 0
@@ -153,12 +150,12 @@ def test_host_code_touching_the_gpus_memory_faults_on_the_emulator(library):
 
 
 def test_what_still_runs_on_the_host_refuses_the_gpu_backend(library):
-    """An attention's mixing of a moving input's factors (and the curvature's terms) still run on
-    the host: on the GPU backend they refuse with a clear error that says what runs there
-    (docs/backends.md), never read device memory."""
+    """The curvature's terms still run on the host: on the GPU backend they refuse with a clear
+    error that says what runs there (docs/backends.md), never read device memory; the factors
+    pushed before them (a norm's, mixed by an attention) run there."""
     lib = ctypes.CDLL(str(library))
     message = ctypes.create_string_buffer(512)
-    assert lib.gpu_graph_refuses_factors(message, ctypes.c_long(512)) == 1
+    assert lib.gpu_graph_refuses_curvature(message, ctypes.c_long(512)) == 1
     text = message.value.decode()
     assert text.startswith("engine: " + engine_cases.REFUSED), text
     assert "Hessian-vector products" in text and "linear and pointwise maps" in text, text

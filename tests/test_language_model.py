@@ -223,12 +223,14 @@ def test_a_language_models_working_memory_estimate_covers_the_measured_peak(kind
 
 def test_block_jacobian_of_a_language_models_logits(rng):
     """dZ/dW of the logits (L vocab, n) against jacrev of the definition: the top layer's and ln_f's
-    parameters from the per-token factors, a lower layer's, the positions' and the tied embedding's
-    from one forward tangent per entry (the factors do not reach them)."""
+    parameters from the per-token factors, and so a lower layer's norm's and biases' (their vec [1],
+    mixed by the upper attention; b_Q's right factor applied there but kept on the residual path,
+    the sum's two sides added as U_t); a lower layer's weight, the positions' and the tied
+    embedding's from one forward tangent per entry (the factors do not reach them)."""
     spec, params, s = _model(rng, "small")
     ids = rng.integers(0, s["vocab"], size=s["L"])
     named = {n: ref.t(a) for n, a in zip(params.names, params.arrays)}
-    for name in ("h.1.W_1", "h.1.b_Q", "ln_f.gamma", "h.0.W_Q", "wpe", "wte"):
+    for name in ("h.1.W_1", "h.1.b_Q", "ln_f.gamma", "h.0.gamma_1", "h.0.b_Q", "h.0.b_V", "h.0.W_Q", "wpe", "wte"):
         J = blockhess.block_jacobian(ids, params, name, eps=EPS)
         assert J.shape == (s["L"] * s["vocab"], params[name].size)
 

@@ -344,14 +344,16 @@ BLOCKHESS_ENGINE_PROBE(_f32, float)
 
 namespace {
 
-// dZ/dW_p of that block or model (one sample), (L width(Z), n_p), into J (host memory; on the GPU
-// written in device memory and copied back): its factors pushed on the backend.
+// dZ/dW_p of that block or model (one sample: X, or a language model's token ids), (L width(Z),
+// n_p), into J (host memory; on the GPU written in device memory and copied back): its factors
+// pushed on the backend.
 template <class T>
 int block_jacobian(int gpu, const long* spec, long L, long d, long dk, long dv, long dff, double eps, const T* X,
-                   const T* const* weights, long n_weights, int p, T* J, long n, char* message, long message_size) {
+                   const std::int64_t* ids, const T* const* weights, long n_weights, int p, T* J, long n,
+                   char* message, long message_size) {
   try {
     into_host(gpu, J, n, [&](const blockhess::Backend<T>& backend, T* result) {
-      const auto g = wired(backend, spec, 1, L, d, dk, dv, dff, eps, X, nullptr, weights, n_weights);
+      const auto g = wired(backend, spec, 1, L, d, dk, dv, dff, eps, X, ids, weights, n_weights);
       blockhess::FiniteRecord finite;
       blockhess::engine::jacobian(*g, p, result, &finite);
       finite.require<T>("the block Jacobian");
@@ -367,17 +369,18 @@ int block_jacobian(int gpu, const long* spec, long L, long d, long dk, long dv, 
 #define BLOCKHESS_JACOBIAN_PROBE(suffix, T)                                                                        \
   extern "C" __attribute__((visibility("default"))) int block_jacobian##suffix(                                    \
       int gpu, const long* spec, long L, long d, long dk, long dv, long dff, double eps, const T* X,               \
-      const T* const* weights, long n_weights, int p, T* J, long n, char* message, long message_size) {            \
-    return block_jacobian<T>(gpu, spec, L, d, dk, dv, dff, eps, X, weights, n_weights, p, J, n, message,          \
+      const std::int64_t* ids, const T* const* weights, long n_weights, int p, T* J, long n, char* message,        \
+      long message_size) {                                                                                         \
+    return block_jacobian<T>(gpu, spec, L, d, dk, dv, dff, eps, X, ids, weights, n_weights, p, J, n, message,     \
                              message_size);                                                                        \
   }
 BLOCKHESS_JACOBIAN_PROBE(_f64, double)
 BLOCKHESS_JACOBIAN_PROBE(_f32, float)
 
-// 1 with the message where a part of the engine that still runs on the host (an attention's mixing
-// of its moving input's factors: a norm's gamma before it) refuses a graph on the GPU backend, 0
-// where it does not.
-extern "C" __attribute__((visibility("default"))) int gpu_graph_refuses_factors(char* message, long message_size) {
+// 1 with the message where a part of the engine that still runs on the host (the nodes' curvature
+// terms) refuses a graph on the GPU backend, 0 where it does not. The factors before it, a norm's
+// gamma mixed by an attention, run there.
+extern "C" __attribute__((visibility("default"))) int gpu_graph_refuses_curvature(char* message, long message_size) {
   namespace engine = blockhess::engine;
   const blockhess::cuda::CudaBackend<double> gpu(0);
   engine::Graph<double> graph(1, 2, gpu);
@@ -393,6 +396,7 @@ extern "C" __attribute__((visibility("default"))) int gpu_graph_refuses_factors(
   graph.select({true, false, false, false});  // gamma, whose factors the attention mixes
   try {
     graph.push_factors(/*to_output=*/true);
+    graph.curvature();
     return 0;
   } catch (const std::invalid_argument& e) {
     return failed(e, message, message_size);

@@ -20,6 +20,7 @@ import numpy as np
 
 import blockhess
 from blockhess import BlockParams, BlockSpec, ModelSpec
+from blockhess.block import _batch
 from blockhess.hvp import _problem
 
 SPECS = {
@@ -222,23 +223,40 @@ def attention_public(what: int, kind: int, dtype: str) -> np.ndarray:
     return np.asarray(blockhess.attention_jacobian(X, WQ, WK, WV, ATTENTION_WRT[kind])).reshape(-1)
 
 
-# Blocks whose Jacobians run on the GPU backend where the factors do: every parameter but (pre-LN)
-# the norm's before the attention, whose factors the attention mixes on the host still.
+# Blocks whose Jacobians run on the GPU backend, every parameter's (a pre-LN block's first norm's
+# factors mixed by the attention there too), and a language model's parameters whose factors reach
+# its LM head: the final norm's, the upper layer's, the lower layer's norm and biases (vec [1],
+# mixed by the upper attention; b_Q's right factor applied there and kept on the residual path); a
+# lower layer's weight (forward tangents) is refused there so far.
 JACOBIAN_SPECS = ("paper", "gpt2", "rmsnorm", "attention_only")
-REFUSED = "an attention's mixing of its moving input's factors runs on the host so far"
+MODEL_JACOBIANS = {"lm": ("ln_f.gamma", "ln_f.beta", "h.1.W_1", "h.1.b_Q", "h.0.gamma_1", "h.0.b_Q", "h.0.b_V",
+                          "h.0.W_1")}
+REFUSED = "the nodes' curvature terms runs on the host so far"
+BY_TANGENTS = "a Jacobian by forward tangents runs on the host so far"
+
+
+def jacobian_keys():
+    """(spec, parameter) of every Jacobian case."""
+    return ([(spec, name) for spec in JACOBIAN_SPECS
+             for name in BlockParams.random(SPECS[spec], d=D, d_k=4, d_ff=7).names]
+            + [(spec, name) for spec, names in MODEL_JACOBIANS.items() for name in names])
 
 
 def jacobian_run(lib, spec: str, param: str, dtype: str, gpu: int):
-    """dZ/dW of one sample through backend_probe.cpp's block_jacobian, or None where it is refused."""
+    """dZ/dW of one sample through backend_probe.cpp's block_jacobian and blockhess.block_jacobian;
+    None where the GPU backend refuses it as running by forward tangents."""
     dt = DTYPES[dtype]
     params = BlockParams.random(SPECS[spec], d=D, d_k=4, d_ff=7, seed=3, dtype=dt)
-    X = np.random.default_rng(5).standard_normal((L, D)).astype(dt)
-    weights = [np.ascontiguousarray(w, dtype=dt) for w in params.arrays]
+    rng = np.random.default_rng(5)
+    X = rng.integers(0, 4, size=L) if spec == "lm" else rng.standard_normal((L, D)).astype(dt)
+    X3, weights, _, _ = _batch(X, params, single=True)
+    ids = X3 if spec == "lm" else None
     codes = np.array([int(c) for c in SPECS[spec]._core()], dtype=np.int64)
-    shapes = dict(zip(params.names, params.shapes))
+    shapes = {n.removeprefix("h.0."): s for n, s in zip(params.names, params.shapes)}
     heads = codes[4]
     p = list(params.names).index(param)
-    J = np.full((L * D, weights[p].size), np.nan, dt)
+    width = SPECS[spec].vocab_size if spec == "lm" else D
+    J = np.full((L * width, weights[p].size), np.nan, dt)
     message = ctypes.create_string_buffer(512)
     P = ctypes.c_void_p
     table = (P * len(weights))(*[w.ctypes.data for w in weights])
@@ -246,10 +264,11 @@ def jacobian_run(lib, spec: str, param: str, dtype: str, gpu: int):
         ctypes.c_int(gpu), codes.ctypes.data_as(P), ctypes.c_long(L), ctypes.c_long(D),
         ctypes.c_long(shapes["W_Q"][1] // heads), ctypes.c_long(shapes["W_V"][1] // heads),
         ctypes.c_long(shapes["W_1"][1] if "W_1" in shapes else 0), ctypes.c_double(SPECS[spec].eps),
-        X.ctypes.data_as(P), table, ctypes.c_long(len(weights)), ctypes.c_int(p), J.ctypes.data_as(P),
-        ctypes.c_long(J.size), message, ctypes.c_long(512))
+        P(None) if ids is not None else X3.ctypes.data_as(P), P(None) if ids is None else ids.ctypes.data_as(P),
+        table, ctypes.c_long(len(weights)), ctypes.c_int(p), J.ctypes.data_as(P), ctypes.c_long(J.size), message,
+        ctypes.c_long(512))
     if status != 0:
-        if gpu and REFUSED in message.value.decode():
+        if gpu and BY_TANGENTS in message.value.decode():
             return None
         raise RuntimeError(f"the Jacobian of {spec} by {param} on {'the GPU' if gpu else 'the host'}: "
                            f"{message.value.decode()}")
@@ -260,14 +279,13 @@ def jacobian_run(lib, spec: str, param: str, dtype: str, gpu: int):
 def main(library: str, out: str) -> None:
     lib = ctypes.CDLL(library)
     results = {}
-    for spec in JACOBIAN_SPECS:
-        for param in BlockParams.random(SPECS[spec], d=D, d_k=4, d_ff=7, seed=3).names:
-            for dtype in DTYPES:
-                on_host, by_public = jacobian_run(lib, spec, param, dtype, 0)
-                on_gpu = jacobian_run(lib, spec, param, dtype, 1)
-                key = f"jacobian-{spec}-{param}-{dtype}"
-                results[f"{key}/host"], results[f"{key}/public"] = on_host, by_public
-                results[f"{key}/gpu"] = np.array([]) if on_gpu is None else on_gpu[0]
+    for spec, param in jacobian_keys():
+        for dtype in DTYPES:
+            on_host, by_public = jacobian_run(lib, spec, param, dtype, 0)
+            on_gpu = jacobian_run(lib, spec, param, dtype, 1)
+            key = f"jacobian-{spec}-{param}-{dtype}"
+            results[f"{key}/host"], results[f"{key}/public"] = on_host, by_public
+            results[f"{key}/gpu"] = np.array([]) if on_gpu is None else on_gpu[0]
     for cases, key, run_on, public_of in ((FFN_CASES, ffn_name, ffn_run, ffn_public),
                                           (ATTENTION_CASES, attention_name, attention_run, attention_public)):
         for what, kind, case in cases:

@@ -99,12 +99,13 @@ BLOCKHESS_HD void hessian_contract_row(const T* a, const T* g, index_t n, T* C) 
   }
 }
 
-// Vector-Jacobian product for one row: gt = J_i^T g = a * (g - a.g).
+// Vector-Jacobian product for one row: gt = J_i^T g = a * (g - a.g), g and gt `stride` apart (a
+// column of a matrix: J_i is symmetric, so this is J_i g too).
 template <class T>
-BLOCKHESS_HD void vjp_row(const T* a, const T* g, index_t n, T* gt) {
+BLOCKHESS_HD void vjp_row(const T* a, const T* g, index_t n, T* gt, index_t stride = 1) {
   T ag = 0;
-  for (index_t k = 0; k < n; ++k) ag += a[k] * g[k];
-  for (index_t k = 0; k < n; ++k) gt[k] = a[k] * (g[k] - ag);
+  for (index_t k = 0; k < n; ++k) ag += a[k] * g[k * stride];
+  for (index_t k = 0; k < n; ++k) gt[k * stride] = a[k] * (g[k * stride] - ag);
 }
 
 // Tangent of vjp_row as the row moves: the derivative of gt = a * (g - a.g) when a moves by da

@@ -40,22 +40,6 @@ void jacobian_by_tangents(const Graph<T>& g, int p, T* J, FiniteRecord* finite) 
   note_finite(finite, J, m * np);
 }
 
-// U_t = G_t R_t for every token, (tokens, width, n_mat) row by row, as FactorOuterRows reads it,
-// on `backend`: a factor with a right factor (an attention's) whose G_t is dense (one product a
-// token) or diagonal (rows::DiagonalTimesRows). Under the identity U_t is R_t itself.
-template <class T>
-BackendBuffer<T> with_right_applied(const Backend<T>& backend, const Factor<T>& f, index_t tokens) {
-  const index_t w = f.width, inner = f.inner, n = f.n_mat();
-  BackendBuffer<T> U(backend, tokens * w * n);
-  if (f.form == Form::dense)  // G_t is kept as G_t^T (inner, w) row-major
-    backend.gemm_batched(tokens, MatrixView<T>{U.data(), w, n, n, true}, w * n,
-                         MatrixView<const T>{f.U->data(), w, inner, w, false}, inner * w,
-                         MatrixView<const T>{f.right->data(), inner, n, n, true}, inner * n, T(1), false);
-  else
-    backend.run(rows::DiagonalTimesRows<T>{f.U->data(), f.right->data(), U.data(), n}, tokens * w);
-  return U;
-}
-
 // Rows t width + a of `out` (row_length long) = vec_t (x) U_t[a, :] at the columns `s` places
 // them in (rows::FactorOuterRows), vec null for U_t alone, on `backend`; whether every value
 // written is finite, where `check`.

@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <memory>
 #include <stdexcept>
+#include <utility>
 #include <vector>
 
 #include "blockhess/backend.hpp"
@@ -54,30 +55,22 @@ struct FactorsDoNotReach : std::invalid_argument {
   using std::invalid_argument::invalid_argument;
 };
 
-// A factor's array: in the graph's backend's memory, where the pushes that run on every backend
-// (a linear map, a pointwise map, a sum, an entering parameter's vec) form it, or in host memory,
-// where the pushes that still run on the host do (docs/backends.md).
+// A factor's array, in the graph's backend's memory, where every push forms it (docs/backends.md).
 template <class T>
 class FactorArray {
  public:
   explicit FactorArray(BackendBuffer<T>&& on_backend) : on_backend_(std::move(on_backend)) {}
-  explicit FactorArray(Buffer<T>&& on_host) : on_host_(std::move(on_host)) {}
-  const T* data() const { return on_host_.empty() ? on_backend_.data() : on_host_.data(); }
+  const T* data() const { return on_backend_.data(); }
   // Entry k, read on the host: host-addressable memory only.
   const T& operator[](index_t k) const { return data()[k]; }
 
  private:
   BackendBuffer<T> on_backend_;
-  Buffer<T> on_host_;
 };
 
 template <class T>
 using SharedArray = std::shared_ptr<const FactorArray<T>>;
 
-template <class T>
-SharedArray<T> shared_array(Buffer<T>&& on_host) {
-  return std::make_shared<const FactorArray<T>>(std::move(on_host));
-}
 template <class T>
 SharedArray<T> shared_array(BackendBuffer<T>&& on_backend) {
   return std::make_shared<const FactorArray<T>>(std::move(on_backend));
@@ -160,10 +153,6 @@ Factor<T> moved(const Factor<T>& from, Form form, index_t width, SharedArray<T> 
   f.width = width;
   f.U = std::move(G);
   return f;
-}
-template <class T>
-Factor<T> moved(const Factor<T>& from, Form form, index_t width, Buffer<T>&& G) {
-  return moved(from, form, width, shared_array(std::move(G)));
 }
 template <class T>
 Factor<T> moved(const Factor<T>& from, Form form, index_t width, BackendBuffer<T>&& G) {
@@ -252,10 +241,12 @@ std::vector<Factor<T>> left_multiply_jacobians(const Backend<T>& backend, const 
 }
 
 // G'_t = W^T G_t for every factor in `in`, with one weight W (w_in, w_out) for every token (a
-// linear map), on `backend`: for a dense G_t, all tokens' G'_t^T = G_t^T W in one product.
+// linear map; row-major, or column-major where it is another parameter transposed), on `backend`:
+// for a dense G_t, all tokens' G'_t^T = G_t^T W in one product.
 template <class T>
 std::vector<Factor<T>> left_multiply_weight(const Backend<T>& backend, const std::vector<const Factor<T>*>& in,
-                                            index_t tokens, const T* weight, index_t w_in, index_t w_out) {
+                                            index_t tokens, MatrixView<const T> weight) {
+  const index_t w_in = weight.rows, w_out = weight.cols;
   std::vector<Factor<T>> out(in.size());
   const std::vector<size_t> first = detail::first_alike(in);
   std::vector<SharedArray<T>> shared(in.size());
@@ -265,15 +256,34 @@ std::vector<Factor<T>> left_multiply_weight(const Backend<T>& backend, const std
     const index_t r = f.cols();
     BackendBuffer<T> G(backend, tokens * r * w_out);  // the G'_t^T, token after token
     if (f.form == Form::dense)
-      product(backend, MapM<T>(G.data(), tokens * r, w_out), MapC<T>(f.U->data(), tokens * r, w_in),
-              MapC<T>(weight, w_in, w_out), T(1), false);
+      backend.gemm(MatrixView<T>{G.data(), tokens * r, w_out, w_out, true},
+                   MatrixView<const T>{f.U->data(), tokens * r, w_in, w_in, true}, weight, T(1), false);
     else  // G_t = diag(delta_t) (or I): G'_t^T = diag(delta_t) W
-      backend.run(rows::WeightRows<T>{moving_data(f), weight, G.data(), r, w_out}, tokens * r);
+      backend.run(rows::WeightRows<T>{moving_data(f), weight.data, G.data(), r, w_out,
+                                      weight.row_major ? weight.stride : 1, weight.row_major ? 1 : weight.stride},
+                  tokens * r);
     shared[p] = shared_array(std::move(G));
   }
   for (size_t p = 0; p < in.size(); ++p)
     if (in[p]->present) out[p] = moved(*in[p], Form::dense, w_out, shared[first[p]]);
   return out;
+}
+
+// (W^T U_t)^T = U_t^T W for every token, (tokens, n_mat, w_out) row by row, with one weight W
+// (w_in, w_out): how a linear map of the value moves, its right factor applied (the layout of a
+// dense G_t that has none). G_t through W as left_multiply_weight forms it, then R_t^T times that,
+// a product a token.
+template <class T>
+SharedArray<T> through_weight(const Backend<T>& backend, const Factor<T>& f, index_t tokens, const T* weight,
+                              index_t w_in, index_t w_out) {
+  const Factor<T> mapped = left_multiply_weight(backend, {&f}, tokens, MatrixView<const T>{weight, w_in, w_out, w_out, true}).front();
+  if (!f.right) return mapped.U;
+  const index_t inner = f.inner, n = f.n_mat();
+  BackendBuffer<T> P(backend, tokens * n * w_out);
+  backend.gemm_batched(tokens, MatrixView<T>{P.data(), n, w_out, w_out, true}, n * w_out,
+                       MatrixView<const T>{f.right->data(), n, inner, n, false}, inner * n,
+                       MatrixView<const T>{mapped.U->data(), inner, w_out, w_out, true}, inner * w_out, T(1), false);
+  return shared_array(std::move(P));
 }
 
 // G'_t = diag(m_t) G_t for a per-token mask or scale m (tokens, width): a pointwise map, on `backend`.
@@ -298,6 +308,51 @@ std::vector<Factor<T>> scale_rows(const Backend<T>& backend, const std::vector<c
   return out;
 }
 
+// U_t = G_t R_t for every token, (tokens, width, n_mat) row by row, as FactorOuterRows reads it,
+// on `backend`: a factor with a right factor (an attention's) whose G_t is dense (one product a
+// token) or diagonal (rows::DiagonalTimesRows). Under the identity U_t is R_t itself.
+template <class T>
+BackendBuffer<T> with_right_applied(const Backend<T>& backend, const Factor<T>& f, index_t tokens) {
+  const index_t w = f.width, inner = f.inner, n = f.n_mat();
+  BackendBuffer<T> U(backend, tokens * w * n);
+  if (f.form == Form::dense)  // G_t is kept as G_t^T (inner, w) row-major
+    backend.gemm_batched(tokens, MatrixView<T>{U.data(), w, n, n, true}, w * n,
+                         MatrixView<const T>{f.U->data(), w, inner, w, false}, inner * w,
+                         MatrixView<const T>{f.right->data(), inner, n, n, true}, inner * n, T(1), false);
+  else
+    backend.run(rows::DiagonalTimesRows<T>{f.U->data(), f.right->data(), U.data(), n}, tokens * w);
+  return U;
+}
+
+namespace detail {
+
+// U_t = G_t R_t of a factor as a row operation reads it: G_t itself without a right factor, R_t
+// under an identity G_t, else formed into `formed` (with_right_applied), by rows.
+template <class T>
+std::pair<const T*, rows::FactorLayout> applied(const Backend<T>& backend, const Factor<T>& f, index_t tokens,
+                                                BackendBuffer<T>& formed) {
+  if (!f.right) return {moving_data(f), layout_of(f)};
+  if (f.form == Form::identity) return {f.right->data(), rows::FactorLayout::by_rows};
+  formed = with_right_applied(backend, f, tokens);
+  return {formed.data(), rows::FactorLayout::by_rows};
+}
+
+// G_t = U_a,t + U_b,t for two sides of a sum with the same vec whose right factors differ: the new
+// factor has none.
+template <class T>
+Factor<T> add_applied(const Backend<T>& backend, const Factor<T>& fa, const Factor<T>& fb, index_t tokens) {
+  const index_t w = fa.width, n = fa.n_mat();
+  BackendBuffer<T> Ua, Ub, G(backend, tokens * w * n);
+  const auto [a, a_layout] = applied(backend, fa, tokens, Ua);
+  const auto [b, b_layout] = applied(backend, fb, tokens, Ub);
+  backend.run(rows::AddFactors<T>{a, a_layout, b, b_layout, G.data(), w, n}, tokens * n);
+  Factor<T> f = moved(fa, Form::dense, w, std::move(G));
+  f.right = nullptr, f.inner = 0;
+  return f;
+}
+
+}  // namespace detail
+
 // The factors of a sum of two values, piece by piece, on `backend`: a piece reaching both (along
 // two paths from where it entered, so with the same vec and R_t) moves the sum by G_a + G_b.
 template <class T>
@@ -310,9 +365,13 @@ std::vector<Factor<T>> add(const Backend<T>& backend, const std::vector<const Fa
       continue;
     }
     const Factor<T>&fa = *a[p], &fb = *b[p];
-    if (fa.right != fb.right || fa.vec != fb.vec)
+    if (fa.vec != fb.vec)
       throw FactorsDoNotReach("engine: a parameter reaches a sum along two paths with different factors (one of them "
                               "through an attention, which mixes tokens): the per-token factors do not reach it");
+    if (fa.right != fb.right) {  // one side's R_t applied (an attention mixed it), the other's kept: add U_t
+      out[p] = detail::add_applied(backend, fa, fb, tokens);
+      continue;
+    }
     // Pieces whose G_t are alike on both sides share their sum.
     bool shared = false;
     for (size_t q = 0; q < p && !shared; ++q)

@@ -210,7 +210,7 @@ class Graph {
     if (!backend_->host_addressable())
       throw RunsOnHost(std::string("engine: ") + what + " runs on the host so far; on this backend the "
                                   "forward pass, the loss, its gradient, Hessian-vector products and the factors of "
-                                  "linear and pointwise maps, norms and attentions' own parameters run "
+                                  "linear and pointwise maps, norms and attentions run "
                                   "(docs/backends.md)");
   }
   index_t samples() const { return B_; }

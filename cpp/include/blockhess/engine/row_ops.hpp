@@ -107,6 +107,8 @@ template <class T>
 struct SoftmaxVjpRows;
 template <class T>
 struct SoftmaxCotangentTangentRows;
+template <class T>
+struct SoftmaxJacobianColumns;
 // the attention's factors and input Jacobian (rows/attention.hpp)
 template <class T>
 struct WeightedRows;
@@ -152,6 +154,7 @@ struct AttentionInputRows;
   X(SoftmaxRows)                  \
   X(SoftmaxVjpRows)               \
   X(SoftmaxCotangentTangentRows)  \
+  X(SoftmaxJacobianColumns)       \
   X(WeightedRows)                 \
   X(HeadRows)                     \
   X(ScaledColumns)                \

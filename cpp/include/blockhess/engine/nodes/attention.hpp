@@ -107,10 +107,14 @@ class AttentionNode final : public Node<T> {
     if (p == wv()) return n * heads_ * g.width(x());
     return n;
   }
-  // mix(): the factor at X, Q, K and V, each head's logit tangents, and at F.
+  // mix(): the products with W_Q, W_K and W_V and each head's logit tangents, kept; while it runs,
+  // Jsm_t dT_t of one sample's head.
   index_t passing_factor(const Graph<T>& g, index_t r) const override {
     const index_t n = g.tokens(), hv = g.width(this->output), hk = g.parameter(wq()).cols;
-    return n * r * (g.width(x()) + 2 * hk + 2 * hv + heads_ * g.tokens_per_sample());
+    return n * r * (2 * hk + hv + heads_ * g.tokens_per_sample());
+  }
+  index_t push_scratch(const Graph<T>& g, index_t r) const override {
+    return g.tokens_per_sample() * g.tokens_per_sample() * r;
   }
 
   // W_Q, W_K and W_V (and their biases) are applied to every token of X: their cotangent rows are
@@ -241,7 +245,6 @@ class AttentionNode final : public Node<T> {
       }
     }
     if (!g.varies(x())) return;
-    if (input_moves) g.require_host("an attention's mixing of its moving input's factors");
     for (int f = 0; f < g.num_pieces(); ++f)
       if (g.factor(x(), f).present) {
         mixed_.push_back(mix(g, f));
@@ -501,16 +504,22 @@ class AttentionNode final : public Node<T> {
 
  private:
   // A parameter that moves the input (a pre-LN block's gamma_1, beta_1) with a factor whose vector is
-  // the same for every token: mixing the tokens keeps it a factor, U_F,t = sum_s (dF_t/dx_s) M_s.
+  // the same for every token: mixing the tokens keeps it a factor, U_F,t = sum_s (dF_t/dx_s) M_s,
+  // M_t the input's U_t. Its products with the weights are kept transposed, a token's (r, width)
+  // rows one after another, as a dense G_t is (factor.hpp): one product for every token.
   struct Mixed {
     int piece = -1;
     index_t r = 0, tokens = 0;
+    Factor<T> input;        // the factor at X, M_t = its U_t
     Factor<T> at_F;
-    Buffer<T> M;       // (n, d, r): the input's U_t, dense
-    Buffer<T> Pq, Pk;  // (n, h d_k, r): W_Q^T M_t, W_K^T M_t (how Q_t and K_t move)
-    Buffer<T> Pv;      // (n, h d_v, r): W_V^T M_t
-    Buffer<T> dT;      // (heads, n, L, r): how row t of each head's logits moves
+    SharedArray<T> Pq, Pk;  // (n, r, h d_k): (W_Q^T M_t)^T, (W_K^T M_t)^T (how Q_t and K_t move)
+    SharedArray<T> Pv;      // (n, r, h d_v): (W_V^T M_t)^T
+    BackendBuffer<T> dT;    // (heads, n, L, r): how row t of each head's logits moves
     const T* logits(index_t i, index_t t, index_t L) const { return dT.data() + (i * tokens + t) * L * r; }
+    // Head i's (d_k, r) of Pq_t or Pk_t (`P` of `width` columns) as a matrix.
+    static auto head(const SharedArray<T>& P, index_t t, index_t r, index_t width, index_t i, index_t cols) {
+      return MapC<T>(P->data() + t * r * width, r, width).middleCols(i * cols, cols).transpose();
+    }
   };
 
   const Mixed* mixed(int piece) const {
@@ -520,53 +529,52 @@ class AttentionNode final : public Node<T> {
   }
 
   // dQ_t = Pq_t, dK_s = Pk_s, dV_s = Pv_s (times the parameter's tangent); per head
-  //   dT_t = s (K_i Pq_t + [q_t^T Pk_s]_s),   U_F,t = sum_s a_ts Pv_s + V_i^T Jsm_t dT_t.
+  //   dT_t = s (K_i Pq_t + [q_t^T Pk_s]_s),   U_F,t = sum_s a_ts Pv_s + V_i^T Jsm_t dT_t,
+  // on the graph's backend: every token's products with a weight at once, then per sample and head
+  // the sums over its tokens as products (one for all its tokens, or one a token or a column of r).
   Mixed mix(const Graph<T>& g, int f) const {
+    const Backend<T>& backend = g.backend();
     const Factor<T>& in = g.factor(x(), f);
     const index_t L = g.tokens_per_sample(), n = g.tokens(), d = g.width(x()), r = in.n_mat();
     bool constant = in.split.n_vec() == 1;
-    for (index_t t = 1; constant && t < n; ++t) constant = (*in.vec)[t] == (*in.vec)[0];
+    if (constant) {
+      const HostView<T, T> vec(backend, in.vec->data(), n);
+      for (index_t t = 1; constant && t < n; ++t) constant = vec.data()[t] == vec.data()[0];
+    }
     if (!constant)
       // A stack's lower layer under this attention: its factors would need a dense slab per token.
       throw FactorsDoNotReach("engine: " + g.parameter(g.piece(f).param).name + " moves the input of an attention, "
                               "which mixes tokens, differently at each token: the per-token factors do not reach it");
     Mixed m;
-    m.piece = f, m.r = r, m.tokens = n;
-    m.M.resize(n * d * r), m.Pq.resize(n * hk_ * r), m.Pk.resize(n * hk_ * r), m.Pv.resize(n * hv_ * r);
-    m.dT.resize(heads_ * n * L * r);
-    blockhess::detail::parallel_for(n, d * r * (2 * hk_ + hv_), [&](index_t t) {
-      Mat<T> U;
-      in.materialise(t, U);
-      MapM<T>(m.M.data() + t * d * r, d, r) = U;
-      MapM<T>(m.Pq.data() + t * hk_ * r, hk_, r).noalias() = W(g, wq()).transpose() * U;
-      MapM<T>(m.Pk.data() + t * hk_ * r, hk_, r).noalias() = W(g, wk()).transpose() * U;
-      MapM<T>(m.Pv.data() + t * hv_ * r, hv_, r).noalias() = W(g, wv()).transpose() * U;
-    });
-    // The sums over a sample's tokens u, for all its tokens t at once (one GEMM each, not a product
-    // per pair): [q_t^T Pk_u]_u is Q_i (L, d_k) times the keys' tangents laid out (d_k, L r), and
-    // sum_u a_tu Pv_u is A_i (L, L) times the values' (L, d_v r).
-    Buffer<T> UF(n * hv_ * r, T(0));
-    RawBuffer<T> keys(dk_ * L * r), AV(L * dv_ * r);  // written before they are read
+    m.piece = f, m.r = r, m.tokens = n, m.input = in;
+    m.Pq = through_weight(backend, in, n, g.weight(wq()), d, hk_);
+    m.Pk = through_weight(backend, in, n, g.weight(wk()), d, hk_);
+    m.Pv = through_weight(backend, in, n, g.weight(wv()), d, hv_);
+    m.dT.resize(backend, heads_ * n * L * r);
+    BackendBuffer<T> UF(backend, n * r * hv_), JdT(backend, L * L * r);  // U_F,t^T (r, h d_v); Jsm_t dT_t (L, r)
     for (index_t b = 0; b < n / L; ++b)
       for (index_t i = 0; i < heads_; ++i) {
-        blockhess::detail::parallel_for(L, dk_ * r, [&](index_t u) {
-          for (index_t c = 0; c < dk_; ++c)
-            std::copy_n(m.Pk.data() + ((b * L + u) * hk_ + i * dk_ + c) * r, r, keys.data() + (c * L + u) * r);
-        });
-        T* dT_b = m.dT.data() + (i * n + b * L) * L * r;  // (L, L r): row t is token t's (L, r)
-        product(g.backend(), MapM<T>(dT_b, L, L * r), q(b, i, L), MapC<T>(keys.data(), dk_, L * r), s_, false);
-        product(g.backend(), MapM<T>(AV.data(), L, dv_ * r), MapC<T>(weights(b, i, L), L, L),
-                MapC<T>(m.Pv.data() + b * L * hv_ * r, L, hv_ * r).middleCols(i * dv_ * r, dv_ * r), T(1), false);
-        blockhess::detail::parallel_for(L, L * r * (dk_ + dv_), [&](index_t row) {
-          const index_t t = b * L + row;
-          MapM<T> dT(dT_b + row * L * r, L, r);
-          dT.noalias() += s_ * (k(b, i, L) * MapC<T>(m.Pq.data() + t * hk_ * r, hk_, r).middleRows(i * dk_, dk_));
-          const Vec a(weights(b, i, L) + row * L, L);
-          auto out = ColMapM<T>(UF.data() + t * hv_ * r, hv_, r).middleRows(i * dv_, dv_);
-          out = MapC<T>(AV.data() + row * dv_ * r, dv_, r);
-          const Mat<T> JdT = a.asDiagonal() * dT - a * (a.transpose() * dT);  // Jsm_t dT_t
-          out.noalias() += v(b, i, L).transpose() * JdT;
-        });
+        const index_t t0 = b * L;
+        T* dT_b = m.dT.data() + (i * n + t0) * L * r;  // (L, L r): row t is token t's (L, r)
+        const T* Pq = m.Pq->data() + t0 * r * hk_ + i * dk_;  // head i's columns, (L r, d_k) hk apart
+        const T* Pk = m.Pk->data() + t0 * r * hk_ + i * dk_;
+        const T* Pv = m.Pv->data() + t0 * r * hv_ + i * dv_;
+        T* UF_b = UF.data() + t0 * r * hv_ + i * dv_;
+        // [q_t^T Pk_u]_u for all t: Q_i (L, d_k) times the keys' tangents, (d_k, L r) as they lie.
+        backend.gemm(MatrixView<T>{dT_b, L, L * r, L * r, true}, MatrixView<const T>{Q_.data() + t0 * hk_ + i * dk_, L, dk_, hk_, true},
+                     MatrixView<const T>{Pk, dk_, L * r, hk_, false}, s_, false);
+        // + K_i Pq_t, a product a token.
+        backend.gemm_batched(L, MatrixView<T>{dT_b, L, r, r, true}, L * r,
+                             MatrixView<const T>{K_.data() + t0 * hk_ + i * dk_, L, dk_, hk_, true}, 0,
+                             MatrixView<const T>{Pq, dk_, r, hk_, false}, r * hk_, s_, true);
+        // U_F,t^T on the head's columns: sum_u a_tu Pv_u^T, a product a column of the r (A_i times
+        // that column of every token's Pv_u^T) ...
+        backend.gemm_batched(r, MatrixView<T>{UF_b, L, dv_, r * hv_, true}, hv_, MatrixView<const T>{weights(b, i, L), L, L, L, true}, 0,
+                             MatrixView<const T>{Pv, L, dv_, r * hv_, true}, hv_, T(1), false);
+        // ... + (Jsm_t dT_t)^T V_i, a product a token.
+        backend.run(rows::SoftmaxJacobianColumns<T>{weights(b, i, L), dT_b, JdT.data(), L, r}, L * r);
+        backend.gemm_batched(L, MatrixView<T>{UF_b, r, dv_, hv_, true}, r * hv_, MatrixView<const T>{JdT.data(), r, L, r, false}, L * r,
+                             MatrixView<const T>{V_.data() + t0 * hv_ + i * dv_, L, dv_, hv_, true}, 0, T(1), true);
       }
     m.at_F.present = true;
     m.at_F.split = in.split;
@@ -607,7 +615,7 @@ class AttentionNode final : public Node<T> {
           const auto gFt = MapC<T>(gF + t * hv_ + i * dv_, 1, dv_);
           Mat<T> G(L, rv);
           for (index_t u = 0; u < L; ++u)
-            G.row(u).noalias() = gFt * MapC<T>(mv.Pv.data() + (b * L + u) * hv_ * rv, hv_, rv).middleRows(i * dv_, dv_);
+            G.row(u).noalias() = gFt * Mixed::head(mv.Pv, b * L + u, rv, hv_, i, dv_);
           MapM<T>(out, ra, rv).noalias() = JU.transpose() * G;
         };
         if (pa == mv.piece) terms.kron.push_back(KronTerm<T>{pa, pa, fa.split, fa.split, fa.vec->data(), fa.vec->data(), symmetrised(gamma, rv), true});
@@ -617,8 +625,8 @@ class AttentionNode final : public Node<T> {
       // and the query side, SQ_u = s sum_t gT_tu Pq_t,i (d_k, r) at key u.
       Buffer<T> PqI(n * dk_ * rv), PkI(n * dk_ * rv), SK(n * dk_ * rv), SQ(n * dk_ * rv);
       for (index_t t = 0; t < n; ++t) {
-        MapM<T>(PqI.data() + t * dk_ * rv, dk_, rv) = MapC<T>(mv.Pq.data() + t * hk_ * rv, hk_, rv).middleRows(i * dk_, dk_);
-        MapM<T>(PkI.data() + t * dk_ * rv, dk_, rv) = MapC<T>(mv.Pk.data() + t * hk_ * rv, hk_, rv).middleRows(i * dk_, dk_);
+        MapM<T>(PqI.data() + t * dk_ * rv, dk_, rv) = Mixed::head(mv.Pq, t, rv, hk_, i, dk_);
+        MapM<T>(PkI.data() + t * dk_ * rv, dk_, rv) = Mixed::head(mv.Pk, t, rv, hk_, i, dk_);
       }
       for (index_t b = 0; b < B; ++b) {
         const MapC<T> gT(logit_cotangent(b, i, L), L, L);
@@ -648,7 +656,7 @@ class AttentionNode final : public Node<T> {
         if (&mk != &mv) {
           Buffer<T> PkK(n * dk_ * rk), SKK(n * dk_ * rk);
           for (index_t t = 0; t < n; ++t)
-            MapM<T>(PkK.data() + t * dk_ * rk, dk_, rk) = MapC<T>(mk.Pk.data() + t * hk_ * rk, hk_, rk).middleRows(i * dk_, dk_);
+            MapM<T>(PkK.data() + t * dk_ * rk, dk_, rk) = Mixed::head(mk.Pk, t, rk, hk_, i, dk_);
           for (index_t b = 0; b < B; ++b)
             product(g.backend(), MapM<T>(SKK.data() + b * L * dk_ * rk, L, dk_ * rk), MapC<T>(logit_cotangent(b, i, L), L, L),
                     MapC<T>(PkK.data() + b * L * dk_ * rk, L, dk_ * rk), s_, false);
@@ -661,8 +669,11 @@ class AttentionNode final : public Node<T> {
         else terms.kron.push_back(KronTerm<T>{mv.piece, mk.piece, mv.at_F.split, mk.at_F.split, mv.at_F.vec->data(), mk.at_F.vec->data(), gamma, false});
       }
       // <gQ, dX dW_Q>, <gK, dX dW_K>, <gV, dX dW_V> on head i's columns: Gamma_t = M_t^T.
-      const T* M = mv.M.data();
-      auto input_matrix = [M, d, rv](index_t t, T* out) { MapM<T>(out, rv, d) = MapC<T>(M + t * d * rv, d, rv).transpose(); };
+      auto input_matrix = [input = mv.input, d, rv](index_t t, T* out) {
+        Mat<T> M;
+        input.materialise(t, M);
+        MapM<T>(out, rv, d) = M.transpose();
+      };
       auto head_copy = [&](const BackendBuffer<T>& full, index_t width, index_t cols) {
         Buffer<T> out(n * cols);
         for (index_t t = 0; t < n; ++t) std::copy_n(full.data() + t * width + i * cols, cols, out.data() + t * cols);

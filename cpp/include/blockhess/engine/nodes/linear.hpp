@@ -50,7 +50,8 @@ class LinearNode final : public Node<T> {
 
   void push(Graph<T>& g) const override {
     const index_t n = g.tokens();
-    g.set_factors(this->output, left_multiply_weight(g.backend(), g.factors(in()), n, g.weight(param()), w_in(g), w_out(g)));
+    g.set_factors(this->output, left_multiply_weight(g.backend(), g.factors(in()), n,
+                                                                     MatrixView<const T>{g.weight(param()), w_in(g), w_out(g), w_out(g), true}));
     if (g.selected(param()))
       g.set_factor(this->output, g.whole(param()),
                    entering<T>(kron::Split{w_in(g), w_out(g), true}, g.value_copy(in()), w_out(g)));

@@ -13,7 +13,6 @@
 
 #include <stdexcept>
 
-#include "blockhess/buffer.hpp"
 #include "blockhess/eigen.hpp"
 #include "blockhess/engine/graph.hpp"
 #include "blockhess/finite.hpp"
@@ -46,10 +45,9 @@ class UnembeddingNode final : public Node<T> {
     bool any = false;
     for (const Factor<T>* f : g.factors(in())) any = any || f->present;
     if (!any) return;
-    g.require_host("the LM head's tangent factors");
-    Buffer<T> transposed(static_cast<size_t>(d(g) * vocab(g)));  // W_E^T, (d, vocab) row-major
-    MapM<T>(transposed.data(), d(g), vocab(g)) = W(g).transpose();
-    g.set_factors(this->output, left_multiply_weight(g.backend(), g.factors(in()), g.tokens(), transposed.data(), d(g), vocab(g)));
+    // W_E^T (d, vocab): W_E read column by column.
+    g.set_factors(this->output, left_multiply_weight(g.backend(), g.factors(in()), g.tokens(),
+                                                     MatrixView<const T>{g.weight(param()), d(g), vocab(g), d(g), false}));
   }
 
   // W_E applied transposed to every token (LinearUse): logits_t = x_t W_E^T.
@@ -57,8 +55,6 @@ class UnembeddingNode final : public Node<T> {
     return {g.value(in()), g.cotangent(this->output), nullptr, /*transposed=*/true};
   }
 
-  // push(): W_E^T, where factors from below reach it.
-  Footprint footprint(const Graph<T>& g) const override { return {d(g) * vocab(g), 0, 0, 0}; }
 
   // Its only curvature is bilinear in the input and W_E, which needs W_E selected (refused above).
   void curvature(const Graph<T>&, Terms<T>&) const override {}

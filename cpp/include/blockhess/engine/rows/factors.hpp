@@ -19,7 +19,7 @@ enum class FactorLayout : int {
   identity = 0,   // G_t = I
   diagonal = 1,   // (tokens, cols): the diagonals
   by_columns = 2, // (tokens, cols, width): G_t column by column, as a dense factor keeps it
-  by_rows = 3,    // (tokens, width, cols): U_t row by row (U_t = G_t R_t formed on the host)
+  by_rows = 3,    // (tokens, width, cols): U_t row by row (U_t = G_t R_t, its right factor applied)
 };
 
 // Entry (i, c) of token t's G_t (width rows, cols columns) in `layout`.
@@ -46,21 +46,22 @@ struct Fill {
 };
 
 // G'_t^T = diag(d_t) W for G_t = diag(d_t) (D, (tokens, cols)) or the identity (D null), W
-// (cols, w_out) row-major: a linear map's push of an identity or diagonal factor. An item is a row
-// t cols + k of the (tokens cols, w_out) result.
+// (cols, w_out) with entry (k, j) at W[k row_step + j column_step] (row-major: w_out and 1; the
+// LM head's W_E^T: 1 and cols): a linear map's push of an identity or diagonal factor. An item is
+// a row t cols + k of the (tokens cols, w_out) result.
 template <class T>
 struct WeightRows {
   const T* D;
   const T* W;
   T* out;
-  index_t cols, w_out;
+  index_t cols, w_out, row_step, column_step;
   index_t cost() const { return w_out; }
   BLOCKHESS_HD void operator()(index_t begin, index_t end) const {
     for (index_t row = begin; row < end; ++row) {
       const T scale = D ? D[row] : T(1);
-      const T* w = W + (row % cols) * w_out;
+      const T* w = W + (row % cols) * row_step;
       T* o = out + row * w_out;
-      for (index_t j = 0; j < w_out; ++j) o[j] = scale * w[j];
+      for (index_t j = 0; j < w_out; ++j) o[j] = scale * w[j * column_step];
     }
   }
 };
@@ -128,9 +129,9 @@ struct DiagonalTimesRows {
 };
 
 // G_t = A_t + B_t, dense (tokens, cols, width), each of A_t, B_t in its layout: the push of a sum
-// of two values that a parameter reaches along two paths. An item is a column (t, c): the dense
-// sides' entries added (an identity's or diagonal's zeros as +0, as the host materialised them),
-// then the entry on the diagonal.
+// of two values that a parameter reaches along two paths. An item is a column (t, c): the full
+// sides' entries added (by columns, or U_t by rows where a side's R_t was applied; an identity's or
+// diagonal's zeros as +0, as the host materialised them), then the entry on the diagonal.
 template <class T>
 struct AddFactors {
   const T* A;
@@ -140,22 +141,29 @@ struct AddFactors {
   T* out;
   index_t width, cols;
   index_t cost() const { return width; }
+  // Column (t, c) of a full side, `stride` apart; null for an identity or a diagonal.
+  BLOCKHESS_HD const T* column(FactorLayout layout, const T* G, index_t item, index_t& stride) const {
+    stride = layout == FactorLayout::by_rows ? cols : 1;
+    if (layout == FactorLayout::by_columns) return G + item * width;
+    if (layout == FactorLayout::by_rows) return G + (item / cols) * width * cols + item % cols;
+    return nullptr;
+  }
   BLOCKHESS_HD void operator()(index_t begin, index_t end) const {
-    const bool a_dense = a_layout == FactorLayout::by_columns, b_dense = b_layout == FactorLayout::by_columns;
     for (index_t item = begin; item < end; ++item) {
       const index_t t = item / cols, c = item % cols;
       T* o = out + item * width;
-      const T* a = a_dense ? A + item * width : nullptr;
-      const T* b = b_dense ? B + item * width : nullptr;
-      if (a_dense && b_dense)
-        for (index_t i = 0; i < width; ++i) o[i] = a[i] + b[i];
-      else if (a_dense)
-        for (index_t i = 0; i < width; ++i) o[i] = a[i] + T(0);
-      else if (b_dense)
-        for (index_t i = 0; i < width; ++i) o[i] = T(0) + b[i];
+      index_t as = 1, bs = 1;
+      const T* a = column(a_layout, A, item, as);
+      const T* b = column(b_layout, B, item, bs);
+      if (a && b)
+        for (index_t i = 0; i < width; ++i) o[i] = a[i * as] + b[i * bs];
+      else if (a)
+        for (index_t i = 0; i < width; ++i) o[i] = a[i * as] + T(0);
+      else if (b)
+        for (index_t i = 0; i < width; ++i) o[i] = T(0) + b[i * bs];
       else
         for (index_t i = 0; i < width; ++i) o[i] = T(0);
-      if ((!a_dense || !b_dense) && c < width)
+      if ((!a || !b) && c < width)
         o[c] = factor_entry(a_layout, A, t, c, c, width, cols) + factor_entry(b_layout, B, t, c, c, width, cols);
     }
   }

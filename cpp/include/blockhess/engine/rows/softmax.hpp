@@ -39,6 +39,24 @@ struct SoftmaxVjpRows {
   }
 };
 
+// out = J_t dT_t column by column, for the (L, cols) blocks dT_t (rows of L (L, cols) blocks one
+// after another, one a row of the weights a): how a row of the weights moves with tangents dT_t of
+// its logits (J_t is symmetric). An item is a column (t, c).
+template <class T>
+struct SoftmaxJacobianColumns {
+  const T* a;
+  const T* dT;
+  T* out;
+  index_t L, cols;
+  index_t cost() const { return 3 * L; }
+  BLOCKHESS_HD void operator()(index_t begin, index_t end) const {
+    for (index_t k = begin; k < end; ++k) {
+      const index_t t = k / cols, offset = t * L * cols + k % cols;
+      softmax::vjp_row(a + t * L, dT + offset, L, out + offset, cols);
+    }
+  }
+};
+
 // dgt = the tangent of each row's J^T g as the row's weights move by da and g by dg (the
 // Hessian-vector product's reverse pass through the softmax).
 template <class T>
