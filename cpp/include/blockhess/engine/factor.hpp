@@ -242,11 +242,21 @@ std::vector<Factor<T>> left_multiply_jacobians(const Backend<T>& backend, const 
 
 // G'_t = W^T G_t for every factor in `in`, with one weight W (w_in, w_out) for every token (a
 // linear map; row-major, or column-major where it is another parameter transposed), on `backend`:
-// for a dense G_t, all tokens' G'_t^T = G_t^T W in one product.
+// for a dense G_t, all tokens' G'_t^T = G_t^T W in one product; for the others rows of W, laid out
+// by rows once where W is given by columns (rows::TransposeRows).
 template <class T>
 std::vector<Factor<T>> left_multiply_weight(const Backend<T>& backend, const std::vector<const Factor<T>*>& in,
                                             index_t tokens, MatrixView<const T> weight) {
   const index_t w_in = weight.rows, w_out = weight.cols;
+  BackendBuffer<T> by_rows;
+  auto rows_of_weight = [&]() -> const T* {
+    if (weight.row_major) return weight.data;
+    if (!by_rows.data()) {
+      by_rows.resize(backend, w_in * w_out);
+      backend.run(rows::TransposeRows<T>{weight.data, by_rows.data(), w_in, w_out, weight.stride}, w_in);
+    }
+    return by_rows.data();
+  };
   std::vector<Factor<T>> out(in.size());
   const std::vector<size_t> first = detail::first_alike(in);
   std::vector<SharedArray<T>> shared(in.size());
@@ -259,9 +269,7 @@ std::vector<Factor<T>> left_multiply_weight(const Backend<T>& backend, const std
       backend.gemm(MatrixView<T>{G.data(), tokens * r, w_out, w_out, true},
                    MatrixView<const T>{f.U->data(), tokens * r, w_in, w_in, true}, weight, T(1), false);
     else  // G_t = diag(delta_t) (or I): G'_t^T = diag(delta_t) W
-      backend.run(rows::WeightRows<T>{moving_data(f), weight.data, G.data(), r, w_out,
-                                      weight.row_major ? weight.stride : 1, weight.row_major ? 1 : weight.stride},
-                  tokens * r);
+      backend.run(rows::WeightRows<T>{moving_data(f), rows_of_weight(), G.data(), r, w_out}, tokens * r);
     shared[p] = shared_array(std::move(G));
   }
   for (size_t p = 0; p < in.size(); ++p)

@@ -33,6 +33,8 @@ struct SumEntries;
 template <class T>
 struct WriteEntries;
 template <class T>
+struct TransposeRows;
+template <class T>
 struct AddBias;
 template <class T>
 struct ColumnSums;
@@ -126,6 +128,7 @@ struct AttentionInputRows;
   X(Zero)                         \
   X(SumEntries)                   \
   X(WriteEntries)                 \
+  X(TransposeRows)                \
   X(AddBias)                      \
   X(ColumnSums)                   \
   X(SampleSums)                   \

@@ -72,6 +72,21 @@ struct WriteEntries {
   }
 };
 
+// out (rows, cols) = the matrix whose column k is row k of x, `stride` apart ((cols, rows) rows):
+// a weight given by columns laid out by rows (the LM head's W_E^T, for a factor that reads rows
+// of it). An item is a row of out.
+template <class T>
+struct TransposeRows {
+  const T* x;
+  T* out;
+  index_t rows, cols, stride;
+  index_t cost() const { return cols; }
+  BLOCKHESS_HD void operator()(index_t begin, index_t end) const {
+    for (index_t r = begin; r < end; ++r)
+      for (index_t c = 0; c < cols; ++c) out[r * cols + c] = x[c * stride + r];
+  }
+};
+
 // out_t += b for every token t, b a row of `width` entries: a bias.
 template <class T>
 struct AddBias {

@@ -46,22 +46,21 @@ struct Fill {
 };
 
 // G'_t^T = diag(d_t) W for G_t = diag(d_t) (D, (tokens, cols)) or the identity (D null), W
-// (cols, w_out) with entry (k, j) at W[k row_step + j column_step] (row-major: w_out and 1; the
-// LM head's W_E^T: 1 and cols): a linear map's push of an identity or diagonal factor. An item is
-// a row t cols + k of the (tokens cols, w_out) result.
+// (cols, w_out) row-major: a linear map's push of an identity or diagonal factor. An item is a row
+// t cols + k of the (tokens cols, w_out) result.
 template <class T>
 struct WeightRows {
   const T* D;
   const T* W;
   T* out;
-  index_t cols, w_out, row_step, column_step;
+  index_t cols, w_out;
   index_t cost() const { return w_out; }
   BLOCKHESS_HD void operator()(index_t begin, index_t end) const {
     for (index_t row = begin; row < end; ++row) {
       const T scale = D ? D[row] : T(1);
-      const T* w = W + (row % cols) * row_step;
+      const T* w = W + (row % cols) * w_out;
       T* o = out + row * w_out;
-      for (index_t j = 0; j < w_out; ++j) o[j] = scale * w[j * column_step];
+      for (index_t j = 0; j < w_out; ++j) o[j] = scale * w[j];
     }
   }
 };
