@@ -133,7 +133,7 @@ void bind_for(py::module_& m, const char* suffix) {
       py::arg("X"), py::arg("spec"), py::arg("weights"), py::arg("eps"), py::arg("out"), py::arg("stream"));
 
   // dZ/dW_p of one sample into the device array at out (L width(Z), n_p), on the GPU backend, queued
-  // on `stream`; RunsOnHost (blockhess._cuda.RunsOnHost) where a part of it runs on the host still.
+  // on `stream`: from its factors, or a forward tangent per entry where they do not reach it.
   m.def(
       (std::string("block_jacobian") + suffix).c_str(),
       [](const DeviceArg& X, const SpecTuple& spec, const std::vector<DeviceArg>& W, T eps, int param, ptr out,

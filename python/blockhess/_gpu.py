@@ -10,7 +10,7 @@ The block's and its family's results are the engine's: its Hessians (loss_hessia
 block_output_hessian) run their per-token work on the host from copies of the (small) inputs and the
 (P, P) assembly on the GPU (_cuda's bindings, cuda/'s DeviceHessian); its forward pass, loss,
 gradient, Hessian-vector products and Jacobians run on the GPU backend (_gpu_launch's engine_*
-calls; a Jacobian that runs on the host so far, on host copies: _backend.engine_on_host), and so do
+calls), and so do
 the attention's and the FFN's functions (_cuda's attention_* and ffn_* bindings: the engine's
 factors on the GPU backend). The other component functions are written here over CuPy: per-token,
 structured steps go to the blockhess kernels (through :mod:`blockhess._gpu_launch`), dense matrix

@@ -218,19 +218,13 @@ def engine_block_forward(X3, spec, weights, eps, out) -> None:
                                     _stream())
 
 
-def engine_block_jacobian(X3, spec, weights, eps, p, out) -> bool:
-    """dZ/dW_p of one sample into the device array out, on the GPU backend, queued on the current
-    stream: True, or False where a part of it still runs on the host (the binding's RunsOnHost,
-    docs/backends.md; matched by name, since each build of _cuda has its own class)."""
+def engine_block_jacobian(X3, spec, weights, eps, p, out) -> None:
+    """dZ/dW_p of one sample into the device array out, on the GPU backend (from the factors, or a
+    forward tangent per entry where they do not reach p), queued on the current stream; every
+    argument a device array (or a code)."""
     _check(out.dtype, (out, None))
-    try:
-        _fn("block_jacobian", out.dtype)(_device_arg(X3), spec, [_device_arg(w) for w in weights], float(eps), p,
-                                         _ptr(out), _stream())
-    except ValueError as e:
-        if type(e).__name__ != "RunsOnHost":
-            raise
-        return False
-    return True
+    _fn("block_jacobian", out.dtype)(_device_arg(X3), spec, [_device_arg(w) for w in weights], float(eps), p,
+                                     _ptr(out), _stream())
 
 
 def engine_loss_gradient(X3, spec, weights, eps, kind, values, classes, head, grad) -> float:

@@ -472,19 +472,14 @@ def block_jacobian(X: Any, params: BlockParams, wrt: str, *, eps: float | None =
                         working=working)
 
     what = f"the block Jacobian with respect to {wrt}"
-    if _backend.on_device(X3):  # the engine on the GPU backend, where its factors run there
+    if _backend.on_device(X3):  # the engine on the GPU backend
         out = _backend.empty(shape, dtype, like=X3)
         with _backend.device_of(X3):
-            if _gpu_launch.engine_block_jacobian(X3, params.spec._core(), W, eps, p, out):
-                return require_finite(out, what)
-        # else a part of it runs on the host so far: on host copies
-
-    def jacobian(X3, *W):
-        out = np.empty(shape, dtype=dtype)
-        _core.block_jacobian(X3, params.spec._core(), list(W), eps, p, out)
+            _gpu_launch.engine_block_jacobian(X3, params.spec._core(), W, eps, p, out)
         return require_finite(out, what)
-
-    return _backend.engine_on_host(X3, jacobian, X3, *W)
+    out = np.empty(shape, dtype=dtype)
+    _core.block_jacobian(X3, params.spec._core(), list(W), eps, p, out)
+    return require_finite(out, what)
 
 
 @returns_callers_kind

@@ -21,23 +21,32 @@ namespace blockhess::engine {
 
 // Where the per-token factors do not reach p (a lower block of a stack, an embedding:
 // FactorsDoNotReach): column k of dZ/dW_p is the output's forward tangent along the unit tangent
-// e_k of p, one forward tangent per entry of p, in parallel (docs/derivation.md §5.4).
+// e_k of p, one forward tangent per entry of p (docs/derivation.md §5.4), on g's backend: on the
+// host in parallel, one Tangent per thread, each computed the same way whichever thread runs it;
+// on a GPU one after another on its stream.
 template <class T>
 void jacobian_by_tangents(const Graph<T>& g, int p, T* J, FiniteRecord* finite) {
+  const Backend<T>& backend = g.backend();
+  const bool host = backend.host_addressable();
   const index_t m = g.tokens() * g.width(g.output()), np = g.parameter(p).size();
-  const int slots = parallel::num_threads();
+  const int slots = host ? parallel::num_threads() : 1;
   std::vector<Tangent<T>> tangents(static_cast<size_t>(slots));
-  std::vector<std::vector<T>> units(static_cast<size_t>(slots), std::vector<T>(static_cast<size_t>(np), T(0)));
+  std::vector<BackendBuffer<T>> units;  // a slot's tangent: zero but for the entry it moves
+  for (int slot = 0; slot < slots; ++slot) {
+    units.emplace_back(backend, np);
+    backend.run(rows::Zero<T>{units.back().data()}, np);
+  }
+  backend.run(rows::Zero<T>{J}, m * np);  // the columns of entries that do not reach the output
   const index_t work = 4 * m;  // about a forward pass's multiply-adds per output entry
-  blockhess::detail::parallel_for_slots(np, np * work >= blockhess::detail::kParallelWorkThreshold,
+  blockhess::detail::parallel_for_slots(np, host && np * work >= blockhess::detail::kParallelWorkThreshold,
                                         blockhess::detail::chunk_size(np, work, slots), slots, [&](index_t k, int slot) {
-    std::vector<T>& unit = units[static_cast<size_t>(slot)];
-    unit[static_cast<size_t>(k)] = T(1);
-    const T* dZ = g.jvp_parameter(tangents[static_cast<size_t>(slot)], p, unit.data());
-    for (index_t r = 0; r < m; ++r) J[r * np + k] = dZ ? dZ[r] : T(0);
-    unit[static_cast<size_t>(k)] = T(0);
+    T* unit = units[static_cast<size_t>(slot)].data();
+    backend.run(rows::Fill<T>{unit + k, T(1)}, 1);
+    if (const T* dZ = g.jvp_parameter(tangents[static_cast<size_t>(slot)], p, unit))
+      backend.run(rows::WriteStrided<T>{dZ, J + k, np}, m);
+    backend.run(rows::Fill<T>{unit + k, T(0)}, 1);
   });
-  note_finite(finite, J, m * np);
+  if (finite) finite->note(backend.all_finite(J, m * np));
 }
 
 // Rows t width + a of `out` (row_length long) = vec_t (x) U_t[a, :] at the columns `s` places
