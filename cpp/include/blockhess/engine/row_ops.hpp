@@ -27,6 +27,8 @@ inline constexpr bool kScratch<Op, std::void_t<decltype(std::declval<const Op&>(
 template <class T>
 struct ScaleEntries;
 template <class T>
+struct ScaleBy;
+template <class T>
 struct Zero;
 template <class T>
 struct SumEntries;
@@ -93,8 +95,6 @@ struct MseRows;
 template <class T>
 struct CrossEntropyRows;
 template <class T>
-struct ScaleBy;
-template <class T>
 struct CrossEntropyTangentRows;
 template <class T>
 struct PooledCrossEntropyRows;
@@ -125,6 +125,7 @@ struct AttentionInputRows;
 // X(op) for every row operation.
 #define BLOCKHESS_ROW_OPS(X)      \
   X(ScaleEntries)                 \
+  X(ScaleBy)                      \
   X(Zero)                         \
   X(SumEntries)                   \
   X(WriteEntries)                 \
@@ -164,7 +165,6 @@ struct AttentionInputRows;
   X(AttentionInputRows)           \
   X(MseRows)                      \
   X(CrossEntropyRows)             \
-  X(ScaleBy)                      \
   X(CrossEntropyTangentRows)      \
   X(PooledCrossEntropyRows)       \
   X(PooledBlockEntries)           \

@@ -10,6 +10,7 @@
 
 #include "blockhess/buffer.hpp"
 #include "blockhess/engine/head.hpp"
+#include "blockhess/engine/rows/entries.hpp"
 #include "blockhess/engine/rows/heads.hpp"
 
 namespace blockhess::engine {

@@ -50,6 +50,9 @@ class UnembeddingNode final : public Node<T> {
                                                      MatrixView<const T>{g.weight(param()), d(g), vocab(g), d(g), false}));
   }
 
+  // push(): W_E^T laid out by rows, for an identity or diagonal factor (the final norm's own).
+  index_t push_scratch(const Graph<T>& g, index_t) const override { return d(g) * vocab(g); }
+
   // W_E applied transposed to every token (LinearUse): logits_t = x_t W_E^T.
   LinearUse<T> linear_use(const Graph<T>& g, int) const override {
     return {g.value(in()), g.cotangent(this->output), nullptr, /*transposed=*/true};

@@ -63,19 +63,6 @@ struct CrossEntropyRows {
   }
 };
 
-// out = alpha * x entry by entry (an item is an entry; in place where out is x): the mean squared
-// error's second derivative, 2/(B L d) I, applied to a tangent; the attention's scale s of Mq_t.
-template <class T>
-struct ScaleBy {
-  T alpha;
-  const T* x;
-  T* out;
-  index_t cost() const { return 1; }
-  BLOCKHESS_HD void operator()(index_t begin, index_t end) const {
-    for (index_t k = begin; k < end; ++k) out[k] = alpha * x[k];
-  }
-};
-
 // Per token (an item is a token's row of d logits): the cross-entropy's second derivative
 // scale (diag p - p p^T) applied to the tangent dz, scale p * (dz - p . dz).
 template <class T>
