@@ -362,7 +362,8 @@ Factor<T> add_applied(const Backend<T>& backend, const Factor<T>& fa, const Fact
 }  // namespace detail
 
 // The factors of a sum of two values, piece by piece, on `backend`: a piece reaching both (along
-// two paths from where it entered, so with the same vec and R_t) moves the sum by G_a + G_b.
+// two paths from where it entered, so with the same vec) moves the sum by G_a + G_b, or by
+// U_a + U_b where one path applied its R_t (an attention that mixed it) and the other kept it.
 template <class T>
 std::vector<Factor<T>> add(const Backend<T>& backend, const std::vector<const Factor<T>*>& a,
                            const std::vector<const Factor<T>*>& b, index_t tokens) {
