@@ -97,7 +97,7 @@ def empty(shape: Any, dtype: Any, like: Any) -> Any:
 def engine_on_host(like: Any, compute: Any, *arrays: Any) -> Any:
     """compute(*arrays), the CPU engine's call. For GPU arrays it runs on host copies and an array
     result comes back on like's device (a Python number as it is): what of the engine still runs on
-    the host (some Jacobians, the operator's diagonal) reads host memory (docs/backends.md)."""
+    the host (the operator's diagonal, the curvature) reads host memory (docs/backends.md)."""
     if not on_device(like):
         return compute(*arrays)
     result = compute(*(to_host(a) for a in arrays))

@@ -67,14 +67,9 @@ bool outer_rows(const Backend<T>& backend, index_t tokens, const T* vec, const T
 // vec null: U_t alone, (tokens, width, n_mat) (an FFN's Kronecker factor).
 template <class T>
 bool factor_rows(const Graph<T>& g, const Factor<T>& f, const T* vec, T* J, index_t row_length, bool check = true) {
-  if (!f.right)
-    return outer_rows(g.backend(), g.tokens(), vec, moving_data(f), layout_of(f), f.width, f.split, J, row_length, check);
-  if (f.form == Form::identity)
-    return outer_rows(g.backend(), g.tokens(), vec, f.right->data(), rows::FactorLayout::by_rows, f.width, f.split, J,
-                      row_length, check);
-  const BackendBuffer<T> U = with_right_applied(g.backend(), f, g.tokens());
-  return outer_rows(g.backend(), g.tokens(), vec, U.data(), rows::FactorLayout::by_rows, f.width, f.split, J, row_length,
-                    check);
+  BackendBuffer<T> formed;
+  const auto [U, layout] = applied(g.backend(), f, g.tokens(), formed);
+  return outer_rows(g.backend(), g.tokens(), vec, U, layout, f.width, f.split, J, row_length, check);
 }
 
 // dZ/dW_p: (tokens width(Z), n_p), row t w + a, column p's flat index, on g's backend. Each piece

@@ -332,10 +332,8 @@ BackendBuffer<T> with_right_applied(const Backend<T>& backend, const Factor<T>& 
   return U;
 }
 
-namespace detail {
-
-// U_t = G_t R_t of a factor as a row operation reads it: G_t itself without a right factor, R_t
-// under an identity G_t, else formed into `formed` (with_right_applied), by rows.
+// U_t = G_t R_t of a factor as a row operation reads it, with its layout: G_t itself without a
+// right factor, R_t under an identity G_t, else formed into `formed` (with_right_applied), by rows.
 template <class T>
 std::pair<const T*, rows::FactorLayout> applied(const Backend<T>& backend, const Factor<T>& f, index_t tokens,
                                                 BackendBuffer<T>& formed) {
@@ -344,6 +342,8 @@ std::pair<const T*, rows::FactorLayout> applied(const Backend<T>& backend, const
   formed = with_right_applied(backend, f, tokens);
   return {formed.data(), rows::FactorLayout::by_rows};
 }
+
+namespace detail {
 
 // G_t = U_a,t + U_b,t for two sides of a sum with the same vec whose right factors differ: the new
 // factor has none.

@@ -516,7 +516,7 @@ class AttentionNode final : public Node<T> {
     SharedArray<T> Pv;      // (n, r, h d_v): (W_V^T M_t)^T
     BackendBuffer<T> dT;    // (heads, n, L, r): how row t of each head's logits moves
     const T* logits(index_t i, index_t t, index_t L) const { return dT.data() + (i * tokens + t) * L * r; }
-    // Head i's (d_k, r) of Pq_t or Pk_t (`P` of `width` columns) as a matrix.
+    // Head i's (cols, r) block of Pq_t, Pk_t or Pv_t (`P` of `width` columns) as a matrix.
     static auto head(const SharedArray<T>& P, index_t t, index_t r, index_t width, index_t i, index_t cols) {
       return MapC<T>(P->data() + t * r * width, r, width).middleCols(i * cols, cols).transpose();
     }
